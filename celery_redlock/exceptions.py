@@ -1,0 +1,140 @@
+"""Exceptions raised by celery_redlock.
+
+This module imports nothing from the package, so anything may import it without
+creating a cycle.
+
+Hierarchy::
+
+    RedlockError
+    ├── ConfigurationError        (also celery.exceptions.ImproperlyConfigured)
+    ├── LockBusy                  the lock is held by someone else
+    ├── LockLost                  the lease is gone, or can no longer be trusted
+    ├── LockNotOwned              release/extend of a lock this object does not hold
+    └── NodeUnavailable           not enough Redis nodes answered in time
+
+Every exception keeps what it knows (key, holder, fence...) in ``args``: Celery's
+result backends rebuild exceptions from ``args`` alone, so anything kept only in
+attributes would be lost on the way to ``AsyncResult.get()``.
+"""
+
+from __future__ import annotations
+
+from celery.exceptions import ImproperlyConfigured
+
+__all__ = [
+    "ConfigurationError",
+    "LockBusy",
+    "LockLost",
+    "LockNotOwned",
+    "NodeUnavailable",
+    "RedlockError",
+]
+
+
+class RedlockError(Exception):
+    """Base class of every error raised by celery_redlock."""
+
+
+class ConfigurationError(RedlockError, ImproperlyConfigured):
+    """A setting or option has a value the library cannot work with.
+
+    The message names the setting and the values it accepts.
+    """
+
+
+class LockBusy(RedlockError):
+    """The lock is held by someone else.
+
+    Arguments:
+        key: the Redis key of the lock.
+        holder: the holder's task id, or ``None`` when the holder is not a task.
+        ttl: the holder's remaining lease in seconds, when known.
+    """
+
+    def __init__(self, key: str, holder: str | None = None, ttl: float | None = None) -> None:
+        super().__init__(key, holder, ttl)
+
+    @property
+    def key(self) -> str:
+        """The Redis key of the lock."""
+        return self.args[0]
+
+    @property
+    def holder(self) -> str | None:
+        """The holder's task id, if it is a task."""
+        return self.args[1]
+
+    @property
+    def ttl(self) -> float | None:
+        """The holder's remaining lease in seconds, when known."""
+        return self.args[2]
+
+    def __str__(self) -> str:
+        who = f"task {self.holder}" if self.holder else "another owner"
+        left = f", lease ends in {self.ttl:.3f}s" if self.ttl is not None else ""
+        return f"lock {self.key!r} is held by {who}{left}"
+
+
+class LockLost(RedlockError):
+    """The lease is gone or in doubt: the critical section is no longer protected.
+
+    Raised by ``check()`` after the watchdog failed to renew before the local lease
+    deadline, after the key was found deleted or taken over, and injected into a
+    running task when its ``lock_on_lost`` policy is ``abort``.
+
+    Arguments:
+        key: the Redis key of the lock.
+        reason: why the lease is considered lost.
+        fence: the fencing token of the lost acquisition.
+    """
+
+    def __init__(self, key: str, reason: str = "lost", fence: int | None = None) -> None:
+        super().__init__(key, reason, fence)
+
+    @property
+    def key(self) -> str:
+        """The Redis key of the lock."""
+        return self.args[0]
+
+    @property
+    def reason(self) -> str:
+        """Why the lease is considered lost."""
+        return self.args[1]
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of the acquisition that was lost."""
+        return self.args[2]
+
+    def __str__(self) -> str:
+        return f"lock {self.key!r} (fence {self.fence}) lost: {self.reason}"
+
+
+class LockNotOwned(RedlockError):
+    """``release()`` or ``extend()`` of a lock this object does not hold.
+
+    Also raised in a forked child for a lock its parent acquired: only the process
+    that acquired a lock may renew or release it.
+    """
+
+    def __init__(self, key: str, reason: str = "not owned") -> None:
+        super().__init__(key, reason)
+
+    def __str__(self) -> str:
+        return f"lock {self.args[0]!r}: {self.args[1]}"
+
+
+class NodeUnavailable(RedlockError):
+    """Too few Redis nodes answered within the time budget to decide.
+
+    Arguments:
+        key: the lock's key (or the operation's subject).
+        errors: one line per failing node, ``"url: error"``.
+    """
+
+    def __init__(self, key: str, errors: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(key, tuple(errors))
+
+    def __str__(self) -> str:
+        detail = "; ".join(self.args[1]) or "no node answered"
+        return f"lock {self.args[0]!r}: Redis unavailable ({detail})"

@@ -1,0 +1,474 @@
+"""``Redlock``: a lease on one Redis node, or on a majority of N independent masters.
+
+One acquisition, step by step::
+
+    t0 = monotonic()                  the clock starts when the requests are *sent*
+    acquire.lua on every node         concurrently; return once a quorum is decided
+    validity = ttl - (now - t0) - (ttl * drift_factor + 2 ms)
+    granted on >= N//2+1 nodes and validity > 0 ?
+        yes: fence = largest counter among the granting nodes (stored back on them
+             when they disagree), lease deadline = t0 + ttl - drift, watchdog on
+        no:  release.lua on every node (even those that did not answer), then
+             retry after a random delay, or wait for a release notification
+
+Why the clock starts at send time: a reply can be delayed arbitrarily, but Redis
+cannot have set the key before the request left. Counting from then, the local
+deadline is never later than the real expiry on any granting node, up to the
+drift allowance.
+
+Why tokens are random per acquisition, not the task id: with ``acks_late`` a task
+message can be delivered twice while the first run is still going. Both runs have
+the same task id, and must not be able to renew or release each other's lock::
+
+    worker A: acquire(token=a)  ... body runs ...              release(a): -1, left alone
+    worker B:         (redelivered, same task id) acquire(b): busy
+
+Reentrancy is counted on the object: acquiring a lock this object already holds
+increments a counter, and only the matching number of releases frees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from .exceptions import LockBusy, LockLost, LockNotOwned, NodeUnavailable
+from .keys import DEFAULT_PREFIX, lock_keys
+from .nodes import Call, NodeSet, Reply
+from .renewal import Lease, get_renewer
+from .scripts import ACQUIRE, FENCE_SYNC, INSPECT, RELEASE, RENEW_MANY
+from .settings import timing as make_timing
+from .waiting import Subscription
+
+__all__ = ["DEFAULT_URL", "Redlock"]
+
+logger = logging.getLogger("celery_redlock.lock")
+
+DEFAULT_URL = "redis://localhost:6379/0"
+
+#: Upper bound of the random pause between two attempts that failed without a
+#: holder to wait for (split votes, unreachable nodes), as Redlock prescribes.
+RETRY_DELAY = 0.2
+
+ACQUIRED, REENTERED, BUSY = 1, 2, 0
+RELEASED, GONE, TAKEN = 1, 0, -1
+
+_HOST = socket.gethostname()
+
+
+class _Attempt:
+    """What one acquisition attempt learned from the nodes."""
+
+    __slots__ = ("busy_ttl", "errors", "fences", "granted", "holder")
+
+    def __init__(self) -> None:
+        self.granted: list[int] = []
+        self.fences: list[int] = []
+        self.busy_ttl: list[float] = []
+        self.holder: str | None = None
+        self.errors: list[str] = []
+
+
+class Redlock:
+    """A distributed lock with a watchdog, fencing tokens and Redlock quorum.
+
+    Arguments:
+        name: what the lock protects; the Redis keys derive from it.
+        nodes: Redis URLs. One URL (or ``None``: ``redis://localhost:6379/0``) for a
+            single node; 3, 5 or 7 independent masters for Redlock.
+        ttl: lease in seconds. The watchdog renews it every ``renew_interval``
+            while the lock is held, so ``ttl`` bounds how long a crashed holder
+            blocks others, not how long the work may take.
+        auto_renew: renew in the background while held. Without it the lease
+            simply ends after ``ttl`` (call :meth:`extend` yourself).
+        on_lost: called with the :class:`LockLost` when the lease is lost while
+            held (from the renewer thread: keep it short).
+        renew_interval: seconds between renewals; default ``ttl / 3``.
+        node_timeout: budget of one call to the nodes; default min(0.25, ttl/10).
+        drift_factor: share of the lease assumed lost to clock drift.
+        key_prefix: prefix of the Redis keys.
+        min_replicas: replicas that must acknowledge an acquisition (``WAIT``)
+            before a node's vote counts.
+        task_id: recorded as the holder, so others can name who holds the lock and
+            a worker can release the lock of a task whose process died.
+
+    Example::
+
+        with Redlock("reports:daily", nodes=["redis://a", "redis://b", "redis://c"]) as lock:
+            write_report(fence=lock.fence)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        nodes: Sequence[str] | str | None = None,
+        ttl: float = 30.0,
+        auto_renew: bool = True,
+        on_lost: Callable[[LockLost], object] | None = None,
+        renew_interval: float | None = None,
+        node_timeout: float | None = None,
+        drift_factor: float = 0.01,
+        key_prefix: str = DEFAULT_PREFIX,
+        min_replicas: int = 0,
+        task_id: str | None = None,
+    ) -> None:
+        self.name = name
+        self.keys = lock_keys(name, key_prefix)
+        self.timing = make_timing(ttl, renew_interval, node_timeout, drift_factor, source="")
+        if nodes is None:
+            nodes = [DEFAULT_URL]
+        self.nodeset = NodeSet.get(nodes, timeout=self.timing.node_timeout)
+        self.auto_renew = auto_renew
+        self.on_lost = on_lost
+        self.min_replicas = min_replicas
+        self.task_id = task_id
+        self._lease: Lease | None = None
+        self._count = 0
+        self._mutex = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"<Redlock {self.keys.lock!r} on {len(self.nodeset)} node(s) fence={self.fence}>"
+
+    # -- acquisition -----------------------------------------------------------
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Take the lock; True once held, False if ``timeout`` passed (or not blocking).
+
+        A blocking call waits for the holder's release notification (or the end of
+        its lease) between attempts; it never polls at a fixed interval. Raises
+        :class:`NodeUnavailable` when so many nodes fail that no quorum is possible
+        (blocking or not: an outage is not a busy lock).
+        """
+        with self._mutex:
+            if self._held():
+                self._count += 1
+                return True
+        give_up = None if timeout is None or not blocking else time.monotonic() + timeout
+        subscription: Subscription | None = None
+        try:
+            while True:
+                attempt = self._attempt()
+                if attempt is None:
+                    return True
+                if len(attempt.errors) > len(self.nodeset) - self.nodeset.quorum:
+                    # Too many nodes failed for any quorum: waiting would hide a
+                    # Redis outage behind a lock that looks busy.
+                    raise NodeUnavailable(self.keys.lock, attempt.errors)
+                if not blocking:
+                    return False
+                left = None if give_up is None else give_up - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if attempt.busy_ttl:
+                    if subscription is None:
+                        subscription = Subscription(
+                            self.nodeset.nodes,
+                            self.keys.channel,
+                            confirm_timeout=self.timing.node_timeout,
+                        )
+                        continue  # retry once subscribed, so no release is missed
+                    # TTL fallback: an expiry publishes nothing.
+                    pause = min(attempt.busy_ttl) + random.uniform(0, 0.01)
+                    subscription.wait(pause if left is None else min(pause, left))
+                else:
+                    pause = random.uniform(0, RETRY_DELAY)
+                    time.sleep(pause if left is None else min(pause, left))
+        finally:
+            if subscription is not None:
+                subscription.close()
+
+    def try_acquire(self) -> None:
+        """Take the lock now or raise :class:`LockBusy` naming the holder."""
+        with self._mutex:
+            if self._held():
+                self._count += 1
+                return
+        attempt = self._attempt()
+        if attempt is None:
+            return
+        if attempt.busy_ttl:
+            raise LockBusy(self.keys.lock, attempt.holder, min(attempt.busy_ttl))
+        raise NodeUnavailable(self.keys.lock, attempt.errors)
+
+    def _attempt(self) -> _Attempt | None:
+        """One acquisition attempt; None when it succeeded."""
+        token = secrets.token_hex(16)
+        ttl_ms = max(1, round(self.timing.ttl * 1000))
+        calls = [
+            Call(
+                ACQUIRE,
+                self.keys[:2],
+                (
+                    token,
+                    ttl_ms,
+                    self.task_id or "",
+                    _HOST,
+                    os.getpid(),
+                    f"{time.time():.3f}",
+                ),
+            )
+        ]
+        if self.min_replicas:
+            wait_ms = max(1, int(self.timing.node_timeout * 800))
+            calls.append(Call.command("WAIT", self.min_replicas, wait_ms))
+        nodeset = self.nodeset
+        n, quorum = len(nodeset), nodeset.quorum
+        attempt = _Attempt()
+
+        def decided(replies: list[Reply | None]) -> bool:
+            yes = no = 0
+            for reply in replies:
+                if reply is not None:
+                    if self._granted(reply) is not None:
+                        yes += 1
+                    else:
+                        no += 1
+            return yes >= quorum or no > n - quorum
+
+        sent_at = time.monotonic()
+        replies = nodeset.call(calls, decided=decided if n > 1 else None)
+        elapsed = time.monotonic() - sent_at
+        for i, reply in enumerate(replies):
+            if reply is None:
+                continue
+            fence = self._granted(reply)
+            if fence is not None:
+                attempt.granted.append(i)
+                attempt.fences.append(fence)
+            elif reply.error is not None:
+                attempt.errors.append(reply.describe_error())
+            else:
+                self._note_refusal(reply, attempt)
+
+        validity = self.timing.ttl - elapsed - self.timing.drift
+        if len(attempt.granted) >= quorum and validity > 0:
+            fence = max(attempt.fences)
+            if attempt.fences.count(fence) >= quorum or self._sync_fence(token, fence, attempt):
+                self._won(token, fence, sent_at)
+                return None
+        if attempt.granted or any(r is None or r.error for r in replies):
+            # Undo everywhere, including nodes that did not answer: they may have
+            # granted it after all.
+            self._unlock(token, wait_for=attempt.granted)
+        if len(attempt.granted) >= quorum:
+            attempt.errors.append(f"lease spent while acquiring ({elapsed:.3f}s)")
+        return attempt
+
+    def _granted(self, reply: Reply) -> int | None:
+        """The fence a node granted, or None if it refused or failed."""
+        if reply.error is not None:
+            return None
+        value = reply.values[0]
+        if isinstance(value, ResponseError) or value[0] not in (ACQUIRED, REENTERED):
+            return None
+        if self.min_replicas and (
+            isinstance(reply.values[1], ResponseError) or reply.values[1] < self.min_replicas
+        ):
+            return None
+        return int(value[1])
+
+    def _note_refusal(self, reply: Reply, attempt: _Attempt) -> None:
+        value = reply.values[0]
+        if isinstance(value, ResponseError):
+            attempt.errors.append(f"{reply.node.safe_url}: {value}")
+        elif value[0] == BUSY:
+            attempt.busy_ttl.append(max(0, int(value[1])) / 1000)
+            attempt.holder = attempt.holder or value[2] or None
+        elif value[0] in (ACQUIRED, REENTERED):
+            attempt.errors.append(
+                f"{reply.node.safe_url}: only {reply.values[1]} of {self.min_replicas} "
+                "replicas acknowledged"
+            )
+        else:
+            raise ValueError(f"acquire.lua returned unknown code {value[0]!r}")
+
+    def _sync_fence(self, token: str, fence: int, attempt: _Attempt) -> bool:
+        """Store the fence back on the granting nodes; True if a quorum holds it."""
+        requests: list[list[Call] | None] = [None] * len(self.nodeset)
+        for i in attempt.granted:
+            requests[i] = [Call(FENCE_SYNC, self.keys[:2], (token, fence))]
+        replies = self.nodeset.call(requests, per_node=True)
+        synced = sum(1 for r in replies if r is not None and r.ok and r.values[0] == 1)
+        if synced < self.nodeset.quorum:
+            attempt.errors.append(f"fence stored on {synced} nodes only")
+            return False
+        return True
+
+    def _won(self, token: str, fence: int, sent_at: float) -> None:
+        callbacks = [self.on_lost] if self.on_lost is not None else []
+        lease = Lease(self.keys, token, fence, self.nodeset, self.timing, sent_at, callbacks)
+        with self._mutex:
+            self._lease = lease
+            self._count = 1
+        if self.auto_renew:
+            get_renewer().add(lease)
+        logger.debug("Lock(%r) acquired, fence %s", self.keys.lock, fence)
+
+    def _unlock(self, token: str, wait_for: Sequence[int] | None = None) -> list[Reply | None]:
+        """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all)."""
+
+        def decided(replies: list[Reply | None]) -> bool:
+            return all(replies[i] is not None for i in wait_for)  # type: ignore[union-attr]
+
+        return self.nodeset.call(
+            [Call(RELEASE, self.keys[:1], (token,))],
+            decided=None if wait_for is None else decided,
+        )
+
+    # -- holding -----------------------------------------------------------------
+
+    def _held(self) -> bool:
+        lease = self._lease
+        return (
+            lease is not None
+            and lease.pid == os.getpid()
+            and lease.lost is None
+            and not lease.released
+            and self._count > 0
+        )
+
+    def _own_lease(self, action: str) -> Lease:
+        lease = self._lease
+        if lease is None or lease.released or self._count == 0:
+            raise LockNotOwned(self.keys.lock, f"cannot {action} a lock this object does not hold")
+        if lease.pid != os.getpid():
+            raise LockNotOwned(
+                self.keys.lock,
+                f"cannot {action}: acquired by process {lease.pid}, and a forked child "
+                "does not hold its parent's locks",
+            )
+        return lease
+
+    def release(self) -> None:
+        """Release the lock (the outermost release of a reentrant hold frees it).
+
+        Only this acquisition's token is deleted; if the lease was lost and someone
+        else holds the lock now, their lock is left alone. Raises
+        :class:`LockNotOwned` if this object does not hold the lock.
+        """
+        with self._mutex:
+            lease = self._own_lease("release")
+            self._count -= 1
+            if self._count:
+                return
+            lease.released = True
+        replies = self._unlock(lease.token)
+        codes = [r.values[0] for r in replies if r is not None and r.ok]
+        if lease.lost is None and codes.count(RELEASED) < self.nodeset.quorum:
+            logger.warning(
+                "Lock(%r) release confirmed by %d of %d nodes; the rest expire within %.1fs",
+                self.keys.lock,
+                codes.count(RELEASED),
+                len(self.nodeset),
+                self.timing.ttl,
+            )
+        logger.debug("Lock(%r) released, fence %s", self.keys.lock, lease.fence)
+
+    def extend(self) -> float:
+        """Renew the lease now, as the watchdog would.
+
+        Returns the lease left, in seconds. Raises :class:`LockNotOwned` if this
+        object does not hold the lock, :class:`LockLost` if Redis says it is gone,
+        and :class:`NodeUnavailable` if too few nodes answered.
+        """
+        lease = self._own_lease("extend")
+        lease.check()
+        ttl_ms = max(1, round(lease.timing.ttl * 1000))
+        sent_at = time.monotonic()
+        replies = self.nodeset.call([Call(RENEW_MANY, self.keys[:1], (lease.token, ttl_ms))])
+        codes = [
+            r.values[0][0]
+            for r in replies
+            if r is not None and r.ok and not isinstance(r.values[0], ResponseError)
+        ]
+        if codes.count(1) >= self.nodeset.quorum:
+            lease.deadline = sent_at + lease.timing.ttl - lease.timing.drift
+            return lease.remaining()
+        if len(codes) - codes.count(1) > len(self.nodeset) - self.nodeset.quorum:
+            lease.mark_lost("the key expired, was deleted or is held by another owner")
+            lease.check()
+        raise NodeUnavailable(
+            self.keys.lock, [r.describe_error() for r in replies if r is not None and not r.ok]
+        )
+
+    def check(self) -> None:
+        """Raise :class:`LockLost` unless this object holds the lock and the lease is sure.
+
+        Local and immediate (no round trip): the lease is in doubt once the local
+        deadline minus the safety margin has passed without a confirmed renewal.
+        """
+        lease = self._lease
+        if lease is None:
+            raise LockLost(self.keys.lock, "never acquired", None)
+        lease.check()
+
+    def owned(self) -> bool:
+        """True if this object holds the lock: a quorum of nodes has its token."""
+        lease = self._lease
+        if not self._held() or lease is None:
+            return False
+        replies = self.nodeset.call([Call(INSPECT, self.keys[:2])])
+        holding = 0
+        for reply in replies:
+            if reply is not None and reply.ok and not isinstance(reply.values[0], ResponseError):
+                fields = _fields(reply.values[0][2:])
+                holding += fields.get("token") == lease.token
+        return holding >= self.nodeset.quorum
+
+    def locked(self) -> bool:
+        """True if anyone holds the lock (a quorum of nodes has the key)."""
+        replies = self.nodeset.call([Call.command("EXISTS", self.keys.lock)])
+        return sum(1 for r in replies if r is not None and r.ok and r.values[0] == 1) >= (
+            self.nodeset.quorum
+        )
+
+    def inspect(self) -> list[dict[str, Any]]:
+        """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
+        views = []
+        for reply in self.nodeset.call([Call(INSPECT, self.keys[:2])]):
+            if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
+                error = reply.describe_error() if reply is not None and reply.error else "no reply"
+                views.append({"node": reply.node.safe_url if reply else None, "error": error})
+                continue
+            value = reply.values[0]
+            views.append(
+                {
+                    "node": reply.node.safe_url,
+                    "pttl": value[0],
+                    "fence_counter": value[1],
+                    **_fields(value[2:]),
+                }
+            )
+        return views
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of the current acquisition (larger than any before it)."""
+        lease = self._lease
+        return None if lease is None else lease.fence
+
+    def remaining(self) -> float:
+        """Seconds of lease left by the local deadline; 0 when not held."""
+        lease = self._lease
+        return 0.0 if lease is None or not self._held() else lease.remaining()
+
+    def __enter__(self) -> Redlock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _fields(flat: Sequence[Any]) -> dict[str, Any]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))

@@ -1,0 +1,443 @@
+"""Connections to 1..N independent Redis masters, and concurrent fan-out to them.
+
+Two properties matter more here than convenience:
+
+* **Bounded time.** redis-py's ready-made client retries a failing command (10
+  times in some versions: 8.7 s against a blackholed node with a 0.5 s socket
+  timeout). Every connection made here has explicit connect and socket timeouts and
+  no retries; a call that cannot finish within its budget fails, and the caller
+  decides what that means (for a lock: that node did not vote).
+* **Concurrency without threads.** :func:`fan_out` writes the request to every node
+  first and then reads whichever reply is ready, with ``select``, in the calling
+  thread. N nodes cost one network round trip, not N, and no thread pool is
+  created or shared. It returns as soon as the caller's ``decided`` predicate says
+  the outcome is known (a quorum granted or refused); connections whose replies are
+  still in flight are drained the next time they are needed, not waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kombu.utils.url import maybe_sanitize_url
+from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection, ConnectionPool
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from .exceptions import ConfigurationError
+from .scripts import Script
+
+__all__ = ["Call", "Node", "NodeSet", "Reply", "fan_out"]
+
+logger = logging.getLogger("celery_redlock.nodes")
+
+#: Idle connections kept per node and process; more are opened when needed.
+MAX_IDLE = 16
+
+
+@dataclass(frozen=True)
+class Call:
+    """One command for a node: a script with its keys and arguments, or a plain command."""
+
+    script: Script | None
+    keys: tuple = ()
+    args: tuple = ()
+
+    @classmethod
+    def command(cls, *args: Any) -> Call:
+        """A plain Redis command, e.g. ``Call.command("EXISTS", key)``."""
+        return cls(None, (), args)
+
+    def packed_args(self, *, fallback: bool = False) -> tuple:
+        """The command as sent: EVALSHA, or EVAL when the node lacked the script."""
+        if self.script is None:
+            return self.args
+        if fallback:
+            return self.script.eval(self.keys, self.args)
+        return self.script.evalsha(self.keys, self.args)
+
+
+@dataclass
+class Reply:
+    """What one node answered to one request.
+
+    ``values`` holds one entry per :class:`Call`: the decoded reply, or the
+    :class:`~redis.exceptions.ResponseError` the node returned for that command.
+    ``error`` is set instead when the node could not be asked or did not answer in
+    time (connection refused, timeout, authentication failure...).
+    """
+
+    node: Node
+    values: list = field(default_factory=list)
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The node answered every command (each answer may still be an error reply)."""
+        return self.error is None
+
+    def describe_error(self) -> str:
+        """One line naming the node and what went wrong, for logs and exceptions."""
+        return f"{self.node.safe_url}: {type(self.error).__name__}: {self.error}"
+
+
+def _connection_options(timeout: float) -> dict[str, Any]:
+    """Connection settings for a lock node, for the installed redis-py.
+
+    Every round trip a connection makes by itself on connect (``HELLO`` for RESP3,
+    ``CLIENT SETINFO``, maintenance notifications) is one more place a hung node can
+    stall us, so only the URL's own AUTH and SELECT remain.
+    """
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+        "retry_on_timeout": False,
+        "health_check_interval": 0,
+        "decode_responses": True,
+        "protocol": 2,
+    }
+    accepted = inspect.signature(AbstractConnection.__init__).parameters
+    if "lib_name" in accepted:
+        options.update(lib_name=None, lib_version=None)
+    if "maint_notifications_config" in accepted:
+        from redis.maint_notifications import MaintNotificationsConfig  # noqa: PLC0415 (redis-py >= 6.4 only)
+
+        options["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+    return options
+
+
+class Node:
+    """One Redis master: its URL and a small per-process pool of connections.
+
+    Connections are plain redis-py connections (TCP, TLS or unix socket, with the
+    URL's credentials and database), made with the node timeout as both connect and
+    socket timeout and with retries switched off. The pool forgets its connections
+    in a forked child, which opens its own.
+    """
+
+    def __init__(self, url: str, *, timeout: float) -> None:
+        try:
+            pool = ConnectionPool.from_url(url, **_connection_options(timeout))
+        except (ValueError, TypeError) as exc:
+            raise ConfigurationError(
+                f"invalid Redis URL {maybe_sanitize_url(url)!r}: {exc}; expected "
+                "redis://[[user]:password@]host[:port][/db], rediss://... or unix://path"
+            ) from exc
+        self.url = url
+        self.safe_url = maybe_sanitize_url(url)
+        self.timeout = timeout
+        self._connection_class = pool.connection_class
+        self._connection_kwargs = pool.connection_kwargs
+        self._lock = threading.Lock()
+        self._idle: list[AbstractConnection] = []
+        # Connections returned with replies still in flight: [connection, replies owed,
+        # give up at (monotonic)].
+        self._draining: list[list] = []
+        self._pid = os.getpid()
+
+    def __repr__(self) -> str:
+        return f"<Node {self.safe_url}>"
+
+    def new_connection(self) -> AbstractConnection:
+        """A fresh, unconnected connection with this node's settings."""
+        return self._connection_class(**self._connection_kwargs)
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            # A forked child must never use its parent's sockets: dropping them is
+            # safe, redis-py only shuts a socket down in the process that opened it.
+            self._idle = []
+            self._draining = []
+            self._pid = os.getpid()
+
+    def has_idle(self) -> bool:
+        """Whether a connected connection is ready (a send needs no connect first)."""
+        return bool(self._idle) and self._pid == os.getpid()
+
+    def checkout(self, connect_timeout: float | None = None) -> AbstractConnection:
+        """A connected connection for one request; return it with :meth:`checkin`."""
+        with self._lock:
+            self._check_pid()
+            if self._draining:
+                self._drain_locked()
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self.new_connection()
+        if conn._sock is None:
+            if connect_timeout is not None:
+                conn.socket_connect_timeout = min(self.timeout, max(connect_timeout, 0.001))
+            try:
+                conn.connect()
+            except BaseException:
+                conn.disconnect()
+                raise
+        return conn
+
+    def checkin(self, conn: AbstractConnection, owed: int = 0, give_up_at: float = 0.0) -> None:
+        """Return a connection; ``owed`` replies still in flight are read later."""
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            if owed:
+                self._draining.append([conn, owed, give_up_at])
+            elif len(self._idle) < MAX_IDLE and conn._sock is not None:
+                self._idle.append(conn)
+                return
+            else:
+                conn.disconnect()
+
+    def _drain_locked(self) -> None:
+        """Read replies owed on returned connections, without waiting for any."""
+        now = time.monotonic()
+        still = []
+        for item in self._draining:
+            conn, owed, give_up_at = item
+            try:
+                while owed and conn.can_read(0):
+                    with contextlib.suppress(ResponseError):
+                        conn.read_response()
+                    owed -= 1
+            except (RedisError, OSError):
+                conn.disconnect()
+                continue
+            if not owed:
+                if len(self._idle) < MAX_IDLE:
+                    self._idle.append(conn)
+                else:
+                    conn.disconnect()
+            elif now >= give_up_at:
+                conn.disconnect()
+            else:
+                item[1] = owed
+                still.append(item)
+        self._draining = still
+
+    def discard(self, conn: AbstractConnection) -> None:
+        """Close a connection that failed or cannot be trusted to be in sync."""
+        conn.disconnect()
+
+
+class _InFlight:
+    """A request sent to one node whose replies are being read."""
+
+    __slots__ = ("calls", "conn", "fallback", "index", "noscript", "owed", "values")
+
+    def __init__(self, index: int, conn: AbstractConnection, calls: Sequence[Call]) -> None:
+        self.index = index
+        self.conn = conn
+        self.calls = calls
+        self.values: list = []
+        self.owed = len(calls)
+        self.noscript = False
+        self.fallback = False
+
+    def send(self) -> None:
+        packed = [call.packed_args(fallback=self.fallback) for call in self.calls]
+        self.conn.send_packed_command(self.conn.pack_commands(packed), check_health=False)
+
+    def read_ready(self) -> bool:
+        """Read every reply already available; True when the request is complete."""
+        while self.owed and self.conn.can_read(0):
+            try:
+                value = self.conn.read_response()
+            except ResponseError as exc:
+                if isinstance(exc, NoScriptError):
+                    self.noscript = True
+                value = exc
+            self.values.append(value)
+            self.owed -= 1
+        if self.owed or not self.noscript:
+            return not self.owed
+        # The node lost its script cache (restart, SCRIPT FLUSH, failover): send the
+        # whole request again with the sources. Scripts that answered NOSCRIPT did
+        # not run; the plain commands sent with them are read-only (WAIT, PTTL...).
+        self.fallback, self.noscript = True, False
+        self.values, self.owed = [], len(self.calls)
+        self.send()
+        return False
+
+
+def fan_out(
+    nodes: Sequence[Node],
+    requests: Sequence[Sequence[Call] | None],
+    *,
+    timeout: float,
+    decided: Callable[[list[Reply | None]], bool] | None = None,
+) -> list[Reply | None]:
+    """Send ``requests[i]`` to ``nodes[i]`` concurrently and collect the replies.
+
+    Arguments:
+        nodes: the nodes to ask.
+        requests: the calls for each node, sent pipelined on one connection;
+            ``None`` leaves that node out.
+        timeout: budget in seconds for the whole fan-out, connects included.
+        decided: called with the replies so far after each one arrives; when it
+            returns True the fan-out returns at once, leaving unanswered nodes as
+            ``None`` (their connections are drained later).
+
+    Returns:
+        One :class:`Reply` per node (``None`` for a node left out or not waited for).
+        A node that missed the budget has a ``Reply`` whose ``error`` is a timeout.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    replies: list[Reply | None] = [None] * len(nodes)
+    inflight: dict[int, _InFlight] = {}
+
+    # Nodes with a live connection go first, so a slow connect to a restarted or
+    # unreachable node overlaps with the replies of the healthy ones.
+    order = sorted(
+        (i for i, calls in enumerate(requests) if calls),
+        key=lambda i: not nodes[i].has_idle(),
+    )
+    for i in order:
+        node = nodes[i]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            replies[i] = Reply(node, error=RedisTimeoutError("no time left in the budget"))
+            continue
+        conn = None
+        try:
+            conn = node.checkout(connect_timeout=remaining)
+            flight = _InFlight(i, conn, requests[i])  # type: ignore[arg-type]
+            flight.send()
+        except (RedisError, OSError) as exc:
+            if conn is not None:
+                node.discard(conn)
+            replies[i] = Reply(node, error=exc)
+            continue
+        inflight[i] = flight
+
+    try:
+        _collect(nodes, inflight, replies, deadline, decided)
+    finally:
+        now = time.monotonic()
+        for i, flight in inflight.items():
+            if now < deadline and replies[i] is None:
+                # Decided early: the node is healthy as far as we know, so keep the
+                # connection and read its reply the next time it is checked out.
+                nodes[i].checkin(flight.conn, owed=flight.owed, give_up_at=deadline)
+            else:
+                nodes[i].discard(flight.conn)
+                if replies[i] is None:
+                    replies[i] = Reply(
+                        nodes[i],
+                        error=RedisTimeoutError(f"no reply within {timeout:.3f}s"),
+                    )
+    return replies
+
+
+def _collect(
+    nodes: Sequence[Node],
+    inflight: dict[int, _InFlight],
+    replies: list[Reply | None],
+    deadline: float,
+    decided: Callable[[list[Reply | None]], bool] | None,
+) -> None:
+    """Read replies as they arrive until all are in, the outcome is decided, or time is up."""
+    if decided is not None and decided(replies):
+        return
+    while inflight:
+        progressed = False
+        for i in list(inflight):
+            flight = inflight[i]
+            try:
+                complete = flight.read_ready()
+            except (RedisError, OSError) as exc:
+                nodes[i].discard(flight.conn)
+                del inflight[i]
+                replies[i] = Reply(nodes[i], error=exc)
+                progressed = True
+                continue
+            if complete:
+                del inflight[i]
+                nodes[i].checkin(flight.conn)
+                replies[i] = Reply(nodes[i], values=flight.values)
+                progressed = True
+        if progressed and decided is not None and decided(replies):
+            return
+        if not inflight:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        if not progressed:
+            socks = [flight.conn._sock for flight in inflight.values()]
+            # A socket closed under us shows up as an error on the next read.
+            with contextlib.suppress(OSError, ValueError):
+                select.select(socks, [], [], remaining)
+
+
+class NodeSet:
+    """The masters a lock lives on: one node, or N independent nodes for Redlock.
+
+    Instances are shared per process for the same URLs and timeout
+    (:meth:`get`), so every lock on the same nodes shares their connections.
+    """
+
+    _registry: dict[tuple, NodeSet] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, urls: Sequence[str], *, timeout: float) -> None:
+        if isinstance(urls, str):
+            urls = [urls]
+        urls = list(urls)
+        if not urls:
+            raise ConfigurationError(
+                "no Redis nodes given: pass nodes=[url, ...] (one URL, or 3, 5, 7... "
+                "independent masters for Redlock), or set redlock_url / redlock_nodes"
+            )
+        if len(set(urls)) != len(urls):
+            raise ConfigurationError(f"Redis node URLs must be distinct, got {urls!r}")
+        if not timeout or timeout <= 0:
+            raise ConfigurationError(f"node timeout must be > 0 seconds, got {timeout!r}")
+        self.nodes = tuple(Node(url, timeout=timeout) for url in urls)
+        self.timeout = timeout
+        self.quorum = len(self.nodes) // 2 + 1
+
+    @classmethod
+    def get(cls, urls: Sequence[str], *, timeout: float) -> NodeSet:
+        """The process-wide NodeSet for these URLs and timeout."""
+        key = (tuple([urls] if isinstance(urls, str) else urls), timeout)
+        nodeset = cls._registry.get(key)
+        if nodeset is None:
+            with cls._registry_lock:
+                nodeset = cls._registry.get(key)
+                if nodeset is None:
+                    nodeset = cls._registry[key] = cls(key[0], timeout=timeout)
+        return nodeset
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __repr__(self) -> str:
+        return f"<NodeSet {[n.safe_url for n in self.nodes]} quorum={self.quorum}>"
+
+    def call(
+        self,
+        calls: Sequence[Call] | Sequence[Sequence[Call] | None],
+        *,
+        per_node: bool = False,
+        timeout: float | None = None,
+        decided: Callable[[list[Reply | None]], bool] | None = None,
+    ) -> list[Reply | None]:
+        """Send the same calls to every node (or ``calls[i]`` to node i with ``per_node``)."""
+        requests = calls if per_node else [calls] * len(self.nodes)
+        return fan_out(
+            self.nodes,
+            requests,  # type: ignore[arg-type]
+            timeout=self.timeout if timeout is None else timeout,
+            decided=decided,
+        )

@@ -1,0 +1,327 @@
+"""The watchdog: one renewer per process renews every lease it holds.
+
+A thread per lock (python-redis-lock) costs a thread and a round trip per lock per
+renewal. Here one thread keeps a heap of leases ordered by when they are next due;
+at each tick it takes every lease that is due (or nearly), and sends one
+``renew_many`` script call per node per chunk of :data:`CHUNK` keys. The number of
+threads never grows with the number of locks.
+
+For each lease the tick decides, from the nodes' answers:
+
+* a quorum renewed it: the local deadline moves to *send time + ttl - drift*;
+* enough nodes say the key is gone or someone else's that no quorum can renew it:
+  the lease is **lost at once**;
+* otherwise (timeouts, connection errors) it is retried soon, until the local
+  deadline minus a margin; past that it is **lost**, before Redis could let anyone
+  else in.
+
+A loss is logged at ERROR and handed to the lease's callbacks; it is never silent.
+
+Fork safety: a forked child gets a fresh, empty renewer of its own (started on first
+use). It cannot renew its parent's leases, which stay the parent's responsibility.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from redis.exceptions import ResponseError
+
+from .exceptions import LockLost
+from .nodes import Call
+from .scripts import RENEW_MANY
+
+if TYPE_CHECKING:
+    from .keys import LockKeys
+    from .nodes import NodeSet
+    from .settings import Timing
+
+__all__ = ["CHUNK", "Lease", "Renewer", "get_renewer"]
+
+logger = logging.getLogger("celery_redlock.renewal")
+
+#: Keys renewed by one script call. Large enough that 1,000 locks cost one call per
+#: node, small enough that one call does not block Redis for long (~4 ms).
+CHUNK = 1000
+
+#: Leases due within this share of their renewal interval ride along with the tick.
+COALESCE = 0.1
+
+RENEWED, GONE, TAKEN = 1, 0, -1
+
+
+class Lease:
+    """The state of one acquisition, shared by its lock, the renewer and callbacks.
+
+    The deadline is local and monotonic: the time the granting request was *sent*,
+    plus the lease, minus the drift allowance. Redis cannot have let anyone else in
+    before it, whatever the network did to the reply.
+    """
+
+    __slots__ = (
+        "_lock",
+        "deadline",
+        "fence",
+        "keys",
+        "lost",
+        "nodeset",
+        "on_lost",
+        "pid",
+        "released",
+        "timing",
+        "token",
+    )
+
+    def __init__(
+        self,
+        keys: LockKeys,
+        token: str,
+        fence: int,
+        nodeset: NodeSet,
+        timing: Timing,
+        sent_at: float,
+        on_lost: list[Callable[[LockLost], object]] | None = None,
+    ) -> None:
+        self.keys = keys
+        self.token = token
+        self.fence = fence
+        self.nodeset = nodeset
+        self.timing = timing
+        self.deadline = sent_at + timing.ttl - timing.drift
+        self.on_lost = list(on_lost or ())
+        self.lost: LockLost | None = None
+        self.released = False
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.keys.lock} fence={self.fence} remaining={self.remaining():.3f}>"
+
+    @property
+    def give_up_at(self) -> float:
+        """When an unconfirmed lease counts as lost: the deadline minus the margin."""
+        return self.deadline - self.timing.margin
+
+    def remaining(self) -> float:
+        """Seconds of lease left by the local deadline (0 once lost or released)."""
+        if self.lost is not None or self.released or self.pid != os.getpid():
+            return 0.0
+        return max(0.0, self.deadline - time.monotonic())
+
+    def renewed(self, sent_at: float) -> None:
+        """A quorum confirmed a renewal sent at ``sent_at``."""
+        self.deadline = max(self.deadline, sent_at + self.timing.ttl - self.timing.drift)
+
+    def check(self) -> None:
+        """Raise :class:`LockLost` unless the lease is held and not in doubt."""
+        if self.pid != os.getpid():
+            raise LockLost(
+                self.keys.lock,
+                f"acquired by process {self.pid}; a forked child does not hold its parent's locks",
+                self.fence,
+            )
+        if self.lost is None and not self.released and time.monotonic() >= self.give_up_at:
+            self.mark_lost("renewal not confirmed before the lease deadline")
+        if self.lost is not None:
+            raise self.lost
+        if self.released:
+            raise LockLost(self.keys.lock, "released", self.fence)
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record the loss once, log it and run the callbacks; False if already known."""
+        with self._lock:
+            if self.lost is not None or self.released:
+                return False
+            self.lost = LockLost(self.keys.lock, reason, self.fence)
+        logger.error("Lock(%r) lost: %s (fence %s)", self.keys.lock, reason, self.fence)
+        for callback in self.on_lost:
+            try:
+                callback(self.lost)
+            except Exception:
+                logger.exception("Lock(%r) on_lost callback %r failed", self.keys.lock, callback)
+        return True
+
+
+class Renewer:
+    """Renews the leases of one process in batches, from one background thread."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Lease]] = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self.pid = os.getpid()
+        #: Ticks run and script calls sent, for tests and metrics.
+        self.ticks = 0
+        self.calls = 0
+
+    def add(self, lease: Lease) -> None:
+        """Start renewing ``lease``; stop by setting ``released`` or on loss."""
+        self._schedule(lease, time.monotonic() + lease.timing.renew_interval)
+        if self._thread is None:
+            with self._cond:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="celery_redlock-renewer", daemon=True
+                    )
+                    self._thread.start()
+
+    def __len__(self) -> int:
+        return sum(1 for _, _, lease in self._heap if _alive(lease))
+
+    def _schedule(self, lease: Lease, due: float) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._seq), lease))
+            if self._heap[0][2] is lease:
+                self._cond.notify()
+
+    def _take_due(self) -> list[Lease]:
+        with self._cond:
+            while True:
+                while self._heap and not _alive(self._heap[0][2]):
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                due, _, lease = self._heap[0]
+                wait = due - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                now = time.monotonic()
+                taken = []
+                while self._heap:
+                    due, _, lease = self._heap[0]
+                    if due > now + COALESCE * lease.timing.renew_interval:
+                        break
+                    heapq.heappop(self._heap)
+                    if _alive(lease):
+                        taken.append(lease)
+                if taken:
+                    return taken
+
+    def _run(self) -> None:
+        while True:
+            leases = self._take_due()
+            try:
+                self.renew(leases)
+            except Exception:  # never let the watchdog die; retry these leases soon
+                logger.exception("renewer tick failed")
+                now = time.monotonic()
+                for lease in leases:
+                    self._retry_or_lose(lease, now, "renewer error")
+
+    def renew(self, leases: list[Lease]) -> None:
+        """Renew ``leases`` now: one script call per node per chunk, per node set."""
+        self.ticks += 1
+        by_nodeset: dict[int, list[Lease]] = {}
+        for lease in leases:
+            by_nodeset.setdefault(id(lease.nodeset), []).append(lease)
+        for group in by_nodeset.values():
+            self._renew_group(group)
+
+    def _renew_group(self, leases: list[Lease]) -> None:
+        nodeset = leases[0].nodeset
+        chunks = [leases[i : i + CHUNK] for i in range(0, len(leases), CHUNK)]
+        calls = [
+            Call(
+                RENEW_MANY,
+                tuple(lease.keys.lock for lease in chunk),
+                tuple(
+                    item
+                    for lease in chunk
+                    for item in (lease.token, max(1, round(lease.timing.ttl * 1000)))
+                ),
+            )
+            for chunk in chunks
+        ]
+        sent_at = time.monotonic()
+        replies = nodeset.call(calls)
+        self.calls += len(calls) * sum(1 for r in replies if r is not None)
+        now = time.monotonic()
+        n, quorum = len(nodeset), nodeset.quorum
+        for c, chunk in enumerate(chunks):
+            for j, lease in enumerate(chunk):
+                renewed = refused = 0
+                errors = []
+                for reply in replies:
+                    code, error = _code(reply, c, j)
+                    if code == RENEWED:
+                        renewed += 1
+                    elif code in (GONE, TAKEN):
+                        refused += 1
+                    else:
+                        errors.append(error)
+                if lease.released:
+                    continue
+                if renewed >= quorum:
+                    lease.renewed(sent_at)
+                    self._schedule(lease, now + lease.timing.renew_interval)
+                elif refused > n - quorum:
+                    lease.mark_lost(
+                        "the key expired, was deleted or is held by another owner"
+                        if n == 1
+                        else f"only {renewed} of {n} nodes still hold it (quorum {quorum})"
+                    )
+                else:
+                    self._retry_or_lose(lease, now, "; ".join(errors) or "no quorum")
+
+    def _retry_or_lose(self, lease: Lease, now: float, why: str) -> None:
+        if now >= lease.give_up_at:
+            lease.mark_lost(f"renewal not confirmed before the lease deadline ({why})")
+            return
+        logger.warning("Lock(%r) renewal failed, retrying: %s", lease.keys.lock, why)
+        self._schedule(lease, min(now + lease.timing.renew_interval / 4, lease.give_up_at))
+
+
+def _alive(lease: Lease) -> bool:
+    return lease.lost is None and not lease.released
+
+
+def _code(reply, chunk: int, index: int) -> tuple[int | None, str]:
+    """The renew_many code for one key from one node's reply, or (None, why not)."""
+    if reply is None:
+        return None, "no reply"
+    if reply.error is not None:
+        return None, reply.describe_error()
+    value = reply.values[chunk]
+    if isinstance(value, ResponseError):
+        return None, f"{reply.node.safe_url}: {value}"
+    code = value[index]
+    if code not in (RENEWED, GONE, TAKEN):
+        raise ValueError(f"renew_many returned unknown code {code!r}")
+    return code, ""
+
+
+_renewer: Renewer | None = None
+_renewer_lock = threading.Lock()
+
+
+def get_renewer() -> Renewer:
+    """The renewer of this process, created on first use."""
+    global _renewer  # noqa: PLW0603
+    renewer = _renewer
+    if renewer is None or renewer.pid != os.getpid():
+        with _renewer_lock:
+            if _renewer is None or _renewer.pid != os.getpid():
+                _renewer = Renewer()
+            renewer = _renewer
+    return renewer
+
+
+def _after_fork_in_child() -> None:
+    global _renewer, _renewer_lock  # noqa: PLW0603
+    # The parent's renewer thread does not exist here, and its locks may be held
+    # by the parent's other threads at fork time: start from nothing.
+    _renewer = None
+    _renewer_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,52 @@
+"""The Lua scripts, one ``.lua`` file each, loaded once per process.
+
+Every check-and-act on a lock is one of these scripts, so it is atomic on each node.
+Each file starts with a header giving ``KEYS``, ``ARGV`` and the return values.
+Calls go out as EVALSHA; a node that answers NOSCRIPT (restarted, flushed, or a
+promoted replica) gets the full source once by EVAL, which also caches it there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import resources
+
+__all__ = [
+    "ACQUIRE",
+    "FENCE_SYNC",
+    "INSPECT",
+    "RELEASE",
+    "RELEASE_IF",
+    "RENEW_MANY",
+    "Script",
+]
+
+
+class Script:
+    """A Lua script shipped with the package, addressed by its SHA1."""
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = resources.files(__package__).joinpath(f"{name}.lua").read_text("utf-8")
+        self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
+
+    def evalsha(self, keys: tuple | list, args: tuple | list) -> tuple:
+        """The EVALSHA command that runs this script."""
+        return ("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def eval(self, keys: tuple | list, args: tuple | list) -> tuple:
+        """The EVAL command that loads and runs this script (the NOSCRIPT fallback)."""
+        return ("EVAL", self.source, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"<Script {self.name} {self.sha[:8]}>"
+
+
+ACQUIRE = Script("acquire")
+FENCE_SYNC = Script("fence_sync")
+RENEW_MANY = Script("renew_many")
+RELEASE = Script("release")
+RELEASE_IF = Script("release_if")
+INSPECT = Script("inspect")

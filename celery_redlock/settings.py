@@ -1,0 +1,326 @@
+"""Every ``redlock_*`` setting in one table: default, parser, and documentation.
+
+The table is the single source of truth: :func:`from_conf` reads Celery's
+configuration through it, the per-task options fall back to it, and the
+configuration reference in the docs is generated from it. A value that cannot be
+used raises :class:`~celery_redlock.exceptions.ConfigurationError` naming the
+setting and what it accepts; nothing is silently replaced by a default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .exceptions import ConfigurationError
+from .keys import DEFAULT_PREFIX, validate_prefix
+
+__all__ = [
+    "DEFAULT_NODE_TIMEOUT",
+    "ON_BUSY",
+    "ON_LOST",
+    "OPTIONS",
+    "Option",
+    "Settings",
+    "Timing",
+    "from_conf",
+    "timing",
+]
+
+ON_BUSY = ("skip", "retry", "raise", "wait")
+ON_LOST = ("abort", "revoke", "ignore")
+
+#: Per-node budget of one call when ``redlock_node_timeout`` is not set: at most
+#: this, and at most a tenth of the lease (Redlock asks for a budget small against it).
+DEFAULT_NODE_TIMEOUT = 0.25
+
+
+def _number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float = 0.0,
+    strict: bool = True,
+    maximum: float = math.inf,
+    optional: bool = False,
+) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ConfigurationError(
+            f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})"
+        )
+    low_ok = value > minimum if strict else value >= minimum
+    if not low_ok or value > maximum:
+        bound = ">" if strict else ">="
+        top = f" and <= {maximum}" if maximum != math.inf else ""
+        raise ConfigurationError(f"{name} must be {bound} {minimum}{top}, got {value!r}")
+    return float(value)
+
+
+def _positive(name: str, value: Any) -> float:
+    return _number(name, value)  # type: ignore[return-value]
+
+
+def _optional_positive(name: str, value: Any) -> float | None:
+    return _number(name, value, optional=True)
+
+
+def _fraction(name: str, value: Any) -> float:
+    return _number(name, value, minimum=0.0, strict=False, maximum=0.5)  # type: ignore[return-value]
+
+
+def _non_negative_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def parse(name: str, value: Any) -> str:
+        if value not in choices:
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigurationError(f"{name} must be one of {allowed}, got {value!r}")
+        return value
+
+    return parse
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _url(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigurationError(
+            f"{name} must be a redis://, rediss:// or unix:// URL, got {value!r}"
+        )
+    return value
+
+
+def _urls(name: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ConfigurationError(
+            f"{name} must be a list of redis:// URLs (3, 5 or 7 independent masters), got {value!r}"
+        )
+    urls = tuple(_url(f"{name}[{i}]", url) for i, url in enumerate(value))
+    if len(set(urls)) != len(urls):
+        raise ConfigurationError(f"{name} must not list a node twice, got {list(value)!r}")
+    return urls  # type: ignore[return-value]
+
+
+def _prefix(name: str, value: Any) -> str:
+    try:
+        return validate_prefix(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(str(exc).replace("redlock_key_prefix", name)) from None
+
+
+def _tasks(name: str, value: Any) -> dict[str, dict]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Mapping) for k, v in value.items()
+    ):
+        raise ConfigurationError(
+            f"{name} must map task names or glob patterns to option dicts, "
+            f"e.g. {{'proj.tasks.sync_*': {{'ttl': 60}}}}, got {value!r}"
+        )
+    return {k: dict(v) for k, v in value.items()}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: ``redlock_<name>`` in Celery's configuration."""
+
+    name: str
+    default: Any
+    parse: Callable[[str, Any], Any]
+    doc: str
+
+    @property
+    def setting(self) -> str:
+        """The name of the Celery setting."""
+        return f"redlock_{self.name}"
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        Option(
+            "url",
+            None,
+            _url,
+            "Redis URL of the single lock node. Defaults to broker_url when that is a "
+            "redis:// or rediss:// URL.",
+        ),
+        Option(
+            "nodes",
+            (),
+            _urls,
+            "URLs of independent Redis masters. With 2 or more, locks use Redlock "
+            "(a majority must agree); use an odd number.",
+        ),
+        Option("ttl", 30.0, _positive, "Lease length in seconds; the watchdog renews it."),
+        Option(
+            "renew_interval",
+            None,
+            _optional_positive,
+            "Seconds between renewals; default ttl/3, so one failed renewal is survived.",
+        ),
+        Option("key_prefix", DEFAULT_PREFIX, _prefix, "Prefix of every Redis key and channel."),
+        Option("on_busy", "skip", _choice(ON_BUSY), "What a task does when its lock is held."),
+        Option(
+            "on_lost",
+            "abort",
+            _choice(ON_LOST),
+            "What happens to a running task whose lock is lost.",
+        ),
+        Option("retry_countdown", 5.0, _positive, "Seconds before a retry, with on_busy='retry'."),
+        Option("wait_timeout", 60.0, _positive, "Longest wait, with on_busy='wait'."),
+        Option(
+            "drift_factor",
+            0.01,
+            _fraction,
+            "Share of the lease assumed lost to clock drift (0 to 0.5).",
+        ),
+        Option(
+            "node_timeout",
+            None,
+            _optional_positive,
+            f"Budget of one call to the nodes, in seconds; default the smaller of "
+            f"{DEFAULT_NODE_TIMEOUT} and ttl/10.",
+        ),
+        Option(
+            "min_replicas",
+            0,
+            _non_negative_int,
+            "Replicas that must confirm an acquisition (WAIT) before it counts.",
+        ),
+        Option(
+            "fail_open",
+            False,
+            _bool,
+            "Run task bodies without a lock when Redis cannot be reached.",
+        ),
+        Option(
+            "tasks",
+            None,
+            _tasks,
+            "Task names or glob patterns to lock by configuration alone, with options.",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The validated timing of one lock: every duration the engine works with."""
+
+    ttl: float
+    renew_interval: float
+    node_timeout: float
+    drift_factor: float
+
+    @property
+    def drift(self) -> float:
+        """Seconds subtracted from every lease for clock drift (Redlock's formula)."""
+        return self.ttl * self.drift_factor + 0.002
+
+    @property
+    def margin(self) -> float:
+        """How long before the local lease deadline an unconfirmed lease counts as lost.
+
+        Two call budgets, so the abort lands while the lease is still valid, but at
+        most half a renewal interval, so short leases keep room for retries.
+        """
+        return min(2 * self.node_timeout, self.renew_interval / 2)
+
+
+def timing(
+    ttl: Any,
+    renew_interval: Any = None,
+    node_timeout: Any = None,
+    drift_factor: Any = 0.01,
+    *,
+    source: str = "redlock_",
+) -> Timing:
+    """Validate lease timing; ``source`` prefixes the names used in error messages."""
+    ttl = _positive(f"{source}ttl", ttl)
+    if renew_interval is None:
+        renew_interval = ttl / 3
+    renew_interval = _positive(f"{source}renew_interval", renew_interval)
+    if renew_interval >= ttl:
+        raise ConfigurationError(
+            f"{source}renew_interval must be shorter than {source}ttl ({ttl}s), got "
+            f"{renew_interval}s: the lease would expire between renewals"
+        )
+    if node_timeout is None:
+        node_timeout = min(DEFAULT_NODE_TIMEOUT, ttl / 10)
+    node_timeout = _positive(f"{source}node_timeout", node_timeout)
+    if node_timeout >= renew_interval:
+        raise ConfigurationError(
+            f"{source}node_timeout ({node_timeout}s) must be shorter than "
+            f"{source}renew_interval ({renew_interval}s): a renewal must be able to "
+            "fail and be retried before the lease ends"
+        )
+    drift_factor = _fraction(f"{source}drift_factor", drift_factor)
+    t = Timing(ttl, renew_interval, node_timeout, drift_factor)
+    if t.drift + t.margin >= ttl:
+        raise ConfigurationError(
+            f"{source}ttl ({ttl}s) is too short for the drift allowance ({t.drift:.3f}s) "
+            f"and the loss margin ({t.margin:.3f}s)"
+        )
+    return t
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated ``redlock_*`` settings of one Celery app."""
+
+    url: str | None = None
+    nodes: tuple[str, ...] = ()
+    ttl: float = 30.0
+    renew_interval: float | None = None
+    key_prefix: str = DEFAULT_PREFIX
+    on_busy: str = "skip"
+    on_lost: str = "abort"
+    retry_countdown: float = 5.0
+    wait_timeout: float = 60.0
+    drift_factor: float = 0.01
+    node_timeout: float | None = None
+    min_replicas: int = 0
+    fail_open: bool = False
+    tasks: dict[str, dict] = field(default_factory=dict)
+
+    def node_urls(self) -> tuple[str, ...]:
+        """The lock nodes: ``nodes`` when given, else the single ``url``."""
+        if self.nodes:
+            return self.nodes
+        if self.url:
+            return (self.url,)
+        raise ConfigurationError(
+            "no Redis for locks: set redlock_url (or redlock_nodes), or use a redis:// broker_url"
+        )
+
+
+def from_conf(conf: Mapping[str, Any]) -> Settings:
+    """Read and validate every ``redlock_*`` setting from a Celery configuration."""
+    values: dict[str, Any] = {}
+    for option in OPTIONS.values():
+        raw = conf.get(option.setting, option.default)
+        values[option.name] = option.default if raw is None else option.parse(option.setting, raw)
+    if values["url"] is None and not values["nodes"]:
+        broker = conf.get("broker_url") or ""
+        if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
+            values["url"] = broker.split(";")[0]
+    timing(values["ttl"], values["renew_interval"], values["node_timeout"], values["drift_factor"])
+    return Settings(**values)

@@ -1,0 +1,221 @@
+"""Waiting for a lock by release notification instead of polling.
+
+``release.lua`` publishes on the lock's channel when it deletes the lock. A process
+keeps **one pub/sub connection per node**, owned by one listener thread, whatever
+the number of waiters: a waiter registers an event for its channel, the listener
+subscribes (once per channel) and sets every registered event when a release is
+announced. redis-py's default polling wakes a waiter up to 0.1 s late; this wakes
+it about one round trip after the release.
+
+A lock that *expires* publishes nothing, and a notification can be lost with a
+dropped connection; waiters therefore never wait longer than the holder's
+remaining lease (the "TTL fallback") before trying again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+
+from redis.exceptions import RedisError
+
+from .nodes import Node
+
+__all__ = ["Subscription", "get_listener"]
+
+logger = logging.getLogger("celery_redlock.waiting")
+
+#: Longest pause between reconnection attempts of a listener whose node is down.
+MAX_BACKOFF = 1.0
+
+
+class _Listener(threading.Thread):
+    """Owns the pub/sub connection to one node and wakes waiters on releases."""
+
+    def __init__(self, node: Node) -> None:
+        super().__init__(name=f"celery_redlock-listener {node.safe_url}", daemon=True)
+        self.node = node
+        self._mutex = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._confirmed: dict[str, threading.Event] = {}
+        self._requests: deque[tuple[str, str]] = deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._conn = None
+
+    def add(self, channel: str, event: threading.Event) -> threading.Event:
+        """Register ``event`` for ``channel``; returns an event set once subscribed."""
+        with self._mutex:
+            waiters = self._waiters.setdefault(channel, set())
+            first = not waiters
+            waiters.add(event)
+            confirmed = self._confirmed.setdefault(channel, threading.Event())
+            if first:
+                self._requests.append(("SUBSCRIBE", channel))
+        if first:
+            self._poke()
+        return confirmed
+
+    def remove(self, channel: str, event: threading.Event) -> None:
+        """Unregister ``event``; the channel is unsubscribed when no waiter is left."""
+        with self._mutex:
+            waiters = self._waiters.get(channel)
+            if waiters is None:
+                return
+            waiters.discard(event)
+            if waiters:
+                return
+            del self._waiters[channel]
+            self._confirmed.pop(channel, None)
+            self._requests.append(("UNSUBSCRIBE", channel))
+        self._poke()
+
+    def _poke(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def _wake_all(self) -> None:
+        with self._mutex:
+            for waiters in self._waiters.values():
+                for event in waiters:
+                    event.set()
+
+    def run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                self._serve()
+            except (RedisError, OSError) as exc:
+                logger.debug("release listener for %s: %s", self.node.safe_url, exc)
+            if self._conn is not None:
+                self._conn.disconnect()
+                self._conn = None
+            # Anything published while we were away is lost: let every waiter retry.
+            with self._mutex:
+                for confirmed in self._confirmed.values():
+                    confirmed.clear()
+            self._wake_all()
+            self._wait_wake(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _wait_wake(self, timeout: float) -> None:
+        select.select([self._wake_r], [], [], timeout)
+        self._drain_wake()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def _serve(self) -> None:
+        with self._mutex:
+            if not self._waiters:
+                self._requests.clear()
+        conn = self.node.new_connection()
+        conn.connect()
+        self._conn = conn
+        with self._mutex:
+            self._requests.clear()
+            channels = list(self._waiters)
+        if channels:
+            conn.send_command("SUBSCRIBE", *channels)
+        while True:
+            self._send_requests(conn)
+            while conn.can_read(0):
+                self._dispatch(conn.read_response())
+            ready, _, _ = select.select([conn._sock, self._wake_r], [], [])
+            if self._wake_r in ready:
+                self._drain_wake()
+
+    def _send_requests(self, conn) -> None:
+        while True:
+            with self._mutex:
+                if not self._requests:
+                    return
+                command, channel = self._requests.popleft()
+            conn.send_command(command, channel)
+
+    def _dispatch(self, message) -> None:
+        if not isinstance(message, list) or len(message) < 2:
+            return
+        kind, channel = message[0], message[1]
+        with self._mutex:
+            if kind == "message":
+                for event in self._waiters.get(channel, ()):
+                    event.set()
+            elif kind == "subscribe":
+                confirmed = self._confirmed.get(channel)
+                if confirmed is not None:
+                    confirmed.set()
+
+
+class Subscription:
+    """One waiter's registration for a lock's release channel on every node.
+
+    Use as a context manager around the wait loop; :meth:`wait` returns when a
+    release is announced or the timeout passes, whichever is first.
+    """
+
+    def __init__(self, nodes: tuple[Node, ...], channel: str, *, confirm_timeout: float) -> None:
+        self.channel = channel
+        self.event = threading.Event()
+        self._listeners = [get_listener(node) for node in nodes]
+        confirmations = [listener.add(channel, self.event) for listener in self._listeners]
+        # Wait until subscribed on at least one node before the caller retries, so
+        # a release between that retry and the wait cannot go unnoticed. If no node
+        # confirms in time the caller still has the TTL fallback.
+        deadline = time.monotonic() + confirm_timeout
+        for confirmed in confirmations:
+            if confirmed.wait(max(0.0, deadline - time.monotonic())):
+                break
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a release is announced or ``timeout`` passes; True if announced."""
+        woken = self.event.wait(max(0.0, timeout))
+        self.event.clear()
+        return woken
+
+    def close(self) -> None:
+        """Stop listening for this waiter."""
+        for listener in self._listeners:
+            listener.remove(self.channel, self.event)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+_listeners: dict[str, _Listener] = {}
+_listeners_lock = threading.Lock()
+
+
+def get_listener(node: Node) -> _Listener:
+    """The listener for ``node`` in this process, started on first use."""
+    listener = _listeners.get(node.url)
+    if listener is None:
+        with _listeners_lock:
+            listener = _listeners.get(node.url)
+            if listener is None:
+                listener = _listeners[node.url] = _Listener(node)
+                listener.start()
+    return listener
+
+
+def _after_fork_in_child() -> None:
+    global _listeners_lock  # noqa: PLW0603
+    # Listener threads do not survive fork; their sockets belong to the parent.
+    _listeners.clear()
+    _listeners_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
