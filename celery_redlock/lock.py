@@ -219,8 +219,11 @@ class Redlock:
             )
         ]
         if self.min_replicas:
-            wait_ms = max(1, int(self.timing.node_timeout * 800))
-            calls.append(Call.command("WAIT", self.min_replicas, wait_ms))
+            calls.append(
+                Call.command(
+                    "WAIT", self.min_replicas, max(1, round(self.timing.node_timeout * 1000))
+                )
+            )
         nodeset = self.nodeset
         n, quorum = len(nodeset), nodeset.quorum
         attempt = _Attempt()
@@ -236,7 +239,7 @@ class Redlock:
             return yes >= quorum or no > n - quorum
 
         sent_at = time.monotonic()
-        replies = nodeset.call(calls, decided=decided if n > 1 else None)
+        replies = nodeset.call(calls, timeout=self._budget(), decided=decided if n > 1 else None)
         elapsed = time.monotonic() - sent_at
         for i, reply in enumerate(replies):
             if reply is None:
@@ -256,13 +259,22 @@ class Redlock:
             if attempt.fences.count(fence) >= quorum or self._sync_fence(token, fence, attempt):
                 self._won(token, fence, sent_at)
                 return None
-        if attempt.granted or any(r is None or r.error for r in replies):
-            # Undo everywhere, including nodes that did not answer: they may have
-            # granted it after all.
-            self._unlock(token, wait_for=attempt.granted)
+        if not all(_is_busy(reply) for reply in replies):
+            # Undo everywhere, including nodes that did not answer (they may have
+            # granted it after all) and nodes whose replicas did not confirm.
+            self._unlock(token, wait_for=[i for i, r in enumerate(replies) if r and r.ok])
         if len(attempt.granted) >= quorum:
             attempt.errors.append(f"lease spent while acquiring ({elapsed:.3f}s)")
         return attempt
+
+    def _budget(self) -> float:
+        """Time one acquisition fan-out may take.
+
+        With ``min_replicas`` each node also runs WAIT for up to one node timeout,
+        and Redis checks WAIT timeouts on its cron (every 100 ms at the default hz).
+        """
+        node_timeout = self.timing.node_timeout
+        return node_timeout if not self.min_replicas else 2 * node_timeout + 0.1
 
     def _granted(self, reply: Reply) -> int | None:
         """The fence a node granted, or None if it refused or failed."""
@@ -364,7 +376,8 @@ class Redlock:
             lease.released = True
         replies = self._unlock(lease.token)
         codes = [r.values[0] for r in replies if r is not None and r.ok]
-        if lease.lost is None and codes.count(RELEASED) < self.nodeset.quorum:
+        expired = time.monotonic() >= lease.deadline
+        if lease.lost is None and not expired and codes.count(RELEASED) < self.nodeset.quorum:
             logger.warning(
                 "Lock(%r) release confirmed by %d of %d nodes; the rest expire within %.1fs",
                 self.keys.lock,
@@ -468,6 +481,16 @@ class Redlock:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def _is_busy(reply: Reply | None) -> bool:
+    """The node answered that someone else holds the lock (so nothing to undo there)."""
+    return (
+        reply is not None
+        and reply.ok
+        and not isinstance(reply.values[0], ResponseError)
+        and reply.values[0][0] == BUSY
+    )
 
 
 def _fields(flat: Sequence[Any]) -> dict[str, Any]:

@@ -59,12 +59,10 @@ class Call:
         """A plain Redis command, e.g. ``Call.command("EXISTS", key)``."""
         return cls(None, (), args)
 
-    def packed_args(self, *, fallback: bool = False) -> tuple:
-        """The command as sent: EVALSHA, or EVAL when the node lacked the script."""
+    def packed_args(self) -> tuple:
+        """The command as sent (EVALSHA for a script)."""
         if self.script is None:
             return self.args
-        if fallback:
-            return self.script.eval(self.keys, self.args)
         return self.script.evalsha(self.keys, self.args)
 
 
@@ -232,20 +230,23 @@ class Node:
 class _InFlight:
     """A request sent to one node whose replies are being read."""
 
-    __slots__ = ("calls", "conn", "fallback", "index", "noscript", "owed", "values")
+    __slots__ = ("calls", "conn", "index", "noscript", "owed", "skip", "values")
 
     def __init__(self, index: int, conn: AbstractConnection, calls: Sequence[Call]) -> None:
         self.index = index
         self.conn = conn
         self.calls = calls
         self.values: list = []
-        self.owed = len(calls)
+        self.owed = 0
+        self.skip = 0
         self.noscript = False
-        self.fallback = False
 
-    def send(self) -> None:
-        packed = [call.packed_args(fallback=self.fallback) for call in self.calls]
+    def send(self, load: Sequence[Script] = ()) -> None:
+        """Send the calls, preceded by ``SCRIPT LOAD`` of ``load`` (replies skipped)."""
+        packed = [("SCRIPT", "LOAD", script.source) for script in load]
+        packed += [call.packed_args() for call in self.calls]
         self.conn.send_packed_command(self.conn.pack_commands(packed), check_health=False)
+        self.skip, self.owed = len(load), len(packed)
 
     def read_ready(self) -> bool:
         """Read every reply already available; True when the request is complete."""
@@ -256,16 +257,21 @@ class _InFlight:
                 if isinstance(exc, NoScriptError):
                     self.noscript = True
                 value = exc
-            self.values.append(value)
             self.owed -= 1
+            if self.skip:
+                self.skip -= 1
+                if isinstance(value, ResponseError):
+                    raise value
+                continue
+            self.values.append(value)
         if self.owed or not self.noscript:
             return not self.owed
-        # The node lost its script cache (restart, SCRIPT FLUSH, failover): send the
-        # whole request again with the sources. Scripts that answered NOSCRIPT did
-        # not run; the plain commands sent with them are read-only (WAIT, PTTL...).
-        self.fallback, self.noscript = True, False
-        self.values, self.owed = [], len(self.calls)
-        self.send()
+        # The node lost its script cache (restart, SCRIPT FLUSH, failover): load the
+        # scripts and send the request again. Scripts that answered NOSCRIPT did not
+        # run; the plain commands sent with them are read-only (WAIT, EXISTS...).
+        missing = {call.script.sha: call.script for call in self.calls if call.script}
+        self.values, self.noscript = [], False
+        self.send(load=list(missing.values()))
         return False
 
 

@@ -212,11 +212,11 @@ class Renewer:
             leases = self._take_due()
             try:
                 self.renew(leases)
-            except Exception:  # never let the watchdog die; retry these leases soon
+            except Exception as exc:  # never let the watchdog die; retry these leases soon
                 logger.exception("renewer tick failed")
                 now = time.monotonic()
                 for lease in leases:
-                    self._retry_or_lose(lease, now, "renewer error")
+                    self._retry_or_lose(lease, now, f"renewer error: {exc!r}")
 
     def renew(self, leases: list[Lease]) -> None:
         """Renew ``leases`` now: one script call per node per chunk, per node set."""
@@ -247,6 +247,7 @@ class Renewer:
         self.calls += len(calls) * sum(1 for r in replies if r is not None)
         now = time.monotonic()
         n, quorum = len(nodeset), nodeset.quorum
+        retried: list[str] = []
         for c, chunk in enumerate(chunks):
             for j, lease in enumerate(chunk):
                 renewed = refused = 0
@@ -271,14 +272,24 @@ class Renewer:
                         else f"only {renewed} of {n} nodes still hold it (quorum {quorum})"
                     )
                 else:
-                    self._retry_or_lose(lease, now, "; ".join(errors) or "no quorum")
+                    why = "; ".join(errors) or "no quorum"
+                    if self._retry_or_lose(lease, now, why):
+                        retried.append(why)
+        if retried:
+            # One line per tick, not per lock: 10,000 locks on a dead node are one event.
+            logger.warning(
+                "renewal of %d lock(s) failed, retrying before their deadlines: %s",
+                len(retried),
+                retried[0],
+            )
 
-    def _retry_or_lose(self, lease: Lease, now: float, why: str) -> None:
+    def _retry_or_lose(self, lease: Lease, now: float, why: str) -> bool:
+        """Schedule a prompt retry, or declare the loss once past the give-up time."""
         if now >= lease.give_up_at:
             lease.mark_lost(f"renewal not confirmed before the lease deadline ({why})")
-            return
-        logger.warning("Lock(%r) renewal failed, retrying: %s", lease.keys.lock, why)
+            return False
         self._schedule(lease, min(now + lease.timing.renew_interval / 4, lease.give_up_at))
+        return True
 
 
 def _alive(lease: Lease) -> bool:

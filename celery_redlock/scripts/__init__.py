@@ -3,7 +3,9 @@
 Every check-and-act on a lock is one of these scripts, so it is atomic on each node.
 Each file starts with a header giving ``KEYS``, ``ARGV`` and the return values.
 Calls go out as EVALSHA; a node that answers NOSCRIPT (restarted, flushed, or a
-promoted replica) gets the full source once by EVAL, which also caches it there.
+promoted replica) gets ``SCRIPT LOAD`` once, pipelined with the retried calls
+(see :mod:`celery_redlock.nodes`), so a batch of 10 renewal calls does not ship the
+source 10 times.
 """
 
 from __future__ import annotations
@@ -35,10 +37,6 @@ class Script:
     def evalsha(self, keys: tuple | list, args: tuple | list) -> tuple:
         """The EVALSHA command that runs this script."""
         return ("EVALSHA", self.sha, len(keys), *keys, *args)
-
-    def eval(self, keys: tuple | list, args: tuple | list) -> tuple:
-        """The EVAL command that loads and runs this script (the NOSCRIPT fallback)."""
-        return ("EVAL", self.source, len(keys), *keys, *args)
 
     def __repr__(self) -> str:
         return f"<Script {self.name} {self.sha[:8]}>"

@@ -1,0 +1,214 @@
+"""Redlock on one node: acquire, hold, release, wait, bad input."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from celery_redlock import (
+    ConfigurationError,
+    LockBusy,
+    LockLost,
+    LockNotOwned,
+    NodeUnavailable,
+    Redlock,
+)
+from tests.harness.servers import free_port, wait_for
+
+
+def test_acquire_release_and_fences_grow(redis_node):
+    """Each acquisition gets a larger fence; locked/owned follow the holder."""
+    a = Redlock("job", nodes=[redis_node.url], ttl=5)
+    b = Redlock("job", nodes=[redis_node.url], ttl=5)
+    assert not a.locked()
+    fences = []
+    for _ in range(3):
+        with a:
+            fences.append(a.fence)
+            assert a.locked() and a.owned()
+            assert not b.owned()
+            assert 4 < a.remaining() <= 5
+        assert not a.locked()
+    assert fences == sorted(fences) and len(set(fences)) == 3
+
+
+def test_busy_lock_names_its_holder(redis_node):
+    """A second owner is refused; LockBusy carries key, holder task id and TTL in args."""
+    a = Redlock("job", nodes=[redis_node.url], ttl=5, task_id="task-1")
+    b = Redlock("job", nodes=[redis_node.url], ttl=5)
+    assert a.acquire(blocking=False)
+    assert b.acquire(blocking=False) is False
+    with pytest.raises(LockBusy) as info:
+        b.try_acquire()
+    assert info.value.key == "redlock:{job}" and info.value.holder == "task-1"
+    assert 0 < info.value.ttl <= 5
+    assert "task task-1" in str(info.value)
+    rebuilt = LockBusy(*info.value.args)
+    assert (rebuilt.key, rebuilt.holder) == (info.value.key, info.value.holder)
+    a.release()
+
+
+def test_reentrant_for_the_same_object(redis_node):
+    """Acquiring twice needs two releases; another object stays out until the last."""
+    a = Redlock("job", nodes=[redis_node.url], ttl=5)
+    other = Redlock("job", nodes=[redis_node.url], ttl=5)
+    assert a.acquire() and a.acquire(blocking=False)
+    fence = a.fence
+    a.release()
+    assert a.locked() and not other.acquire(blocking=False)
+    a.release()
+    assert other.acquire(blocking=False) and other.fence == fence + 1
+    other.release()
+    with pytest.raises(LockNotOwned):
+        a.release()
+
+
+def test_release_after_expiry_leaves_the_new_holders_lock_alone(redis_node):
+    """An old owner's late release must not delete the lock someone else now holds."""
+    old = Redlock("job", nodes=[redis_node.url], ttl=0.3, auto_renew=False)
+    new = Redlock("job", nodes=[redis_node.url], ttl=5)
+    assert old.acquire()
+    client = redis_node.client()
+    wait_for(lambda: not client.exists("redlock:{job}"), timeout=5)
+    assert new.acquire(blocking=False)
+    with pytest.raises(LockLost, match="renewal not confirmed"):
+        old.check()
+    old.release()
+    assert new.owned()
+    new.release()
+
+
+def test_waiter_is_woken_by_the_release_not_by_the_ttl(redis_node):
+    """With the holder's lease 30 s out, a waiter gets the lock within 2 s of the release."""
+    holder = Redlock("job", nodes=[redis_node.url], ttl=30)
+    waiter = Redlock("job", nodes=[redis_node.url], ttl=30)
+    assert holder.acquire()
+    got = {}
+    attempts = []
+    real_attempt = waiter._attempt
+
+    def counted_attempt():
+        attempts.append(time.monotonic())
+        return real_attempt()
+
+    waiter._attempt = counted_attempt
+
+    def wait() -> None:
+        got["ok"] = waiter.acquire(timeout=20)
+        got["at"] = time.monotonic()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    # The waiter is parked once it has subscribed to the release channel.
+    client = redis_node.client()
+    wait_for(lambda: client.pubsub_numsub("redlock:{job}:released")[0][1] >= 1, timeout=5)
+    released_at = time.monotonic()
+    holder.release()
+    thread.join(10)
+    assert got["ok"] is True
+    assert got["at"] - released_at < 2.0
+    assert waiter.owned()
+    # First try, one more once subscribed (closing the race with a release), one
+    # after the wake-up: a poller would have made dozens by now.
+    assert len(attempts) <= 3, f"the waiter polled: {len(attempts)} attempts"
+    waiter.release()
+
+
+def test_waiter_falls_back_to_the_holders_ttl(redis_node):
+    """A lease that expires (no release message) still wakes the waiter."""
+    holder = Redlock("job", nodes=[redis_node.url], ttl=0.6, auto_renew=False)
+    waiter = Redlock("job", nodes=[redis_node.url], ttl=5)
+    assert holder.acquire()
+    assert waiter.acquire(timeout=5)
+    waiter.release()
+
+
+def test_blocking_acquire_times_out(redis_node):
+    """acquire(timeout=...) returns False once the timeout passes."""
+    holder = Redlock("job", nodes=[redis_node.url], ttl=10)
+    waiter = Redlock("job", nodes=[redis_node.url], ttl=10)
+    assert holder.acquire()
+    assert waiter.acquire(timeout=0.3) is False
+    holder.release()
+
+
+def test_extend_and_check(redis_node):
+    """extend() renews now; after the key is deleted, extend and check raise LockLost."""
+    lock = Redlock("job", nodes=[redis_node.url], ttl=2, auto_renew=False)
+    assert lock.acquire()
+    assert 1.9 < lock.extend() <= 2
+    lock.check()
+    redis_node.client().delete("redlock:{job}")
+    with pytest.raises(LockLost):
+        lock.extend()
+    with pytest.raises(LockLost):
+        lock.check()
+
+
+def test_key_deleted_behind_the_holders_back_is_a_loss_within_one_interval(redis_node):
+    """The watchdog reports a stolen lock at its next tick, through on_lost."""
+    lost = []
+    lock = Redlock("job", nodes=[redis_node.url], ttl=1.5, on_lost=lost.append)
+    assert lock.acquire()
+    deleted_at = time.monotonic()
+    redis_node.client().delete("redlock:{job}")
+    wait_for(lambda: lost, timeout=5)
+    assert time.monotonic() - deleted_at <= lock.timing.renew_interval + 0.5
+    assert isinstance(lost[0], LockLost) and lost[0].key == "redlock:{job}"
+    with pytest.raises(LockLost):
+        lock.check()
+    lock.release()  # releasing a lost lock is allowed and touches nothing
+
+
+# -- bad input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ttl": 0}, "ttl must be > 0"),
+        ({"ttl": -1}, "ttl must be > 0"),
+        ({"ttl": "30"}, "ttl must be a number"),
+        ({"ttl": 10, "renew_interval": 10}, "renew_interval must be shorter than ttl"),
+        ({"ttl": 10, "renew_interval": 3, "node_timeout": 5}, "node_timeout"),
+        ({"drift_factor": 0.9}, "drift_factor must be >= 0.0 and <= 0.5"),
+        ({"nodes": []}, "no Redis nodes given"),
+        ({"nodes": ["redis://a", "redis://a"]}, "must be distinct"),
+        ({"nodes": ["http://example"]}, "invalid Redis URL"),
+    ],
+)
+def test_bad_options_raise_a_clear_error(kwargs, message):
+    """Invalid options fail at construction with a message naming the problem."""
+    with pytest.raises(ConfigurationError, match=message):
+        Redlock("job", **kwargs)
+
+
+def test_empty_name_is_refused():
+    """A lock needs a name."""
+    with pytest.raises(ConfigurationError, match="non-empty string"):
+        Redlock("")
+
+
+def test_unreachable_node_is_named():
+    """Nothing listening: NodeUnavailable names the URL, blocking or not, promptly."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    lock = Redlock("job", nodes=[url], ttl=5)
+    for blocking in (False, True):
+        with pytest.raises(NodeUnavailable, match=f"127.0.0.1:{url.rsplit(':', maxsplit=1)[-1]}"):
+            lock.acquire(blocking=blocking)
+
+
+def test_wrong_password_is_named(redis_factory):
+    """A bad password is reported as an authentication failure, with the password hidden."""
+    (server,) = redis_factory(1, "--requirepass", "right")
+    url = f"redis://:wrong@127.0.0.1:{server.port}/0"
+    with pytest.raises(NodeUnavailable) as info:
+        Redlock("job", nodes=[url], ttl=5).acquire(blocking=False)
+    text = str(info.value)
+    assert "Authentication" in text or "WRONGPASS" in text or "invalid" in text.lower()
+    assert "wrong" not in text
+    good = Redlock("job", nodes=[f"redis://:right@127.0.0.1:{server.port}/0"], ttl=5)
+    assert good.acquire(blocking=False)
+    good.release()

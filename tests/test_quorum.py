@@ -1,0 +1,146 @@
+"""Redlock over several independent masters: quorum, budgets, fences, cleanup."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from celery_redlock import NodeUnavailable, Redlock
+from tests.harness.servers import wait_for
+
+
+def lock_on(servers, **kwargs):
+    kwargs.setdefault("ttl", 5)
+    return Redlock("job", nodes=[s.url for s in servers], **kwargs)
+
+
+def holders(servers):
+    return sum(s.client().exists("redlock:{job}") for s in servers if s.alive())
+
+
+@pytest.mark.parametrize(("n", "down"), [(3, 1), (5, 2)])
+def test_a_minority_down_still_acquires(redis_factory, n, down):
+    """With a minority of nodes dead, acquire, renew and release still work."""
+    servers = redis_factory(n)
+    for server in servers[:down]:
+        server.kill()
+    lock = lock_on(servers, ttl=1.5)
+    assert lock.acquire(blocking=False)
+    assert holders(servers) == n - down
+    assert lock.extend() > 1.0
+    lock.check()
+    lock.release()
+    assert holders(servers) == 0
+
+
+@pytest.mark.parametrize(("n", "down"), [(3, 2), (5, 3)])
+def test_a_majority_down_fails_within_budget_and_leaves_nothing(redis_factory, n, down):
+    """With a majority dead, acquisition fails fast and the live nodes keep no key."""
+    servers = redis_factory(n)
+    for server in servers[:down]:
+        server.kill()
+    lock = lock_on(servers, node_timeout=0.2)
+    for blocking in (False, True):
+        start = time.monotonic()
+        with pytest.raises(NodeUnavailable) as info:
+            lock.acquire(blocking=blocking)
+        # Two fan-outs at most (acquire, then undo), each within the node budget;
+        # the slack is for a loaded CI machine, not for retries.
+        assert time.monotonic() - start < 2 * 0.2 + 1.0
+        assert len(info.value.args[1]) == down
+        assert holders(servers) == 0
+
+
+def test_busy_on_a_majority_is_busy(redis_factory):
+    """A lock held on a quorum is refused to a second owner, who leaves no key behind."""
+    servers = redis_factory(5)
+    a, b = lock_on(servers), lock_on(servers)
+    assert a.acquire()
+    assert not b.acquire(blocking=False)
+    # b's attempt must not have left its token on any node
+    for server in servers:
+        assert server.client().hget("redlock:{job}", "token") == a._lease.token
+    a.release()
+
+
+def test_split_vote_is_undone_everywhere(redis_factory):
+    """Granted on a minority only: the attempt releases the nodes that did grant."""
+    servers = redis_factory(3)
+    # Another owner holds the lock on two of three nodes (e.g. a split vote).
+    for server in servers[:2]:
+        server.client().hset("redlock:{job}", mapping={"token": "other", "task_id": "t"})
+        server.client().pexpire("redlock:{job}", 5000)
+    lock = lock_on(servers)
+    assert not lock.acquire(blocking=False)
+    assert not servers[2].client().exists("redlock:{job}")
+
+
+def test_fences_keep_growing_when_nodes_disagree(redis_factory):
+    """Fence = max over the granting quorum, stored back, so it grows across quorums."""
+    servers = redis_factory(3)
+    servers[0].client().set("redlock:{job}:fence", 100)
+    lock = lock_on(servers)
+    with lock:
+        first = lock.fence
+    assert first == 101
+    # The node that had the high counter is now down; the other two were synced.
+    servers[0].kill()
+    with lock:
+        assert lock.fence > first
+    counters = [int(s.client().get("redlock:{job}:fence")) for s in servers[1:]]
+    assert min(counters) > first
+
+
+def test_blackholed_node_does_not_push_acquire_past_its_budget(redis_factory, fault_proxy):
+    """A node that accepts and never answers costs at most the node budget."""
+    servers = redis_factory(3)
+    proxy = fault_proxy(servers[0])
+    urls = [proxy.url, servers[1].url, servers[2].url]
+    lock = Redlock("job", nodes=urls, ttl=5, node_timeout=0.3)
+    assert lock.acquire(blocking=False)  # warm: all three connections are open
+    lock.release()
+    proxy.blackhole()
+    for _ in range(3):
+        start = time.monotonic()
+        assert lock.acquire(blocking=False)
+        acquired_in = time.monotonic() - start
+        # The quorum (two healthy nodes) decides: no waiting for the silent node.
+        assert acquired_in < 0.3, f"acquire waited {acquired_in:.3f}s for a silent node"
+        start = time.monotonic()
+        lock.release()
+        assert time.monotonic() - start < 0.3 + 0.5
+
+
+def test_blackholed_fresh_connection_is_bounded(redis_factory, fault_proxy):
+    """Connecting to a silent node for the first time is bounded by the budget too."""
+    servers = redis_factory(3)
+    proxy = fault_proxy(servers[0])
+    proxy.blackhole()
+    lock = Redlock(
+        "job", nodes=[proxy.url, servers[1].url, servers[2].url], ttl=5, node_timeout=0.3
+    )
+    start = time.monotonic()
+    assert lock.acquire(blocking=False)
+    assert time.monotonic() - start < 0.3 + 0.5
+    lock.release()
+
+
+def test_min_replicas_counts_only_replicated_votes(redis_factory):
+    """WAIT decides: no replica means no vote; an attached replica makes it count."""
+    (primary,) = redis_factory(1)
+    lock = Redlock("job", nodes=[primary.url], ttl=5, node_timeout=0.2, min_replicas=1)
+    with pytest.raises(NodeUnavailable, match="0 of 1 replicas acknowledged"):
+        lock.acquire(blocking=False)
+    assert not primary.client().exists("redlock:{job}")
+    (replica,) = redis_factory(1, "--replicaof", "127.0.0.1", str(primary.port))
+    wait_for(
+        lambda: (
+            primary.client().info("replication")["connected_slaves"] == 1
+            and replica.client().info("replication")["master_link_status"] == "up"
+        ),
+        timeout=10,
+    )
+    assert lock.acquire(blocking=False)
+    assert replica.client().exists("redlock:{job}")
+    lock.release()
