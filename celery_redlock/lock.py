@@ -262,7 +262,10 @@ class Redlock:
         if not all(_is_busy(reply) for reply in replies):
             # Undo everywhere, including nodes that did not answer (they may have
             # granted it after all) and nodes whose replicas did not confirm.
-            self._unlock(token, wait_for=[i for i, r in enumerate(replies) if r and r.ok])
+            # The undo is queued behind the acquisition on the same connection of each
+            # node, so it cannot overtake it; wait for every node that may be reachable
+            # (the failure path may thus cost one more budget), not for failed ones.
+            self._unlock(token, wait_for=[i for i, r in enumerate(replies) if r is None or r.ok])
         if len(attempt.granted) >= quorum:
             attempt.errors.append(f"lease spent while acquiring ({elapsed:.3f}s)")
         return attempt

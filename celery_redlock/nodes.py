@@ -140,8 +140,8 @@ class Node:
         self._connection_kwargs = pool.connection_kwargs
         self._lock = threading.Lock()
         self._idle: list[AbstractConnection] = []
-        # Connections returned with replies still in flight: [connection, replies owed,
-        # give up at (monotonic)].
+        # Connections returned with replies still in flight:
+        # [connection, replies owed, give up at (monotonic), thread ident].
         self._draining: list[list] = []
         self._pid = os.getpid()
 
@@ -164,24 +164,39 @@ class Node:
         """Whether a connected connection is ready (a send needs no connect first)."""
         return bool(self._idle) and self._pid == os.getpid()
 
-    def checkout(self, connect_timeout: float | None = None) -> AbstractConnection:
-        """A connected connection for one request; return it with :meth:`checkin`."""
+    def checkout(
+        self, connect_timeout: float | None = None
+    ) -> tuple[AbstractConnection, bool, int]:
+        """A connection for one request: (connection, just opened?, replies owed).
+
+        A thread that left replies in flight here (a fan-out decided before this node
+        answered) gets that same connection back, with the count of replies it must
+        skip first. Its next request is thus queued behind the earlier one: an undo
+        (release) can never overtake the acquisition it undoes. Return the
+        connection with :meth:`checkin`.
+        """
         with self._lock:
             self._check_pid()
             if self._draining:
                 self._drain_locked()
+                me = threading.get_ident()
+                for index, (conn, owed, _, ident) in enumerate(self._draining):
+                    if ident == me:
+                        del self._draining[index]
+                        return conn, False, owed
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = self.new_connection()
-        if conn._sock is None:
-            if connect_timeout is not None:
-                conn.socket_connect_timeout = min(self.timeout, max(connect_timeout, 0.001))
-            try:
-                conn.connect()
-            except BaseException:
-                conn.disconnect()
-                raise
-        return conn
+        if conn._sock is not None:
+            return conn, False, 0
+        if connect_timeout is not None:
+            conn.socket_connect_timeout = min(self.timeout, max(connect_timeout, 0.001))
+        try:
+            conn.connect()
+        except BaseException:
+            conn.disconnect()
+            raise
+        return conn, True, 0
 
     def checkin(self, conn: AbstractConnection, owed: int = 0, give_up_at: float = 0.0) -> None:
         """Return a connection; ``owed`` replies still in flight are read later."""
@@ -189,7 +204,7 @@ class Node:
             if self._pid != os.getpid():
                 return
             if owed:
-                self._draining.append([conn, owed, give_up_at])
+                self._draining.append([conn, owed, give_up_at, threading.get_ident()])
             elif len(self._idle) < MAX_IDLE and conn._sock is not None:
                 self._idle.append(conn)
                 return
@@ -201,7 +216,7 @@ class Node:
         now = time.monotonic()
         still = []
         for item in self._draining:
-            conn, owed, give_up_at = item
+            conn, owed, give_up_at, _ = item
             try:
                 while owed and conn.can_read(0):
                     with contextlib.suppress(ResponseError):
@@ -230,14 +245,17 @@ class Node:
 class _InFlight:
     """A request sent to one node whose replies are being read."""
 
-    __slots__ = ("calls", "conn", "index", "noscript", "owed", "skip", "values")
+    __slots__ = ("calls", "conn", "index", "noscript", "owed", "skip", "stale", "values")
 
-    def __init__(self, index: int, conn: AbstractConnection, calls: Sequence[Call]) -> None:
+    def __init__(
+        self, index: int, conn: AbstractConnection, calls: Sequence[Call], stale: int = 0
+    ) -> None:
         self.index = index
         self.conn = conn
         self.calls = calls
         self.values: list = []
-        self.owed = 0
+        self.stale = stale  # replies to an earlier request on this connection
+        self.owed = stale
         self.skip = 0
         self.noscript = False
 
@@ -246,7 +264,8 @@ class _InFlight:
         packed = [("SCRIPT", "LOAD", script.source) for script in load]
         packed += [call.packed_args() for call in self.calls]
         self.conn.send_packed_command(self.conn.pack_commands(packed), check_health=False)
-        self.skip, self.owed = len(load), len(packed)
+        self.skip = len(load)
+        self.owed = self.stale + len(packed)
 
     def read_ready(self) -> bool:
         """Read every reply already available; True when the request is complete."""
@@ -254,10 +273,13 @@ class _InFlight:
             try:
                 value = self.conn.read_response()
             except ResponseError as exc:
-                if isinstance(exc, NoScriptError):
+                if isinstance(exc, NoScriptError) and not self.stale:
                     self.noscript = True
                 value = exc
             self.owed -= 1
+            if self.stale:
+                self.stale -= 1
+                continue
             if self.skip:
                 self.skip -= 1
                 if isinstance(value, ResponseError):
@@ -269,10 +291,13 @@ class _InFlight:
         # The node lost its script cache (restart, SCRIPT FLUSH, failover): load the
         # scripts and send the request again. Scripts that answered NOSCRIPT did not
         # run; the plain commands sent with them are read-only (WAIT, EXISTS...).
-        missing = {call.script.sha: call.script for call in self.calls if call.script}
         self.values, self.noscript = [], False
-        self.send(load=list(missing.values()))
+        self.send(load=self.scripts())
         return False
+
+    def scripts(self) -> list[Script]:
+        """The distinct scripts this request calls."""
+        return list({call.script.sha: call.script for call in self.calls if call.script}.values())
 
 
 def fan_out(
@@ -316,9 +341,12 @@ def fan_out(
             continue
         conn = None
         try:
-            conn = node.checkout(connect_timeout=remaining)
-            flight = _InFlight(i, conn, requests[i])  # type: ignore[arg-type]
-            flight.send()
+            conn, fresh, stale = node.checkout(connect_timeout=remaining)
+            flight = _InFlight(i, conn, requests[i], stale)  # type: ignore[arg-type]
+            # A new connection may face a server that never saw our scripts (it was
+            # restarted, or is new): load them in the same write instead of paying a
+            # NOSCRIPT round trip, which would also run a pipelined WAIT twice.
+            flight.send(load=flight.scripts() if fresh else ())
         except (RedisError, OSError) as exc:
             if conn is not None:
                 node.discard(conn)

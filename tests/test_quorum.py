@@ -128,8 +128,9 @@ def test_blackholed_fresh_connection_is_bounded(redis_factory, fault_proxy):
 
 def test_min_replicas_counts_only_replicated_votes(redis_factory):
     """WAIT decides: no replica means no vote; an attached replica makes it count."""
-    (primary,) = redis_factory(1)
-    lock = Redlock("job", nodes=[primary.url], ttl=5, node_timeout=0.2, min_replicas=1)
+    (primary,) = redis_factory(1, "--repl-diskless-sync-delay", "0")
+    # A generous budget: a replica that just synced may take a few hundred ms to ACK.
+    lock = Redlock("job", nodes=[primary.url], ttl=10, node_timeout=1.0, min_replicas=1)
     with pytest.raises(NodeUnavailable, match="0 of 1 replicas acknowledged"):
         lock.acquire(blocking=False)
     assert not primary.client().exists("redlock:{job}")
@@ -144,3 +145,19 @@ def test_min_replicas_counts_only_replicated_votes(redis_factory):
     assert lock.acquire(blocking=False)
     assert replica.client().exists("redlock:{job}")
     lock.release()
+
+
+def test_undo_cannot_overtake_a_slow_nodes_acquisition(redis_factory, fault_proxy):
+    """A refusal decided before a slow node answered still leaves no key on that node."""
+    servers = redis_factory(3)
+    proxy = fault_proxy(servers[2])
+    for server in servers[:2]:  # another owner holds the lock on a majority
+        server.client().hset("redlock:{job}", mapping={"token": "other", "task_id": "t"})
+        server.client().pexpire("redlock:{job}", 10_000)
+    lock = Redlock("job", nodes=[servers[0].url, servers[1].url, proxy.url], ttl=5,
+                   node_timeout=1.0)
+    assert lock.acquire(blocking=False) is False  # warms the connections
+    proxy.delay(0.2)
+    for _ in range(3):
+        assert lock.acquire(blocking=False) is False
+        assert not servers[2].client().exists("redlock:{job}")

@@ -137,7 +137,11 @@ def test_scripts_go_by_evalsha_and_reload_after_a_flush(redis_node):
     """Calls use EVALSHA; after SCRIPT FLUSH one SCRIPT LOAD restores it for good."""
     node = Node(redis_node.url, timeout=1.0)
     call = [Call(INSPECT, KEYS[:2])]
+    redis_node.reset_stats()
     fan_out([node], [call], timeout=1.0)
+    stats = redis_node.commandstats()
+    assert stats.get("script|load", stats.get("script")) == 1, "a new connection loads first"
+    assert stats.get("evalsha") == 1, "so the first call does not hit NOSCRIPT"
     redis_node.client().script_flush()
     redis_node.reset_stats()
     for _ in range(3):
