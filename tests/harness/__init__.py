@@ -3,40 +3,8 @@
 Import from here: ``from tests.harness import RedisServer, FaultProxy, wait_for``.
 """
 
+from . import servers
 from .faultproxy import FaultProxy
-from .servers import (
-    ENV_VAR,
-    HOST,
-    BinaryInfo,
-    RedisServer,
-    WaitTimeout,
-    binary_summary,
-    find_redis_server,
-    free_port,
-    make_client,
-    no_retry,
-    pid_exists,
-    resolve_redis_server,
-    server_version,
-    used_binaries,
-    wait_for,
-)
+from .servers import *  # noqa: F403 (re-exports exactly servers.__all__)
 
-__all__ = [
-    "ENV_VAR",
-    "HOST",
-    "BinaryInfo",
-    "FaultProxy",
-    "RedisServer",
-    "WaitTimeout",
-    "binary_summary",
-    "find_redis_server",
-    "free_port",
-    "make_client",
-    "no_retry",
-    "pid_exists",
-    "resolve_redis_server",
-    "server_version",
-    "used_binaries",
-    "wait_for",
-]
+__all__ = ["FaultProxy", *servers.__all__]  # noqa: PLE0604

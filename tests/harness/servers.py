@@ -489,28 +489,27 @@ class RedisServer:
 
     def pause(self) -> None:
         """SIGSTOP the server: connections stay open but nothing is answered."""
-        with self._lock:
-            proc = self._require_running()
-            proc.send_signal(signal.SIGSTOP)
-            self._paused = True
-            if Path("/proc").is_dir():
-                wait_for(
-                    lambda: _pid_state(proc.pid) in ("T", "t", None),
-                    timeout=5,
-                    message=f"pid {proc.pid} to stop",
-                )
+        self._signal(signal.SIGSTOP, paused=True)
 
     def resume(self) -> None:
         """SIGCONT a paused server."""
+        self._signal(signal.SIGCONT, paused=False)
+
+    def _signal(self, sig: signal.Signals, *, paused: bool) -> None:
+        """Send SIGSTOP/SIGCONT and wait until /proc shows the process in that state."""
         with self._lock:
             proc = self._require_running()
-            proc.send_signal(signal.SIGCONT)
-            self._paused = False
+            proc.send_signal(sig)
+            self._paused = paused
             if Path("/proc").is_dir():
                 wait_for(
-                    lambda: _pid_state(proc.pid) not in ("T", "t"),
+                    lambda: (
+                        _pid_state(proc.pid) in ("T", "t", None)
+                        if paused
+                        else _pid_state(proc.pid) not in ("T", "t")
+                    ),
                     timeout=5,
-                    message=f"pid {proc.pid} to continue",
+                    message=f"pid {proc.pid} to {'stop' if paused else 'continue'}",
                 )
 
     def restart(self) -> RedisServer:
