@@ -23,8 +23,11 @@ the same task id, and must not be able to renew or release each other's lock::
     worker A: acquire(token=a)  ... body runs ...              release(a): -1, left alone
     worker B:         (redelivered, same task id) acquire(b): busy
 
-Reentrancy is counted on the object: acquiring a lock this object already holds
-increments a counter, and only the matching number of releases frees it.
+Reentrancy is counted on the object, for the thread that holds it: that thread
+acquiring again increments a counter, and only the matching number of releases
+frees the lock. Another thread using the same object contends like any other owner
+(as with redis-py's thread-local tokens), so a module-level ``Redlock`` still
+excludes the threads of one process from each other.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ class Redlock:
         self.task_id = task_id
         self._lease: Lease | None = None
         self._count = 0
+        self._holder_thread: int | None = None
         self._mutex = threading.RLock()
 
     def __repr__(self) -> str:
@@ -149,10 +153,8 @@ class Redlock:
         :class:`NodeUnavailable` when so many nodes fail that no quorum is possible
         (blocking or not: an outage is not a busy lock).
         """
-        with self._mutex:
-            if self._held():
-                self._count += 1
-                return True
+        if self._reenter():
+            return True
         give_up = None if timeout is None or not blocking else time.monotonic() + timeout
         subscription: Subscription | None = None
         try:
@@ -189,10 +191,8 @@ class Redlock:
 
     def try_acquire(self) -> None:
         """Take the lock now or raise :class:`LockBusy` naming the holder."""
-        with self._mutex:
-            if self._held():
-                self._count += 1
-                return
+        if self._reenter():
+            return
         attempt = self._attempt()
         if attempt is None:
             return
@@ -325,6 +325,7 @@ class Redlock:
         with self._mutex:
             self._lease = lease
             self._count = 1
+            self._holder_thread = threading.get_ident()
         if self.auto_renew:
             get_renewer().add(lease)
         logger.debug("Lock(%r) acquired, fence %s", self.keys.lock, fence)
@@ -341,6 +342,14 @@ class Redlock:
         )
 
     # -- holding -----------------------------------------------------------------
+
+    def _reenter(self) -> bool:
+        """Count one more hold if this thread holds the lock already."""
+        with self._mutex:
+            if self._held() and self._holder_thread == threading.get_ident():
+                self._count += 1
+                return True
+            return False
 
     def _held(self) -> bool:
         lease = self._lease

@@ -212,3 +212,15 @@ def test_wrong_password_is_named(redis_factory):
     good = Redlock("job", nodes=[f"redis://:right@127.0.0.1:{server.port}/0"], ttl=5)
     assert good.acquire(blocking=False)
     good.release()
+
+
+def test_threads_sharing_one_object_still_exclude_each_other(redis_node):
+    """Reentrancy is per holding thread: another thread with the same object must wait."""
+    lock = Redlock("job", nodes=[redis_node.url], ttl=5)
+    assert lock.acquire()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(got=lock.acquire(blocking=False)))
+    thread.start()
+    thread.join(10)
+    assert result["got"] is False
+    lock.release()

@@ -154,8 +154,9 @@ def test_undo_cannot_overtake_a_slow_nodes_acquisition(redis_factory, fault_prox
     for server in servers[:2]:  # another owner holds the lock on a majority
         server.client().hset("redlock:{job}", mapping={"token": "other", "task_id": "t"})
         server.client().pexpire("redlock:{job}", 10_000)
-    lock = Redlock("job", nodes=[servers[0].url, servers[1].url, proxy.url], ttl=5,
-                   node_timeout=1.0)
+    lock = Redlock(
+        "job", nodes=[servers[0].url, servers[1].url, proxy.url], ttl=5, node_timeout=1.0
+    )
     assert lock.acquire(blocking=False) is False  # warms the connections
     proxy.delay(0.2)
     for _ in range(3):
