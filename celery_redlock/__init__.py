@@ -5,15 +5,18 @@ Everything users import comes from here; the submodules are internal.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import worker as _worker  # noqa: F401 (connects the worker signal receivers)
 from .exceptions import (
     ConfigurationError,
     LockBusy,
+    LockKeyError,
     LockLost,
     LockNotOwned,
     NodeUnavailable,
     RedlockError,
 )
 from .lock import Redlock
+from .task import LockedTask
 
 try:
     __version__ = version("celery_redlock")
@@ -23,8 +26,10 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "ConfigurationError",
     "LockBusy",
+    "LockKeyError",
     "LockLost",
     "LockNotOwned",
+    "LockedTask",
     "NodeUnavailable",
     "Redlock",
     "RedlockError",

@@ -10,6 +10,7 @@ Hierarchy::
     ├── LockBusy                  the lock is held by someone else
     ├── LockLost                  the lease is gone, or can no longer be trusted
     ├── LockNotOwned              release/extend of a lock this object does not hold
+    ├── LockKeyError              a task's arguments cannot form a lock key (also TypeError)
     └── NodeUnavailable           not enough Redis nodes answered in time
 
 Every exception keeps what it knows (key, holder, fence...) in ``args``: Celery's
@@ -24,6 +25,7 @@ from celery.exceptions import ImproperlyConfigured
 __all__ = [
     "ConfigurationError",
     "LockBusy",
+    "LockKeyError",
     "LockLost",
     "LockNotOwned",
     "NodeUnavailable",
@@ -122,6 +124,23 @@ class LockNotOwned(RedlockError):
 
     def __str__(self) -> str:
         return f"lock {self.args[0]!r}: {self.args[1]}"
+
+
+class LockKeyError(RedlockError, TypeError):
+    """A task's arguments cannot be turned into a lock key.
+
+    Arguments:
+        task: the task name.
+        argument: the argument (and the path inside it) that cannot be keyed.
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, task: str, argument: str, reason: str) -> None:
+        super().__init__(task, argument, reason)
+
+    def __str__(self) -> str:
+        task, argument, reason = self.args
+        return f"task {task}: argument {argument!r} cannot be part of a lock key: {reason}"
 
 
 class NodeUnavailable(RedlockError):

@@ -2,21 +2,42 @@
 
 A lock named ``NAME`` under the prefix ``redlock:`` uses::
 
-    redlock:{NAME}            hash: token, fence, task_id, host, pid, acquired_at, ttl
+    redlock:{NAME}            hash: token, fence, task_id, task_name, host, pid,
+                              acquired_at, ttl
     redlock:{NAME}:fence      fence counter (an integer that only grows; no TTL)
     redlock:{NAME}:released   pub/sub channel: one message per release
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all.
+
+Task locks are named from the task and a SHA-256 digest of its canonical bound
+arguments (:func:`task_lock_name`): argument values never appear in Redis, and the
+name has a bounded length whatever the arguments are.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import datetime
+import decimal
+import hashlib
+import inspect
+import json
+import math
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, LockKeyError
 
-__all__ = ["DEFAULT_PREFIX", "MAX_NAME_LENGTH", "LockKeys", "lock_keys", "validate_prefix"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "MAX_NAME_LENGTH",
+    "LockKeys",
+    "check_lock_args",
+    "lock_keys",
+    "task_lock_name",
+    "validate_prefix",
+]
 
 DEFAULT_PREFIX = "redlock:"
 
@@ -55,3 +76,128 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
         )
     lock = f"{prefix}{{{name}}}"
     return LockKeys(lock, f"{lock}:fence", f"{lock}:released")
+
+
+# -- task locks ------------------------------------------------------------------
+
+#: Deepest nesting of an argument that is keyed; deeper values are refused.
+MAX_DEPTH = 32
+
+
+def task_lock_name(
+    task_name: str,
+    run: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    lock_args: Sequence[str] | None = None,
+    lock_key: str | Callable[[Sequence[Any], Mapping[str, Any]], Any] | None = None,
+) -> str:
+    """The lock name of one task call; never contains argument values.
+
+    * ``lock_key`` callable ``(args, kwargs) -> value`` or format string over the
+      argument names: ``key:<digest of the value>``. Tasks that compute the same
+      key share the lock, whatever their names.
+    * ``lock_args=()``: the task name alone (one run of the task at a time).
+    * ``lock_args=None``: ``<task name>:<digest of every bound argument>``.
+    * ``lock_args=("a", "b")``: ``<task name>:<digest of a and b>``.
+
+    Arguments are bound to ``run``'s signature with defaults applied, so
+    ``sync(1)`` and ``sync(account_id=1, full=False)`` lock the same key.
+
+    Raises:
+        LockKeyError: an argument cannot be keyed (naming the task and argument).
+    """
+    if lock_key is None and lock_args is not None and not lock_args:
+        return task_name
+    bound = _bind(task_name, run, args, kwargs)
+    if lock_key is not None:
+        if callable(lock_key):
+            value = lock_key(args, kwargs)
+        else:
+            try:
+                value = lock_key.format(**bound)
+            except (KeyError, IndexError, AttributeError, ValueError) as exc:
+                raise LockKeyError(task_name, "lock_key", f"{lock_key!r}: {exc!r}") from exc
+        return f"key:{_digest(task_name, 'lock_key', value)}"
+    if lock_args is not None:
+        bound = {name: bound[name] for name in lock_args}
+    return f"{task_name}:{_digest(task_name, None, bound)}"
+
+
+def check_lock_args(task_name: str, run: Callable[..., Any], lock_args: Sequence[str]) -> None:
+    """Raise ConfigurationError if ``lock_args`` names something ``run`` does not take."""
+    parameters = inspect.signature(run).parameters
+    if isinstance(lock_args, str):
+        raise ConfigurationError(
+            f"task {task_name}: lock_args must be a tuple of argument names, got the "
+            f"string {lock_args!r} (did you mean ({lock_args!r},)?)"
+        )
+    unknown = [name for name in lock_args if name not in parameters]
+    if unknown:
+        raise ConfigurationError(
+            f"task {task_name}: lock_args names {', '.join(map(repr, unknown))}, not "
+            f"parameters of run{inspect.signature(run)}"
+        )
+
+
+def _bind(
+    task_name: str, run: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    try:
+        bound = inspect.signature(run).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise LockKeyError(task_name, "(call)", f"arguments do not match the task: {exc}") from exc
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _digest(task_name: str, argument: str | None, value: Any) -> str:
+    if argument is None:
+        canonical = {name: _canonical(task_name, name, v, 0) for name, v in value.items()}
+    else:
+        canonical = _canonical(task_name, argument, value, 0)
+    text = json.dumps(
+        canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
+    )
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _canonical(task: str, path: str, value: Any, depth: int) -> Any:
+    """A JSON value that is equal for equal arguments, before and after a JSON round trip.
+
+    Tuples become lists and mapping keys strings, as a JSON message would make them;
+    sets are sorted; dates, UUIDs and Decimals become tagged strings.
+    """
+    if depth > MAX_DEPTH:
+        raise LockKeyError(task, path, f"nested deeper than {MAX_DEPTH} levels")
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [_canonical(task, f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise LockKeyError(task, path, f"mapping key of type {type(k).__name__}")
+            out[k if isinstance(k, str) else json.dumps(k)] = _canonical(
+                task, f"{path}[{k!r}]", v, depth + 1
+            )
+        return out
+    if isinstance(value, (set, frozenset)):
+        items = [_canonical(task, f"{path}{{}}", v, depth + 1) for v in value]
+        return {"__set__": sorted(items, key=lambda v: json.dumps(v, sort_keys=True))}
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return {"__datetime__": value.isoformat()}
+    if isinstance(value, (uuid.UUID, decimal.Decimal)):
+        return {f"__{type(value).__name__.lower()}__": str(value)}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"__bytes__": bytes(value).hex()}
+    raise LockKeyError(
+        task,
+        path,
+        f"values of type {type(value).__module__}.{type(value).__qualname__} have no stable "
+        "key; leave the argument out with lock_args, or name the resource with lock_key",
+    )

@@ -103,6 +103,7 @@ class Redlock:
             before a node's vote counts.
         task_id: recorded as the holder, so others can name who holds the lock and
             a worker can release the lock of a task whose process died.
+        task_name: recorded beside the task id, for ``celery redlock ls``.
 
     Example::
 
@@ -124,6 +125,7 @@ class Redlock:
         key_prefix: str = DEFAULT_PREFIX,
         min_replicas: int = 0,
         task_id: str | None = None,
+        task_name: str | None = None,
     ) -> None:
         self.name = name
         self.keys = lock_keys(name, key_prefix)
@@ -135,6 +137,7 @@ class Redlock:
         self.on_lost = on_lost
         self.min_replicas = min_replicas
         self.task_id = task_id
+        self.task_name = task_name
         self._lease: Lease | None = None
         self._count = 0
         self._holder_thread: int | None = None
@@ -215,6 +218,7 @@ class Redlock:
                     _HOST,
                     os.getpid(),
                     f"{time.time():.3f}",
+                    self.task_name or "",
                 ),
             )
         ]
@@ -475,6 +479,11 @@ class Redlock:
                 }
             )
         return views
+
+    @property
+    def key(self) -> str:
+        """The Redis key of the lock (``<prefix>{<name>}``)."""
+        return self.keys.lock
 
     @property
     def fence(self) -> int | None:

@@ -165,6 +165,10 @@ class Renewer:
     def add(self, lease: Lease) -> None:
         """Start renewing ``lease``; stop by setting ``released`` or on loss."""
         self._schedule(lease, time.monotonic() + lease.timing.renew_interval)
+        self.start()
+
+    def start(self) -> None:
+        """Start the renewer thread, if it is not running yet."""
         if self._thread is None:
             with self._cond:
                 if self._thread is None:

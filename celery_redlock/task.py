@@ -1,0 +1,281 @@
+"""``LockedTask``: a task base class that runs its body only while holding its lock.
+
+::
+
+    @app.task(base=LockedTask, bind=True, lock_ttl=60, lock_args=("account_id",))
+    def sync_account(self, account_id, full=False):
+        self.lock.check()
+        ...
+
+The lock is taken in :meth:`LockedTask.before_start`, which Celery (>= 5.2) runs
+inside the traced ``try``: raising there decides the task's state, and the body
+never starts (a ``task_prerun`` receiver could not do this: Celery logs and swallows
+its exceptions). It is released in ``task_postrun`` (see :mod:`celery_redlock.worker`),
+which fires for every outcome: SUCCESS, FAILURE, RETRY, IGNORED and REJECTED.
+
+Everything about one execution lives on ``self.request`` (the execution's own
+context), never on the task object, which the threads pool shares between runs.
+
+What a busy lock does (``lock_on_busy``):
+
+=========  ======================================================================
+``skip``   The body does not run. Logged at INFO with the holder's task id. The
+           result is stored as FAILURE with :class:`~celery_redlock.LockBusy`, so
+           ``AsyncResult.get()`` raises ``LockBusy`` at once (``propagate=False``
+           returns it); no callbacks or errbacks run; the worker logs it as ignored.
+``retry``  ``self.retry(countdown=lock_retry_countdown, exc=LockBusy(...))``;
+           counts against ``max_retries``, after which the task fails with LockBusy.
+``raise``  The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
+``wait``   Waits up to ``lock_wait_timeout`` seconds, woken by the holder's release;
+           then fails with ``LockBusy`` if still held.
+=========  ======================================================================
+
+Redis unreachable: the body does not run and the task fails with
+:class:`~celery_redlock.NodeUnavailable` (or retries, with ``lock_on_busy="retry"``),
+unless ``redlock_fail_open`` is set, in which case it runs unlocked with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from celery import Celery, Task
+from celery.exceptions import Ignore
+
+from . import abort, reaper
+from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
+from .keys import check_lock_args, task_lock_name
+from .lock import Redlock
+from .settings import ON_BUSY, ON_LOST, Settings, from_conf, timing
+
+__all__ = ["LockedTask", "TaskLockOptions", "app_settings", "lock_options"]
+
+logger = logging.getLogger("celery_redlock.task")
+
+#: The attribute of ``task.request`` holding the execution's :class:`Redlock`.
+REQUEST_ATTR = "redlock"
+
+_settings: weakref.WeakKeyDictionary[Celery, Settings] = weakref.WeakKeyDictionary()
+
+
+def app_settings(app: Celery) -> Settings:
+    """The validated ``redlock_*`` settings of ``app`` (read once per app)."""
+    settings = _settings.get(app)
+    if settings is None:
+        settings = _settings[app] = from_conf(app.conf)
+    return settings
+
+
+@dataclass(frozen=True)
+class TaskLockOptions:
+    """One task's lock options, resolved against the app settings and validated."""
+
+    ttl: float
+    renew_interval: float | None
+    args: tuple[str, ...] | None
+    key: Any
+    on_busy: str
+    on_lost: str
+    retry_countdown: float
+    wait_timeout: float
+
+
+def lock_options(task: Task) -> TaskLockOptions:
+    """Resolve and validate ``task``'s ``lock_*`` options (cached on the task class).
+
+    Raises:
+        ConfigurationError: naming the task, the option and the accepted values.
+    """
+    cls = type(task)
+    cached = cls.__dict__.get("_redlock_options")
+    if cached is not None:
+        return cached
+    settings = app_settings(task.app)
+
+    def pick(option: str, default: Any) -> Any:
+        value = getattr(task, f"lock_{option}", None)
+        return default if value is None else value
+
+    where = f"task {task.name}: lock_"
+    options = TaskLockOptions(
+        ttl=pick("ttl", settings.ttl),
+        renew_interval=pick("renew_interval", settings.renew_interval),
+        args=None if getattr(task, "lock_args", None) is None else tuple(task.lock_args),
+        key=getattr(task, "lock_key", None),
+        on_busy=pick("on_busy", settings.on_busy),
+        on_lost=pick("on_lost", settings.on_lost),
+        retry_countdown=pick("retry_countdown", settings.retry_countdown),
+        wait_timeout=pick("wait_timeout", settings.wait_timeout),
+    )
+    timing(
+        options.ttl,
+        options.renew_interval,
+        settings.node_timeout,
+        settings.drift_factor,
+        source=where,
+    )
+    for name, value, allowed in (
+        ("on_busy", options.on_busy, ON_BUSY),
+        ("on_lost", options.on_lost, ON_LOST),
+    ):
+        if value not in allowed:
+            raise ConfigurationError(
+                f"{where}{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+            )
+    if getattr(task, "lock_args", None) is not None:
+        check_lock_args(task.name, task.run, task.lock_args)
+    if options.key is not None and not (callable(options.key) or isinstance(options.key, str)):
+        raise ConfigurationError(
+            f"{where}key must be a callable (args, kwargs) -> str or a format string over "
+            f"the argument names, got {options.key!r}"
+        )
+    cls._redlock_options = options
+    return options
+
+
+class LockedTask(Task):
+    """A task whose body runs only while it holds a distributed lock.
+
+    Options (class attributes, so also ``@app.task(...)`` keywords; each defaults
+    to the ``redlock_*`` setting of the same name):
+
+    * ``lock_ttl``: lease in seconds, renewed while the body runs.
+    * ``lock_args``: argument names the key uses; ``None`` all, ``()`` none.
+    * ``lock_key``: ``(args, kwargs) -> str`` or a format string over argument
+      names, naming the resource instead (tasks with the same key share a lock).
+    * ``lock_on_busy``: ``skip`` | ``retry`` | ``raise`` | ``wait``.
+    * ``lock_on_lost``: ``abort`` (``LockLost`` raised in the body) | ``revoke``
+      (terminate through Celery's revoke; prefork) | ``ignore`` (log only). In
+      every case ``self.lock.check()`` raises and the task's result is a failure
+      with ``LockLost``.
+    * ``lock_retry_countdown``, ``lock_wait_timeout``, ``lock_renew_interval``.
+
+    .. versionadded:: 0.1
+    """
+
+    lock_ttl: float | None = None
+    lock_renew_interval: float | None = None
+    lock_args: tuple[str, ...] | None = None
+    lock_key: Any = None
+    lock_on_busy: str | None = None
+    lock_on_lost: str | None = None
+    lock_retry_countdown: float | None = None
+    lock_wait_timeout: float | None = None
+
+    @property
+    def lock(self) -> Redlock:
+        """The lock this execution holds: ``fence``, ``key``, ``remaining()``, ``check()``."""
+        lock = getattr(self.request, REQUEST_ATTR, None)
+        if lock is None:
+            raise RuntimeError(
+                f"task {self.name}: self.lock exists only while a worker runs the task "
+                "(not when the task is called directly, nor with redlock_fail_open "
+                "after Redis was unreachable)"
+            )
+        return lock
+
+    def before_start(self, task_id: str, args: tuple, kwargs: dict) -> None:
+        """Take the lock before the body runs (see the module docs for busy locks)."""
+        super().before_start(task_id, args, kwargs)
+        acquire_for(self, task_id, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body; a lock lost meanwhile makes the result a LockLost failure."""
+        lock = getattr(self.request, REQUEST_ATTR, None)
+        if lock is None:
+            return super().__call__(*args, **kwargs)
+        try:
+            result = super().__call__(*args, **kwargs)
+        except LockLost:
+            # The threads pool raises a bare LockLost class: give the result the
+            # key, reason and fence.
+            lease_lost = lock._lease.lost if lock._lease is not None else None
+            if lease_lost is not None:
+                raise lease_lost from None
+            raise
+        # A body that returned (or swallowed the abort) still ran unprotected for a
+        # while: never report it as a plain success.
+        lock.check()
+        return result
+
+
+def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock | None:
+    """Take ``task``'s lock for this execution, or apply the busy/unavailable policy."""
+    settings = app_settings(task.app)
+    options = lock_options(task)
+    name = task_lock_name(
+        task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
+    )
+    lock = Redlock(
+        name,
+        nodes=settings.node_urls(),
+        ttl=options.ttl,
+        renew_interval=options.renew_interval,
+        node_timeout=settings.node_timeout,
+        drift_factor=settings.drift_factor,
+        key_prefix=settings.key_prefix,
+        min_replicas=settings.min_replicas,
+        task_id=task_id,
+        task_name=task.name,
+    )
+    lock.on_lost = partial(_on_lost, task, task_id, options.on_lost, lock)
+    reaper.announce(task_id, lock.key)
+    try:
+        _take(lock, options)
+    except NodeUnavailable as exc:
+        reaper.forget(task_id, lock.key)
+        if settings.fail_open:
+            logger.warning(
+                "Task %s[%s] runs WITHOUT its lock (redlock_fail_open): %s", task.name, task_id, exc
+            )
+            return None
+        if options.on_busy == "retry":
+            raise task.retry(exc=exc, countdown=options.retry_countdown) from exc
+        raise
+    except LockBusy as busy:
+        reaper.forget(task_id, lock.key)
+        _busy(task, task_id, busy, options)
+    setattr(task.request, REQUEST_ATTR, lock)
+    abort.track(lock._lease, task_id)
+    logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
+    return lock
+
+
+def _take(lock: Redlock, options: TaskLockOptions) -> None:
+    if options.on_busy == "wait" and lock.acquire(timeout=options.wait_timeout):
+        return
+    lock.try_acquire()
+
+
+def _busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
+    """Apply ``lock_on_busy``; always raises."""
+    policy = options.on_busy
+    if policy == "retry":
+        logger.info(
+            "Task %s[%s] retries in %ss: %s", task.name, task_id, options.retry_countdown, busy
+        )
+        raise task.retry(exc=busy, countdown=options.retry_countdown)
+    if policy == "skip":
+        logger.info("Task %s[%s] skipped: %s", task.name, task_id, busy)
+        if not task.ignore_result:
+            task.backend.mark_as_failure(task_id, busy, request=task.request, call_errbacks=False)
+        raise Ignore(str(busy))
+    raise busy
+
+
+def _on_lost(task: Task, task_id: str, policy: str, lock: Redlock, exc: LockLost) -> None:
+    """Called by the renewer when the lease of a running task is lost."""
+    if policy == "ignore":
+        logger.error("Task %s[%s] lost its lock (%s); it keeps running", task.name, task_id, exc)
+        return
+    if policy == "revoke" and reaper.in_pool_child():
+        logger.error("Task %s[%s] lost its lock (%s); revoking it", task.name, task_id, exc)
+        task.app.control.revoke(task_id, terminate=True, signal="SIGTERM")
+        return
+    logger.error("Task %s[%s] lost its lock (%s); aborting it", task.name, task_id, exc)
+    if not abort.abort(lock._lease, exc):
+        logger.debug("Task %s[%s] had already ended", task.name, task_id)

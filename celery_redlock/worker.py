@@ -1,0 +1,134 @@
+"""Wiring into the Celery worker: a bootstep and a few signal receivers.
+
+Importing :mod:`celery_redlock` connects the receivers below (cheaply: no sockets).
+That happens before the worker builds its blueprint both for apps that use
+``LockedTask`` (the task modules import it) and for configuration-only setups
+(``imports = ["celery_redlock", ...]``), so ``worker_init`` can add
+:class:`RedlockStep` to the worker's blueprint.
+
+Receivers never decide whether work happens (Celery swallows their exceptions);
+the bootstep does: invalid settings raise :class:`~celery_redlock.ConfigurationError`
+from it, and the worker does not start.
+
+==========================  ==================================================
+``worker_init``             add :class:`RedlockStep` to the app's worker steps
+``RedlockStep.__init__``    validate settings and every locked task's options;
+                            lock the ``redlock_tasks`` of configuration-only
+                            setups; prefork: open the pipe children report on
+``RedlockStep.start``       start the renewer (solo, threads) or the reaper
+                            that releases a dead child's locks (prefork)
+``worker_process_init``     in each prefork child: start its own renewer
+``task_postrun``            release the execution's lock, whatever the outcome
+==========================  ==================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import bootsteps, signals
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from kombu.utils.url import maybe_sanitize_url
+
+from . import abort, config_only, reaper
+from .nodes import NodeSet
+from .reaper import Reaper
+from .renewal import get_renewer
+from .settings import timing
+from .task import REQUEST_ATTR, LockedTask, app_settings, lock_options
+
+__all__ = ["RedlockStep", "install"]
+
+logger = logging.getLogger("celery_redlock.worker")
+
+_reaper: Reaper | None = None
+
+
+class RedlockStep(bootsteps.StartStopStep):
+    """Validates the lock configuration and runs the per-worker lock machinery."""
+
+    label = "Redlock"
+    requires = ("celery.worker.components:Hub",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        global _reaper  # noqa: PLW0603
+        super().__init__(worker, **kwargs)
+        app = worker.app
+        settings = app_settings(app)  # raises ConfigurationError: the worker stops
+        config_only.apply(app, settings)
+        locked = [task for task in app.tasks.values() if isinstance(task, LockedTask)]
+        for task in locked:
+            lock_options(task)
+        self.prefork = _is_prefork(worker)
+        self.reaper = None
+        if locked and self.prefork:
+            node_timeout = timing(
+                settings.ttl, settings.renew_interval, settings.node_timeout, settings.drift_factor
+            ).node_timeout
+            self.reaper = _reaper = Reaper(NodeSet.get(settings.node_urls(), timeout=node_timeout))
+        logger.info(
+            "celery_redlock: %d locked task(s) on %s",
+            len(locked),
+            ", ".join(n for n in _safe_urls(settings)),
+        )
+
+    def start(self, worker: Any) -> None:
+        """Start the reaper (prefork) or this process's renewer (solo, threads)."""
+        if self.reaper is not None:
+            self.reaper.start(getattr(worker, "hub", None))
+        if not self.prefork:
+            get_renewer().start()
+
+    def stop(self, worker: Any) -> None:
+        """Stop watching pool children."""
+        if self.reaper is not None:
+            self.reaper.stop()
+
+    shutdown = stop
+
+
+def _is_prefork(worker: Any) -> bool:
+    pool_cls = getattr(worker, "pool_cls", None)
+    return isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)
+
+
+def _safe_urls(settings: Any) -> list[str]:
+    try:
+        return [maybe_sanitize_url(url) for url in settings.node_urls()]
+    except Exception as exc:  # no node configured: the step reports it elsewhere
+        return [str(exc)]
+
+
+def install(app: Any) -> None:
+    """Add :class:`RedlockStep` to ``app``'s worker blueprint (idempotent)."""
+    steps = app.steps["worker"]
+    if RedlockStep not in steps:
+        steps.add(RedlockStep)
+
+
+@signals.worker_init.connect(dispatch_uid="celery_redlock.worker_init")
+def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
+    install(sender.app)
+
+
+@signals.worker_process_init.connect(dispatch_uid="celery_redlock.worker_process_init")
+def _on_worker_process_init(**kwargs: Any) -> None:
+    if _reaper is not None:
+        _reaper.child_init()
+    get_renewer().start()
+
+
+@signals.task_postrun.connect(dispatch_uid="celery_redlock.task_postrun")
+def _on_task_postrun(task: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+    lock = getattr(task.request, REQUEST_ATTR, None) if task is not None else None
+    if lock is None:
+        return
+    abort.untrack()
+    setattr(task.request, REQUEST_ATTR, None)
+    try:
+        lock.release()
+    except Exception:  # the lease ends by itself within one TTL
+        logger.exception("Task %s[%s]: releasing %s failed", task.name, task_id, lock.key)
+    finally:
+        reaper.forget(task_id or "", lock.key)
