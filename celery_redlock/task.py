@@ -30,6 +30,10 @@ What a busy lock does (``lock_on_busy``):
            then fails with ``LockBusy`` if still held.
 =========  ======================================================================
 
+A second delivery of a task id whose first delivery still holds the lock (acks_late
+redelivery) is ignored whatever the policy: it neither runs nor stores a result, so
+the running delivery's result is the task's result.
+
 Redis unreachable: the body does not run and the task fails with
 :class:`~celery_redlock.NodeUnavailable` (or retries, with ``lock_on_busy="retry"``),
 unless ``redlock_fail_open`` is set, in which case it runs unlocked with a warning.
@@ -225,7 +229,7 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
     lock.on_lost = partial(_on_lost, task, task_id, options.on_lost, lock)
     reaper.announce(task_id, lock.key)
     try:
-        _take(lock, options)
+        _take(lock, options, task_id)
     except NodeUnavailable as exc:
         reaper.forget(task_id, lock.key)
         if settings.fail_open:
@@ -245,14 +249,27 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
     return lock
 
 
-def _take(lock: Redlock, options: TaskLockOptions) -> None:
-    if options.on_busy == "wait" and lock.acquire(timeout=options.wait_timeout):
-        return
-    lock.try_acquire()
+def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> None:
+    """Acquire, waiting only with ``on_busy="wait"`` and never for our own task id."""
+    try:
+        lock.try_acquire()
+    except LockBusy as busy:
+        if options.on_busy != "wait" or busy.holder == task_id:
+            raise
+        if not lock.acquire(timeout=options.wait_timeout):
+            lock.try_acquire()
 
 
 def _busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
     """Apply ``lock_on_busy``; always raises."""
+    if busy.holder == task_id:
+        # The same task id holds it: this is a second delivery of a message whose
+        # first delivery is still running (acks_late + visibility timeout, a
+        # broker reconnect). That run will store the result; this one must not
+        # overwrite it, nor run, nor retry.
+        logger.info("Task %s[%s] is already running elsewhere; ignoring this duplicate "
+                    "delivery: %s", task.name, task_id, busy)
+        raise Ignore(str(busy))
     policy = options.on_busy
     if policy == "retry":
         logger.info(
