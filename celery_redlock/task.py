@@ -267,8 +267,12 @@ def _busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) ->
         # first delivery is still running (acks_late + visibility timeout, a
         # broker reconnect). That run will store the result; this one must not
         # overwrite it, nor run, nor retry.
-        logger.info("Task %s[%s] is already running elsewhere; ignoring this duplicate "
-                    "delivery: %s", task.name, task_id, busy)
+        logger.info(
+            "Task %s[%s] is already running elsewhere; ignoring this duplicate delivery: %s",
+            task.name,
+            task_id,
+            busy,
+        )
         raise Ignore(str(busy))
     policy = options.on_busy
     if policy == "retry":

@@ -1,151 +1,229 @@
-"""The demo: ``python -m example_project``.
+"""The demo: ``python -m example_project`` (or ``bash scripts/demo.sh``).
 
-It uses ``$REDLOCK_URL`` if set, otherwise starts its own redis-server (and, for
-the Redlock part, two more), then walks through what the lock does and prints it
-in plain words. It exits by itself and stops every process it started.
+Starts a Redis (unless ``EXAMPLE_REDIS_URL`` points at one), a real prefork worker and
+beat for the example app, then walks through what celery_redlock does and prints it
+in plain words: duplicates skipped, a long task renewed, a stolen lock aborting its
+task, a configuration-only lock, and a periodic job that never overlaps itself. It
+exits by itself and stops every process it started.
 """
 
 from __future__ import annotations
 
-import logging
+import itertools
+import json
 import os
-import threading
+import re
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from contextlib import ExitStack
+from pathlib import Path
 
 import redis
+from celery.exceptions import CeleryError
 
-from celery_redlock import LockBusy, LockLost, NodeUnavailable, Redlock
+from celery_redlock import LockBusy, LockLost
 
 from .redis_runner import RedisProcess
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def say(text: str) -> None:
-    print(f"  {text}", flush=True)
+
+def say(text: str = "") -> None:
+    print(f"  {text}" if text else "", flush=True)
 
 
 def step(title: str) -> None:
     print(f"\n== {title}", flush=True)
 
 
-def contention(url: str) -> None:
-    step("Two workers want the daily report at once")
-    first = Redlock("reports:daily", nodes=[url], ttl=5, task_id="worker-A")
-    second = Redlock("reports:daily", nodes=[url], ttl=5, task_id="worker-B")
-    first.acquire()
-    say(f"worker-A took the lock, fencing token {first.fence}")
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"demo: gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+class Service:
+    """A ``celery`` subprocess with its log in a file."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], logdir: Path) -> None:
+        self.log = logdir / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "example_project.app", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def outcome(result, timeout: float = 30) -> str:
     try:
-        second.try_acquire()
+        value = result.get(timeout=timeout)
     except LockBusy as busy:
-        say(f"worker-B was refused: {busy}")
-    first.release()
-    second.acquire()
+        return f"skipped: held by task {busy.holder[:8]}..."
+    except LockLost as lost:
+        return f"aborted: LockLost ({lost.reason})"
+    except CeleryError as exc:
+        return f"failed: {exc!r}"
+    return f"ran: {value}"
+
+
+def duplicates(tasks) -> None:
+    step("Three syncs of account 42 sent at the same moment")
+    results = [tasks.sync_account.delay(42, 2.0) for _ in range(3)]
+    for i, result in enumerate(results, 1):
+        say(f"sync #{i} ({result.id[:8]}...): {outcome(result)}")
+    say("one ran; the duplicates were refused before their bodies started")
+
+
+def long_task(tasks, locks: redis.Redis) -> None:
+    step("A sync that takes 5 s, with a lease of only 1.5 s")
+    result = tasks.sync_account.delay(7, 5.0)
+    key = wait_until(
+        lambda: next(locks.scan_iter("redlock:{example_project.tasks.sync_account:*}"), None),
+        20,
+        "the lock of account 7",
+    )
+    renewals, last = 0, locks.pttl(key)
+    competitor = None
+    while not result.ready():
+        time.sleep(0.2)
+        ttl = locks.pttl(key)
+        if ttl > last:
+            renewals += 1
+        last = ttl
+        if competitor is None:
+            competitor = tasks.sync_account.delay(7, 0.1)
+    say(f"the watchdog renewed the lease {renewals} times while the task ran")
+    say(f"the sync: {outcome(result)}")
+    say(f"a second sync of account 7 meanwhile: {outcome(competitor)}")
+
+
+def stolen_lock(tasks, locks: redis.Redis) -> None:
+    step("Someone deletes the lock of a running sync (account 9)")
+    result = tasks.sync_account.delay(9, 30.0)
+    key = wait_until(
+        lambda: next(
+            (
+                k
+                for k in locks.scan_iter("redlock:{example_project.tasks.sync_account:*}")
+                if not k.endswith(":fence") and locks.hget(k, "task_id") == result.id
+            ),
+            None,
+        ),
+        20,
+        "the lock of account 9",
+    )
+    locks.delete(key)
+    deleted = time.monotonic()
+    say(f"lock deleted; the task: {outcome(result)}")
+    say(f"it was stopped {time.monotonic() - deleted:.2f} s later, long before its 30 s of work")
+
+
+def config_only(tasks) -> None:
+    step("nightly_report has no lock in its code: redlock_tasks in celeryconfig.py adds one")
+    results = [tasks.nightly_report.delay("2026-11-22") for _ in range(2)]
+    for i, result in enumerate(results, 1):
+        say(f"report #{i}: {outcome(result)}")
+
+
+def periodic(worker: Service, backend: redis.Redis, seconds: float) -> None:
+    step(f"Beat sends refresh_rates every second; each run takes 2.5 s (watched {seconds:.0f} s)")
+    time.sleep(seconds)
+    log = worker.text()
+    skipped = len(re.findall(r"refresh_rates\[[^\]]+\] skipped", log))
+    runs = sorted(
+        (meta["result"]["started"], meta["result"]["ended"], meta["result"]["fence"])
+        for meta in map(
+            json.loads,
+            filter(None, (backend.get(k) for k in backend.scan_iter("celery-task-meta-*"))),
+        )
+        if meta.get("name") == "example_project.tasks.refresh_rates"
+        and meta.get("status") == "SUCCESS"
+    )
+    overlaps = sum(1 for a, b in itertools.pairwise(runs) if b[0] < a[1])
     say(
-        f"after A released, worker-B took it with fencing token {second.fence} "
-        f"(larger, so storage can reject A's late writes)"
+        f"{len(runs)} runs finished, {skipped} sends skipped because the previous run was "
+        "still going"
     )
-    second.release()
-
-
-def long_task(url: str) -> None:
-    step("A task that runs 4x longer than the lease")
-    lock = Redlock("accounts:42", nodes=[url], ttl=1.0)
-    rival = Redlock("accounts:42", nodes=[url], ttl=1.0)
-    lock.acquire()
-    say("lease is 1.0 s; the watchdog renews it every 0.33 s while the task runs")
-    refused = tries = 0
-    deadline = time.monotonic() + 4.0
-    while time.monotonic() < deadline:
-        time.sleep(0.5)  # the task's work
-        lock.check()
-        tries += 1
-        refused += not rival.acquire(blocking=False)
-        say(f"still held, {lock.remaining():.2f} s of lease left; a rival was refused")
-    lock.release()
-    say(f"done after 4 s: the rival was refused {refused} times out of {tries}")
-
-
-def lost_lock(url: str) -> None:
-    step("Someone deletes the lock behind the holder's back")
-    noticed = threading.Event()
-    lock = Redlock(
-        "accounts:7",
-        nodes=[url],
-        ttl=1.5,
-        on_lost=lambda exc: (say(f"watchdog: {exc}"), noticed.set()),
-    )
-    lock.acquire()
-    redis.Redis.from_url(url).delete(lock.keys.lock)
-    say("key deleted; waiting for the watchdog's next renewal...")
-    noticed.wait(5)
-    try:
-        lock.check()
-    except LockLost as exc:
-        say(f"the task's next check() raised LockLost ({exc.reason}): it stops here")
-    lock.release()
-
-
-def handoff(url: str) -> None:
-    step("A waiter is woken by the release, not by polling")
-    holder = Redlock("exports", nodes=[url], ttl=30)
-    waiter = Redlock("exports", nodes=[url], ttl=30)
-    holder.acquire()
-    got = {}
-
-    def wait() -> None:
-        waiter.acquire(timeout=10)
-        got["at"] = time.monotonic()
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    time.sleep(0.3)  # let the waiter park
-    released = time.monotonic()
-    holder.release()
-    thread.join()
-    say(
-        f"holder's lease had 30 s left; the waiter got the lock "
-        f"{(got['at'] - released) * 1000:.1f} ms after the release"
-    )
-    waiter.release()
-
-
-def redlock(extra: list[RedisProcess], url: str) -> None:
-    step("Redlock over three independent Redis servers")
-    urls = [url] + [p.url for p in extra]
-    lock = Redlock("payments:settle", nodes=urls, ttl=5)
-    with lock:
-        say(f"acquired on a majority of 3 nodes, fencing token {lock.fence}")
-    extra[0].kill()
-    say("one node killed")
-    with lock:
-        say(f"still acquired (2 of 3 is a majority), fencing token {lock.fence}")
-    extra[1].kill()
-    say("a second node killed")
-    try:
-        lock.acquire(blocking=False)
-    except NodeUnavailable as exc:
-        say(f"refused, fail closed: {str(exc)[:90]}...")
+    say(f"overlapping runs: {overlaps}; fencing tokens in order: {[r[2] for r in runs]}")
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.CRITICAL)
-    started: list[RedisProcess] = []
-    try:
-        url = os.environ.get("REDLOCK_URL")
-        if not url:
-            started.append(RedisProcess())
-            url = started[0].url
-            say(f"started redis-server at {url} (set REDLOCK_URL to use yours)")
-        contention(url)
-        long_task(url)
-        lost_lock(url)
-        handoff(url)
-        extra = [RedisProcess(), RedisProcess()]
-        started.extend(extra)
-        redlock(extra, url)
-        print("\nDemo finished.", flush=True)
-    finally:
-        for proc in started:
-            proc.stop()
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="redlock-demo-") as tmp:
+        logdir = Path(tmp)
+        base = os.environ.get("EXAMPLE_REDIS_URL")
+        if not base:
+            server = RedisProcess()
+            stack.callback(server.stop)
+            base = f"redis://127.0.0.1:{server.port}"
+            say(f"started redis-server on port {server.port} (set EXAMPLE_REDIS_URL to use yours)")
+        env = {
+            **os.environ,
+            "EXAMPLE_REDIS_URL": base,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        os.environ["EXAMPLE_REDIS_URL"] = base
+        from . import tasks  # noqa: PLC0415 (its config reads the URL set just above)
+
+        worker = Service(
+            "worker",
+            [
+                "worker",
+                "--pool=prefork",
+                "--concurrency=4",
+                "--loglevel=INFO",
+                "-n",
+                "demo@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            env,
+            logdir,
+        )
+        stack.callback(worker.stop)
+        say("starting a prefork worker (4 processes)...")
+        wait_until(
+            lambda: "ready." in worker.text() or worker.proc.poll() is not None, 60, "the worker"
+        )
+        if worker.proc.poll() is not None:
+            raise SystemExit(f"demo: the worker exited:\n{worker.text()}")
+        locks = redis.Redis.from_url(f"{base}/0", decode_responses=True)
+
+        duplicates(tasks)
+        long_task(tasks, locks)
+        stolen_lock(tasks, locks)
+        config_only(tasks)
+
+        beat = Service(
+            "beat", ["beat", "--loglevel=INFO", "-s", str(logdir / "schedule")], env, logdir
+        )
+        stack.callback(beat.stop)
+        periodic(worker, redis.Redis.from_url(f"{base}/2", decode_responses=True), 10)
+        beat.stop()
+        print("\nDemo finished; stopping the worker and Redis.", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,13 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from tests.harness import FaultProxy, RedisServer, binary_summary  # noqa: E402
+from tests.harness import (  # noqa: E402
+    FaultProxy,
+    InProcessWorker,
+    RedisServer,
+    WorkerProcess,
+    binary_summary,
+)
 
 
 @pytest.fixture(scope="session")
@@ -106,3 +112,81 @@ def fault_proxy() -> Iterator[Callable[[RedisServer | int], FaultProxy]]:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Say which redis-server binary the session used."""
     terminalreporter.write_line(binary_summary())
+
+
+# --------------------------------------------------------------------------- Celery
+#
+# The worker fixtures depend on ``redis_factory`` so that they are torn down first:
+# workers stop while their broker is still up.
+
+
+@pytest.fixture
+def celery_redis(redis_factory: Callable[..., list[RedisServer]]) -> RedisServer:
+    """A fresh server of this test's own for Celery (broker db 1, results db 2) and locks."""
+    return redis_factory()[0]
+
+
+@pytest.fixture
+def worker_process_factory(
+    request: pytest.FixtureRequest,
+    redis_factory: Callable[..., list[RedisServer]],
+    tmp_path: Path,
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """``make(app_module="tests.apps.plain", *, start=True, **kw)``: a ``WorkerProcess``.
+
+    ``redis_url`` defaults to ``celery_redis``'s; ``log_dir`` to one under ``tmp_path``;
+    other ``kw`` go to :class:`WorkerProcess` (``pool``, ``concurrency``, ``env``, ...).
+    Started unless ``start=False``; every one is stopped (group killed) at test end.
+    """
+    workers: list[WorkerProcess] = []
+
+    def make(
+        app_module: str = "tests.apps.plain", *, start: bool = True, **kw: Any
+    ) -> WorkerProcess:
+        if kw.get("redis_url") is None:
+            kw["redis_url"] = request.getfixturevalue("celery_redis").url
+        kw.setdefault("log_dir", tmp_path / "celery-workers")
+        worker = WorkerProcess(app_module, **kw)
+        workers.append(worker)
+        if start:
+            worker.start()
+        return worker
+
+    yield make
+    errors = []
+    for worker in reversed(workers):
+        try:
+            worker.stop()
+        except Exception as exc:  # stop every worker even if one fails
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def inprocess_worker_factory(
+    redis_factory: Callable[..., list[RedisServer]],
+) -> Iterator[Callable[..., InProcessWorker]]:
+    """``make(app, pool="solo", concurrency=1, **kw)``: a started ``InProcessWorker``.
+
+    ``kw`` go to :class:`InProcessWorker`. Each is stopped at test end; only one runs at
+    a time. The apps given are closed at test end too.
+    """
+    workers: list[InProcessWorker] = []
+
+    def make(app: Any, pool: str = "solo", concurrency: int = 1, **kw: Any) -> InProcessWorker:
+        worker = InProcessWorker(app, pool, concurrency, **kw)
+        workers.append(worker)
+        return worker.start()
+
+    yield make
+    errors = []
+    for worker in reversed(workers):
+        try:
+            worker.stop()
+        except Exception as exc:
+            errors.append(exc)
+    for app in {id(w.app): w.app for w in workers}.values():
+        app.close()
+    if errors:
+        raise errors[0]

@@ -1,0 +1,155 @@
+"""Locked tasks for the Celery integration tests, run in-process and by worker subprocesses.
+
+The Redis URL comes from ``REDLOCK_TEST_REDIS_URL`` (broker on db 1, results on db 2,
+locks on db 0). Tasks that tests inspect write their critical sections to a file as
+``start|end <label> <monotonic_ns> <pid>`` lines (read by
+``tests.harness.read_intervals``), so intervals are data.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from celery import Celery
+from celery.exceptions import Ignore, Reject
+
+from celery_redlock import LockedTask
+from tests.harness.celery_workers import make_app, redis_url_with_db
+
+REDIS_URL = os.environ.get("REDLOCK_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+#: Short leases so loss and expiry happen within a test's time.
+TTL = float(os.environ.get("REDLOCK_TEST_TTL", "1.0"))
+
+
+def note(path: str | None, event: str, label: str) -> None:
+    if path:
+        with Path(path).open("a") as out:
+            out.write(f"{event} {label} {time.monotonic_ns()} {os.getpid()}\n")
+
+
+def work(self, path, label, seconds):
+    note(path, "start", label)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    note(path, "end", label)
+    return {
+        "label": label,
+        "fence": self.lock.fence,
+        "key": self.lock.key,
+        "remaining": self.lock.remaining(),
+    }
+
+
+def create_app(redis_url: str = REDIS_URL, **conf: object) -> Celery:
+    """A fresh app with every test task registered (names: ``tests.apps.locked.<fn>``)."""
+    settings = {
+        "redlock_url": redis_url_with_db(redis_url, 0),
+        "redlock_ttl": TTL,
+        **conf,
+    }
+    app = make_app(redis_url, name="locked", **settings)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("resource",))
+    def hold(self, resource, path=None, label="", seconds=0.0):
+        """Hold ``resource`` for ``seconds``; the default policy (skip) on a busy lock."""
+        return work(self, path, label, seconds)
+
+    @app.task(
+        base=LockedTask,
+        shared=False,
+        bind=True,
+        lock_key="res:{resource}",
+        lock_on_busy="retry",
+        lock_retry_countdown=0.2,
+        max_retries=100,
+    )
+    def hold_retry(self, resource, path=None, label="", seconds=0.0):
+        """Retry while busy (shares the lock of hold_raise and hold_wait)."""
+        return work(self, path, label, seconds)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, lock_key="res:{resource}", lock_on_busy="raise"
+    )
+    def hold_raise(self, resource, path=None, label="", seconds=0.0):
+        """Fail with LockBusy while busy."""
+        return work(self, path, label, seconds)
+
+    @app.task(
+        base=LockedTask,
+        shared=False,
+        bind=True,
+        lock_key="res:{resource}",
+        lock_on_busy="wait",
+        lock_wait_timeout=30,
+    )
+    def hold_wait(self, resource, path=None, label="", seconds=0.0):
+        """Wait for the holder's release."""
+        return work(self, path, label, seconds)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("resource",))
+    def sleeper(self, resource, seconds, path=None):
+        """One long blocking sleep: the abort must interrupt it (main-thread pools)."""
+        note(path, "start", "sleeper")
+        time.sleep(seconds)
+        note(path, "end", "sleeper")
+        return "slept"
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("resource",))
+    def reader(self, resource, seconds, path=None):
+        """Block in a socket read that never gets data (for ``seconds`` at most)."""
+        left, right = socket.socketpair()
+        left.settimeout(seconds)
+        note(path, "start", "reader")
+        try:
+            left.recv(1)
+        except TimeoutError:
+            pass
+        finally:
+            left.close()
+            right.close()
+        note(path, "end", "reader")
+        return "read"
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, lock_args=("resource",), lock_on_lost="ignore"
+    )
+    def ignores_loss(self, resource, seconds, path=None):
+        """Keeps running after a loss; its result must still record the loss."""
+        return work(self, path, "ignores", seconds)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, lock_args=("resource",), lock_on_lost="revoke"
+    )
+    def revoked_on_loss(self, resource, seconds, path=None):
+        """Terminated through Celery's revoke when its lock is lost."""
+        note(path, "start", "revoke")
+        time.sleep(seconds)
+        return "not revoked"
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("resource",))
+    def outcome(self, resource, kind):
+        """End with the given outcome, to check that every outcome releases the lock."""
+        if kind == "fail":
+            raise ValueError("failed on purpose")
+        if kind == "retry":
+            raise self.retry(countdown=60, max_retries=1)
+        if kind == "ignore":
+            raise Ignore()
+        if kind == "reject":
+            raise Reject("rejected on purpose", requeue=False)
+        return kind
+
+    @app.task(base=LockedTask, bind=True, shared=False)
+    def anything(self, value):
+        """Keyed by all arguments, to exercise values that cannot be keyed."""
+        return "ran"
+
+    return app
+
+
+#: The app worker subprocesses load with ``-A tests.apps.locked``.
+app = create_app()

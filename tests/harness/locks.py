@@ -1,0 +1,26 @@
+"""Looking at (and tampering with) celery_redlock's keys on a test server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def lock_keys(server: Any) -> list[str]:
+    """The lock hashes present on ``server`` (fence counters left out)."""
+    return [k for k in server.client().scan_iter("redlock:*") if not k.endswith(":fence")]
+
+
+def holder_pid(server: Any) -> int | None:
+    """The pid recorded by the holder of the (first) lock on ``server``."""
+    keys = lock_keys(server)
+    pid = server.client().hget(keys[0], "pid") if keys else None
+    return int(pid) if pid else None
+
+
+def steal_locks(server: Any) -> None:
+    """Delete every lock behind its holder's back, as an operator or a bug would."""
+    for key in lock_keys(server):
+        server.client().delete(key)
+
+
+__all__ = ["holder_pid", "lock_keys", "steal_locks"]
