@@ -26,6 +26,7 @@ __all__ = [
     "Settings",
     "Timing",
     "from_conf",
+    "reference",
     "timing",
 ]
 
@@ -177,12 +178,17 @@ OPTIONS: dict[str, Option] = {
             "Seconds between renewals; default ttl/3, so one failed renewal is survived.",
         ),
         Option("key_prefix", DEFAULT_PREFIX, _prefix, "Prefix of every Redis key and channel."),
-        Option("on_busy", "skip", _choice(ON_BUSY), "What a task does when its lock is held."),
+        Option(
+            "on_busy",
+            "skip",
+            _choice(ON_BUSY),
+            "What a task does when its lock is held: skip, retry, raise or wait.",
+        ),
         Option(
             "on_lost",
             "abort",
             _choice(ON_LOST),
-            "What happens to a running task whose lock is lost.",
+            "What happens to a running task whose lock is lost: abort, revoke or ignore.",
         ),
         Option("retry_countdown", 5.0, _positive, "Seconds before a retry, with on_busy='retry'."),
         Option("wait_timeout", 60.0, _positive, "Longest wait, with on_busy='wait'."),
@@ -215,7 +221,9 @@ OPTIONS: dict[str, Option] = {
             "tasks",
             None,
             _tasks,
-            "Task names or glob patterns to lock by configuration alone, with options.",
+            "Task names or glob patterns to lock by configuration alone, each with a dict of "
+            "options (ttl, args, key, on_busy, on_lost, retry_countdown, wait_timeout, "
+            "renew_interval).",
         ),
     )
 }
@@ -324,3 +332,16 @@ def from_conf(conf: Mapping[str, Any]) -> Settings:
             values["url"] = broker.split(";")[0]
     timing(values["ttl"], values["renew_interval"], values["node_timeout"], values["drift_factor"])
     return Settings(**values)
+
+
+def reference() -> str:
+    """The settings reference as a Markdown table, generated from :data:`OPTIONS`."""
+
+    def shown(value: Any) -> str:
+        if value in (None, (), {}):
+            return "—"
+        return f"`{value!r}`"
+
+    rows = ["| setting | default | what it does |", "|---|---|---|"]
+    rows += [f"| `{o.setting}` | {shown(o.default)} | {o.doc} |" for o in OPTIONS.values()]
+    return "\n".join(rows) + "\n"

@@ -153,3 +153,26 @@ def test_invalid_setting_stops_a_worker_process(celery_redis, worker_process_fac
     with pytest.raises(Exception):  # noqa: B017 (the harness reports the early exit)
         worker.start(timeout=30)
     assert "redlock_on_busy must be one of 'skip', 'retry', 'raise', 'wait'" in worker.log_text()
+
+
+def test_hard_time_limit_kill_releases_the_lock(celery_redis, client, worker_process_factory):
+    """A child killed by the hard time limit: its 30 s lock is freed by the main process."""
+    locked_worker(worker_process_factory, ttl="30")
+    result = client.tasks["tests.apps.locked.sleeper"].apply_async(("acct-limit", 60), time_limit=2)
+    wait_for(lambda: lock_keys(celery_redis), timeout=20)
+    with pytest.raises(Exception, match=r"TimeLimitExceeded|WorkerLostError"):
+        result.get(timeout=RESULT_TIMEOUT)
+    wait_for(lambda: not lock_keys(celery_redis), timeout=5, message="lock freed after the kill")
+
+
+def test_gevent_pool_aborts_the_greenlet(celery_redis, client, worker_process_factory):
+    """Under gevent the task's greenlet is killed with LockLost, even in a (patched) sleep."""
+    pytest.importorskip("gevent", reason="gevent is an optional dependency (extra 'gevent')")
+    locked_worker(worker_process_factory, pool="gevent")
+    result = client.tasks["tests.apps.locked.sleeper"].delay("acct-gevent", 60)
+    wait_for(lambda: lock_keys(celery_redis), timeout=20)
+    deleted_at = time.monotonic()
+    steal_locks(celery_redis)
+    with pytest.raises(LockLost):
+        result.get(timeout=RESULT_TIMEOUT)
+    assert time.monotonic() - deleted_at < 10

@@ -69,3 +69,15 @@ def test_every_option_is_documented():
     """The table that generates the reference has a doc line for every setting."""
     for option in OPTIONS.values():
         assert option.setting.startswith("redlock_") and option.doc.endswith(".")
+
+
+def test_readme_settings_table_is_current():
+    """The README's settings reference is the one generated from the table."""
+    from pathlib import Path
+
+    from celery_redlock.settings import reference
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert reference() in readme, (
+        "regenerate: python -c 'from celery_redlock.settings import reference; print(reference())'"
+    )
