@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
@@ -45,8 +46,12 @@ def test_busy_lock_names_its_holder(redis_node):
     assert info.value.key == "redlock:{job}" and info.value.holder == "task-1"
     assert 0 < info.value.ttl <= 5
     assert "task task-1" in str(info.value)
-    rebuilt = LockBusy(*info.value.args)
-    assert (rebuilt.key, rebuilt.holder) == (info.value.key, info.value.holder)
+    rebuilt = pickle.loads(pickle.dumps(info.value))
+    assert (rebuilt.key, rebuilt.holder, rebuilt.ttl) == (
+        info.value.key,
+        info.value.holder,
+        info.value.ttl,
+    )
     a.release()
 
 
