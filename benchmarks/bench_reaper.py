@@ -31,8 +31,13 @@ def main() -> None:
     samples = []
     with RedisServer() as server:
         app = create_app(server.url)
-        worker = WorkerProcess("tests.apps.locked", pool="prefork", concurrency=2,
-                               redis_url=server.url, env={"REDLOCK_TEST_TTL": "30"})
+        worker = WorkerProcess(
+            "tests.apps.locked",
+            pool="prefork",
+            concurrency=2,
+            redis_url=server.url,
+            env={"REDLOCK_TEST_TTL": "30"},
+        )
         worker.start()
         try:
             for i in range(args.trials):
@@ -58,8 +63,10 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "reaper.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"released after SIGKILL: median {report['median_ms']} ms, max {report['max_ms']} ms "
-          f"over {len(samples)} kills (lease 30 s)")
+    print(
+        f"released after SIGKILL: median {report['median_ms']} ms, max {report['max_ms']} ms "
+        f"over {len(samples)} kills (lease 30 s)"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               acquired_at, ttl
     redlock:{NAME}:fence      fence counter (an integer that only grows; no TTL)
     redlock:{NAME}:released   pub/sub channel: one message per release
+    redlock:{NAME}:state      hash of per-entry last run times (beat leader locks only)
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all.
@@ -53,6 +54,7 @@ class LockKeys(NamedTuple):
     lock: str
     fence: str
     channel: str
+    state: str
 
 
 def validate_prefix(prefix: str) -> str:
@@ -75,7 +77,7 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
             "hash long names before using them"
         )
     lock = f"{prefix}{{{name}}}"
-    return LockKeys(lock, f"{lock}:fence", f"{lock}:released")
+    return LockKeys(lock, f"{lock}:fence", f"{lock}:released", f"{lock}:state")
 
 
 # -- task locks ------------------------------------------------------------------

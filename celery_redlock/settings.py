@@ -125,6 +125,16 @@ def _prefix(name: str, value: Any) -> str:
         raise ConfigurationError(str(exc).replace("redlock_key_prefix", name)) from None
 
 
+def _optional_name(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or any(c in value for c in "{} \n"):
+        raise ConfigurationError(
+            f"{name} must be a non-empty string without braces or spaces, got {value!r}"
+        )
+    return value
+
+
 def _tasks(name: str, value: Any) -> dict[str, dict]:
     if value is None:
         return {}
@@ -218,6 +228,19 @@ OPTIONS: dict[str, Option] = {
             "Run task bodies without a lock when Redis cannot be reached.",
         ),
         Option(
+            "beat_name",
+            None,
+            _optional_name,
+            "Name of the beat leader lock; beats with the same name elect one leader. "
+            "Default: the app's main module name.",
+        ),
+        Option(
+            "beat_ttl",
+            10.0,
+            _positive,
+            "Lease of the beat leader in seconds: a standby takes over within it.",
+        ),
+        Option(
             "tasks",
             None,
             _tasks,
@@ -307,6 +330,8 @@ class Settings:
     node_timeout: float | None = None
     min_replicas: int = 0
     fail_open: bool = False
+    beat_name: str | None = None
+    beat_ttl: float = 10.0
     tasks: dict[str, dict] = field(default_factory=dict)
 
     def node_urls(self) -> tuple[str, ...]:

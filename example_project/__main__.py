@@ -10,12 +10,8 @@ exits by itself and stops every process it started.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -27,54 +23,7 @@ from celery.exceptions import CeleryError
 from celery_redlock import LockBusy, LockLost
 
 from .redis_runner import RedisProcess
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def say(text: str = "") -> None:
-    print(f"  {text}" if text else "", flush=True)
-
-
-def step(title: str) -> None:
-    print(f"\n== {title}", flush=True)
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"demo: gave up waiting for {what}")
-        time.sleep(0.05)
-
-
-class Service:
-    """A ``celery`` subprocess with its log in a file."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], logdir: Path) -> None:
-        self.log = logdir / f"{name}.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "example_project.app", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=self.log.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+from .support import ROOT, Service, finished_runs, say, step, wait_until
 
 
 def outcome(result, timeout: float = 30) -> str:
@@ -154,13 +103,8 @@ def periodic(worker: Service, backend: redis.Redis, seconds: float) -> None:
     log = worker.text()
     skipped = len(re.findall(r"refresh_rates\[[^\]]+\] skipped", log))
     runs = sorted(
-        (meta["result"]["started"], meta["result"]["ended"], meta["result"]["fence"])
-        for meta in map(
-            json.loads,
-            filter(None, (backend.get(k) for k in backend.scan_iter("celery-task-meta-*"))),
-        )
-        if meta.get("name") == "example_project.tasks.refresh_rates"
-        and meta.get("status") == "SUCCESS"
+        (run["started"], run["ended"], run["fence"])
+        for run in finished_runs(backend, "example_project.tasks.refresh_rates")
     )
     overlaps = sum(1 for a, b in itertools.pairwise(runs) if b[0] < a[1])
     say(
@@ -218,7 +162,17 @@ def main() -> None:
         config_only(tasks)
 
         beat = Service(
-            "beat", ["beat", "--loglevel=INFO", "-s", str(logdir / "schedule")], env, logdir
+            "beat",
+            [
+                "beat",
+                "--loglevel=INFO",
+                "-s",
+                str(logdir / "schedule"),
+                "-S",
+                "celery_redlock.beat:LeaderScheduler",
+            ],
+            env,
+            logdir,
         )
         stack.callback(beat.stop)
         periodic(worker, redis.Redis.from_url(f"{base}/2", decode_responses=True), 10)

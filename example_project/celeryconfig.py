@@ -20,7 +20,11 @@ redlock_ttl = 1.5  # short, so the demo shows several renewals per task
 imports = ["celery_redlock", "example_project.tasks"]
 redlock_tasks = {"example_project.tasks.nightly_report": {"args": []}}
 
+# High-availability beat (-S celery_redlock.beat:LeaderScheduler): several beats, one leader.
+redlock_beat_ttl = float(os.environ.get("EXAMPLE_BEAT_TTL", "10"))
+
 beat_schedule = {
+    "heartbeat": {"task": "example_project.tasks.heartbeat", "schedule": 1.0},
     # Every second, but each run takes 2.5 s: overlapping runs are skipped.
     "refresh-exchange-rates": {"task": "example_project.tasks.refresh_rates", "schedule": 1.0},
 }

@@ -9,6 +9,7 @@ from celery_redlock.keys import lock_keys
 from celery_redlock.nodes import Call, Node, fan_out
 from celery_redlock.scripts import (
     ACQUIRE,
+    BEAT_CLAIM,
     FENCE_SYNC,
     INSPECT,
     RELEASE,
@@ -25,7 +26,7 @@ def acquire(client, token, ttl=10_000, task_id="t1", pid=100, keys=KEYS):
 
 def test_scripts_load_from_the_installed_package():
     """Every script is package data with a header naming its KEYS and ARGV."""
-    for script in (ACQUIRE, FENCE_SYNC, INSPECT, RELEASE, RELEASE_IF, RENEW_MANY):
+    for script in (ACQUIRE, BEAT_CLAIM, FENCE_SYNC, INSPECT, RELEASE, RELEASE_IF, RENEW_MANY):
         assert script.source.startswith("-- ")
         assert "-- KEYS[" in script.source
         assert len(script.sha) == 40
@@ -151,3 +152,20 @@ def test_scripts_go_by_evalsha_and_reload_after_a_flush(redis_node):
     assert stats.get("script|load", stats.get("script")) == 1, stats
     assert "eval" not in stats
     assert stats.get("evalsha") == 4, "three calls plus the one that answered NOSCRIPT"
+
+
+def test_beat_claim_checks_leadership_and_advances_once(redis_node):
+    """Only the leader claims; each known run can be advanced past by one claim only."""
+    c = redis_node.client()
+    keys = lock_keys("beat:app")
+    acquire(c, "leader", keys=keys)
+
+    def claim(token, known, now):
+        return c.eval(BEAT_CLAIM.source, 2, keys.lock, keys.state, token, "entry", known, now)
+
+    assert claim("usurper", "", "10") == [-1]
+    assert claim("leader", "", "10") == [1]
+    assert claim("leader", "", "11") == [0, "10"], "someone already ran it"
+    assert claim("leader", "10", "11") == [1]
+    assert claim("leader", "10", "11.5") == [0, "11"], "a second leader based on 10 is refused"
+    assert c.hget(keys.state, "entry") == "11"

@@ -15,6 +15,7 @@ from importlib import resources
 
 __all__ = [
     "ACQUIRE",
+    "BEAT_CLAIM",
     "FENCE_SYNC",
     "INSPECT",
     "RELEASE",
@@ -48,3 +49,4 @@ RENEW_MANY = Script("renew_many")
 RELEASE = Script("release")
 RELEASE_IF = Script("release_if")
 INSPECT = Script("inspect")
+BEAT_CLAIM = Script("beat_claim")

@@ -597,6 +597,10 @@ class WorkerProcess:
             *self.extra_args,
         ]  # fmt: skip
 
+    def ready_pattern(self) -> re.Pattern[str]:
+        """The log line that says the process is ready."""
+        return re.compile(re.escape(self.name) + r"@\S+ ready\.")
+
     def environment(self) -> dict[str, str]:
         """The environment the worker is started with."""
         env = dict(os.environ)
@@ -703,7 +707,7 @@ class WorkerProcess:
             self._proc, self._last_pid, self.returncode = proc, proc.pid, None
             with _registry_lock:
                 _process_registry.add(self)
-            ready = re.compile(re.escape(self.name) + r"@\S+ ready\.")
+            ready = self.ready_pattern()
             try:
                 self.wait_for_log(ready, timeout=timeout)
             except BaseException as exc:
@@ -832,6 +836,7 @@ __all__ = [
     "APP_URL_ENV",
     "IN_PROCESS_POOLS",
     "REPO_ROOT",
+    "BeatProcess",
     "InProcessWorker",
     "Interval",
     "WorkerExited",
@@ -843,3 +848,36 @@ __all__ = [
     "redis_url_with_db",
     "unique_nodename",
 ]
+
+
+class BeatProcess(WorkerProcess):
+    """``python -m celery -A <app_module> beat`` as a subprocess (see :class:`WorkerProcess`).
+
+    ``scheduler`` is passed as ``-S``; each beat gets its own schedule file in its log
+    directory. Ready once it logs ``beat: Starting...``.
+    """
+
+    def __init__(self, app_module: str, *, scheduler: str | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("name", unique_nodename("beat"))
+        super().__init__(app_module, pool="solo", concurrency=1, **kwargs)
+        self.scheduler = scheduler
+
+    def command_line(self) -> list[str]:
+        """The full command line used to start beat."""
+        scheduler = ["-S", self.scheduler] if self.scheduler else []
+        return [
+            sys.executable, "-m", "celery", "-A", self.app_module, "beat",
+            f"--loglevel={self.loglevel}",
+            "-s", str(self.log_dir / f"{self.name}.schedule"),
+            "--pidfile=",
+            *scheduler,
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def ready_pattern(self) -> re.Pattern[str]:
+        """Beat is up once it logs that it starts."""
+        return re.compile(r"beat: Starting\.\.\.")
+
+    def __repr__(self) -> str:
+        state = "running" if self.alive() else "stopped"
+        return f"<BeatProcess {self.name} pid={self._last_pid} {state}>"

@@ -1,0 +1,224 @@
+"""High-availability beat: several ``celery beat`` processes, exactly one dispatching.
+
+::
+
+    celery -A proj beat -S celery_redlock.beat:LeaderScheduler
+
+Every beat competes for one leader lock (``redlock:{beat:<redlock_beat_name>}``, lease
+``redlock_beat_ttl``). The leader's lease is renewed in the background by the process's
+watchdog, not only when beat ticks. Standbys keep ticking without sending anything and
+try again each time the leader's lease could have ended, so a standby takes over within
+one lease of the leader dying (SIGKILL) or hanging (SIGSTOP), without a restart. A
+leader that loses its lease steps down and keeps competing; it never exits for it.
+
+**No run is sent twice.** Before sending, the leader *claims* the run with one script
+(``beat_claim.lua``) that checks, on Redis, both that it still holds the leader lock
+and that no later run of that entry has been claimed; only then does it send. A leader
+that was paused past its lease and has not noticed yet is refused there. The local
+lease is also re-checked right before each claim; a lease in doubt sends nothing.
+
+**No run is lost beyond the failover window.** The claimed run times are kept in Redis
+(``redlock:{beat:<name>}:state``). A beat that becomes leader adopts them, so it
+continues the schedule where the previous leader left it: runs that fell due while no
+one led are sent once, as soon as it takes over (beat's usual catch-up: several missed
+runs of one entry become one), and runs already sent are not repeated. A claimed run
+whose send then fails (broker down) is lost: delivery is at most once per run.
+
+Schedulers: :class:`LeaderScheduler` is Celery's default ``PersistentScheduler`` (a
+shelve file per beat) with leadership. :class:`LeaderMixin` adds the same to another
+scheduler class whose entries are ``ScheduleEntry``-like (``name``, ``last_run_at``)
+and which dispatches through ``apply_entry``, e.g.
+``class Scheduler(LeaderMixin, DatabaseScheduler)`` for django-celery-beat; only
+``LeaderScheduler`` is tested here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from celery.beat import PersistentScheduler
+from redis.exceptions import ResponseError
+
+from .exceptions import LockBusy, LockLost, NodeUnavailable
+from .lock import Redlock
+from .nodes import Call
+from .scripts import BEAT_CLAIM
+from .task import app_settings
+
+__all__ = ["LeaderMixin", "LeaderScheduler"]
+
+logger = logging.getLogger("celery.beat")
+
+CLAIMED, TAKEN, NOT_LEADER = 1, 0, -1
+
+
+class LeaderMixin:
+    """Makes a beat scheduler dispatch only while it holds the leader lock."""
+
+    app: Any
+    schedule: dict
+    _heap: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = app_settings(self.app)  # ConfigurationError stops beat at start
+        name = settings.beat_name or self.app.main or "celery"
+        self.leader_lock = Redlock(
+            f"beat:{name}",
+            nodes=settings.node_urls(),
+            ttl=settings.beat_ttl,
+            node_timeout=settings.node_timeout,
+            drift_factor=settings.drift_factor,
+            key_prefix=settings.key_prefix,
+            task_name=f"celery beat {socket.gethostname()}:{os.getpid()}",
+            on_lost=self._on_leader_lost,
+        )
+        self.leading = False
+        #: When to ask for the lease again while standing by (monotonic).
+        self._next_try = 0.0
+
+    # -- leadership ----------------------------------------------------------------
+
+    def _on_leader_lost(self, exc: LockLost) -> None:
+        logger.error("beat: lost leadership (%s); not sending until re-elected", exc.reason)
+
+    def _still_leading(self) -> bool:
+        if not self.leading:
+            return False
+        try:
+            self.leader_lock.check()
+        except LockLost as exc:
+            self.leading = False
+            logger.warning("beat: stepping down (%s); competing again", exc.reason)
+            self._next_try = 0.0
+            return False
+        return True
+
+    def _compete(self) -> float | None:
+        """Try to become leader; return how long to stand by, or None when leading."""
+        if self._still_leading():
+            return None
+        if time.monotonic() < self._next_try:
+            return self._next_try - time.monotonic()
+        try:
+            self.leader_lock.try_acquire()
+        except LockBusy as busy:
+            # Ask again when the holder's lease would end if it stopped renewing.
+            wait = max(0.05, (busy.ttl or self.leader_lock.timing.ttl) + 0.01)
+            self._next_try = time.monotonic() + wait
+            return wait
+        except NodeUnavailable as exc:
+            logger.warning("beat: cannot reach Redis to compete for leadership: %s", exc)
+            self._next_try = time.monotonic() + self.leader_lock.timing.renew_interval
+            return self.leader_lock.timing.renew_interval
+        self.leading = True
+        self._adopt_schedule_state()
+        logger.info("beat: elected leader (fence %s)", self.leader_lock.fence)
+        return None
+
+    def _adopt_schedule_state(self) -> None:
+        """Continue the schedule where the previous leader left it."""
+        keys = self.leader_lock.keys
+        stored: dict[str, float] = {}
+        # Any quorum that claimed a run intersects the nodes that answer here, so the
+        # latest claimed run of each entry is the largest value any node reports.
+        for reply in self.leader_lock.nodeset.call([Call.command("HGETALL", keys.state)]):
+            if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
+                continue
+            flat = reply.values[0]
+            for entry, value in zip(flat[::2], flat[1::2], strict=True):
+                stored[entry] = max(stored.get(entry, 0.0), float(value))
+        for name, entry in self.schedule.items():
+            if name in stored:
+                entry.last_run_at = _datetime(stored[name])
+        self._heap = None  # rebuild the run order from the adopted times
+
+    # -- scheduler hooks -----------------------------------------------------------
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """One beat iteration; standbys tick too, but only to compete and keep time."""
+        standby = self._compete()
+        interval = super().tick(*args, **kwargs)
+        return interval if standby is None else min(interval, standby)
+
+    def apply_entry(self, entry: Any, producer: Any = None) -> None:
+        """Send ``entry`` only if this beat leads and claims the run on Redis."""
+        if not self._still_leading():
+            logger.debug("beat: standing by, not sending %s", entry.name)
+            return
+        verdict = self._claim(entry)
+        if verdict == CLAIMED:
+            super().apply_entry(entry, producer)
+
+    def _claim(self, entry: Any) -> int:
+        lease = self.leader_lock._lease
+        if lease is None:
+            return NOT_LEADER
+        current = self.schedule.get(entry.name, entry)
+        known = "" if entry.last_run_at is None else repr(_timestamp(entry.last_run_at))
+        now = repr(_timestamp(getattr(current, "last_run_at", None) or self.app.now()))
+        keys = self.leader_lock.keys
+        replies = self.leader_lock.nodeset.call(
+            [Call(BEAT_CLAIM, (keys.lock, keys.state), (lease.token, entry.name, known, now))]
+        )
+        codes, stored = [], []
+        for reply in replies:
+            if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
+                continue
+            codes.append(int(reply.values[0][0]))
+            if codes[-1] == TAKEN:
+                stored.append(float(reply.values[0][1]))
+        quorum = self.leader_lock.nodeset.quorum
+        if codes.count(CLAIMED) >= quorum:
+            return CLAIMED
+        if codes.count(NOT_LEADER) > len(self.leader_lock.nodeset) - quorum:
+            self.leading = False
+            logger.warning("beat: not the leader any more; %s not sent", entry.name)
+            return NOT_LEADER
+        if stored:
+            current.last_run_at = _datetime(max(stored))
+            logger.info("beat: %s was already sent by another leader; not sending", entry.name)
+            return TAKEN
+        logger.warning("beat: could not claim %s on a quorum of nodes; not sending", entry.name)
+        return TAKEN
+
+    def close(self) -> None:
+        """Hand leadership over at once on a clean shutdown."""
+        try:
+            super().close()
+        finally:
+            if self.leading:
+                self.leading = False
+                try:
+                    self.leader_lock.release()
+                except Exception as exc:  # the lease ends by itself
+                    logger.warning("beat: releasing leadership failed: %s", exc)
+
+    @property
+    def info(self) -> str:
+        """Lines for beat's start-up banner."""
+        base = super().info
+        lock = self.leader_lock
+        return (
+            f"{base}\n    . leader lock -> {lock.key} (lease {lock.timing.ttl}s, "
+            f"{len(lock.nodeset)} node(s))"
+        )
+
+
+class LeaderScheduler(LeaderMixin, PersistentScheduler):
+    """Celery's default persistent scheduler, dispatching only while elected leader."""
+
+
+def _timestamp(value: datetime) -> float:
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.timestamp()
+
+
+def _datetime(value: float) -> datetime:
+    return datetime.fromtimestamp(value, tz=timezone.utc)

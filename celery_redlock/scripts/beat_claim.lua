@@ -1,0 +1,25 @@
+-- beat_claim: the leading beat claims one run of a periodic entry before sending it.
+--
+-- Two checks in one step, so that no run is ever sent twice, even by a leader that was
+-- paused past its lease and has not noticed yet:
+--   1. the caller still holds the leader lock (its token is there);
+--   2. no run of this entry later than the one the caller based its decision on has
+--      been claimed (a compare-and-advance on the entry's last run time).
+--
+-- KEYS[1]  leader lock hash       KEYS[2]  schedule state hash (entry -> last run, unix s)
+-- ARGV[1]  leader token           ARGV[2]  entry name
+-- ARGV[3]  the last run the caller knows of (unix seconds; '' if none)
+-- ARGV[4]  this run's time (unix seconds)
+--
+-- Returns  {1}                 claimed: send it
+--          {0, stored}         a later run was already claimed: do not send; adopt stored
+--          {-1}                not the leader any more
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+    return {-1}
+end
+local stored = redis.call('HGET', KEYS[2], ARGV[2])
+if stored and (ARGV[3] == '' or tonumber(stored) > tonumber(ARGV[3])) then
+    return {0, stored}
+end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
+return {1}

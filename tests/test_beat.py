@@ -1,0 +1,173 @@
+"""Singleton periodic tasks and LeaderScheduler, with real beat and worker processes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import BeatProcess, wait_for
+
+SCHEDULER = "celery_redlock.beat:LeaderScheduler"
+BEAT_TTL = 2.0
+
+
+@pytest.fixture
+def stamps(tmp_path):
+    return tmp_path / "stamps"
+
+
+@pytest.fixture
+def env(stamps):
+    return {"REDLOCK_TEST_STAMPS": str(stamps), "REDLOCK_TEST_BEAT_TTL": str(BEAT_TTL)}
+
+
+@pytest.fixture
+def beats(celery_redis, env, tmp_path):
+    started: list[BeatProcess] = []
+
+    def make(n: int, scheduler: str | None = SCHEDULER) -> list[BeatProcess]:
+        for _ in range(n):
+            beat = BeatProcess(
+                "tests.apps.beatapp",
+                scheduler=scheduler,
+                redis_url=celery_redis.url,
+                env=env,
+                log_dir=tmp_path / "beats",
+            )
+            started.append(beat)
+            beat.start()
+        return started[-n:]
+
+    yield make
+    for beat in started:
+        if beat.alive() and _stopped(beat.pid):
+            os.kill(beat.pid, signal.SIGCONT)
+        beat.stop()
+
+
+@pytest.fixture
+def worker(worker_process_factory, env):
+    return worker_process_factory(
+        "tests.apps.beatapp",
+        pool="prefork",
+        concurrency=3,
+        env=env,
+        extra_args=["-I", "tests.apps.beat_worker_tasks"],
+    )
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def dispatches(stamps: Path, label: str) -> list[float]:
+    if not stamps.exists():
+        return []
+    return sorted(
+        float(line.split()[1])
+        for line in stamps.read_text().splitlines()
+        if line.startswith(f"{label} ")
+    )
+
+
+def leader(celery_redis, beats: list[BeatProcess]) -> BeatProcess | None:
+    holder = celery_redis.client().hget("redlock:{beat:beatapp}", "task_name") or ""
+    match = re.search(r":(\d+)$", holder)
+    pid = int(match.group(1)) if match else None
+    return next((b for b in beats if b.pid == pid and b.alive()), None)
+
+
+def assert_one_dispatch_per_slot(times: list[float], window: float) -> None:
+    """Interval 1 s: no two sends of one entry closer than half a slot, no gap past window."""
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps, "nothing was dispatched"
+    assert min(gaps) > 0.5, f"a run was sent twice: gaps {gaps}"
+    assert max(gaps) < window, f"runs lost beyond the failover window: gaps {gaps}"
+
+
+def test_three_beats_elect_one_leader_and_survive_kill_and_stop(
+    celery_redis, beats, worker, stamps
+):
+    """SIGKILL, then SIGSTOP the leader: a standby takes over; one dispatch per slot."""
+    group = beats(3)
+    first = wait_for(lambda: leader(celery_redis, group), timeout=10)
+    wait_for(lambda: len(dispatches(stamps, "stamp")) >= 3, timeout=20)
+
+    os.kill(first.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: not first.alive(), timeout=5)
+    second = wait_for(lambda: leader(celery_redis, group), timeout=BEAT_TTL * 3, interval=0.02)
+    assert second is not first
+    assert time.monotonic() - killed_at < BEAT_TTL + 1.0, "took over within one lease (+1 s)"
+    count = len(dispatches(stamps, "stamp"))
+    wait_for(lambda: len(dispatches(stamps, "stamp")) >= count + 3, timeout=20)
+
+    os.kill(second.pid, signal.SIGSTOP)
+    wait_for(
+        lambda: leader(celery_redis, group) not in (None, second),
+        timeout=BEAT_TTL * 3,
+        interval=0.02,
+    )
+    count = len(dispatches(stamps, "stamp"))
+    wait_for(lambda: len(dispatches(stamps, "stamp")) >= count + 2, timeout=20)
+    os.kill(second.pid, signal.SIGCONT)  # the old leader wakes up: it must step down
+    second.wait_for_log(
+        re.compile(r"stepping down|not the leader any more|lost leadership"), timeout=10
+    )
+    count = len(dispatches(stamps, "stamp"))
+    wait_for(lambda: len(dispatches(stamps, "stamp")) >= count + 3, timeout=20)
+
+    window = BEAT_TTL + 2.0  # lease + standby check + one interval
+    for label in ("stamp", "remote"):
+        assert_one_dispatch_per_slot(dispatches(stamps, label), window)
+    elected = sum(b.log_text().count("elected leader") for b in group)
+    assert elected >= 3
+
+
+def test_two_beats_only_one_sends(celery_redis, beats, worker, stamps):
+    """With two healthy beats, the standby never sends."""
+    group = beats(2)
+    wait_for(lambda: len(dispatches(stamps, "stamp")) >= 5, timeout=20)
+    the_leader = leader(celery_redis, group)
+    standby = next(b for b in group if b is not the_leader)
+    assert "Sending due task" not in standby.log_text()
+    assert_one_dispatch_per_slot(dispatches(stamps, "stamp"), window=2.0)
+
+
+def test_periodic_task_slower_than_its_interval_never_overlaps(celery_redis, beats, worker, stamps):
+    """A 2.5 s job sent every second: runs never overlap and the extra sends are skipped."""
+    beats(1)
+    wait_for(lambda: stamps.exists() and stamps.read_text().count("slow-end") >= 3, timeout=30)
+    lines = [line.split() for line in stamps.read_text().splitlines() if line.startswith("slow-")]
+    starts = [int(t) for kind, t, _ in lines if kind == "slow-start"]
+    ends = [int(t) for kind, t, _ in lines if kind == "slow-end"]
+    runs = list(zip(sorted(starts), sorted(ends), strict=False))
+    assert all(b[0] >= a[1] for a, b in itertools.pairwise(runs)), "two runs overlapped"
+    fences = [int(f) for kind, _, f in lines if kind == "slow-start"]
+    assert fences == sorted(fences) and len(set(fences)) == len(fences)
+    skipped = len(re.findall(r"tests\.apps\.beatapp\.slow\[[^\]]+\] skipped", worker.log_text()))
+    assert skipped >= 2, "beat kept sending while the previous run went on"
+
+
+def test_leader_scheduler_refuses_a_bad_setting(celery_redis, env, tmp_path):
+    """An invalid redlock setting stops beat at start with a message naming it."""
+    beat = BeatProcess(
+        "tests.apps.beatapp",
+        scheduler=SCHEDULER,
+        redis_url=celery_redis.url,
+        env={**env, "REDLOCK_TEST_BEAT_TTL": "-1"},
+        log_dir=tmp_path / "bad",
+    )
+    with pytest.raises(RuntimeError):
+        beat.start(timeout=30)
+    beat.stop()
+    assert "redlock_beat_ttl must be > 0" in beat.log_text()
