@@ -56,7 +56,7 @@ def worker(worker_process_factory, env):
     return worker_process_factory(
         "tests.apps.beatapp",
         pool="prefork",
-        concurrency=3,
+        concurrency=5,
         env=env,
         extra_args=["-I", "tests.apps.beat_worker_tasks"],
     )
@@ -112,11 +112,13 @@ def test_three_beats_elect_one_leader_and_survive_kill_and_stop(
     wait_for(lambda: len(dispatches(stamps, "stamp")) >= count + 3, timeout=20)
 
     os.kill(second.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
     wait_for(
         lambda: leader(celery_redis, group) not in (None, second),
         timeout=BEAT_TTL * 3,
         interval=0.02,
     )
+    assert time.monotonic() - stopped_at < BEAT_TTL + 1.0, "took over within one lease (+1 s)"
     count = len(dispatches(stamps, "stamp"))
     wait_for(lambda: len(dispatches(stamps, "stamp")) >= count + 2, timeout=20)
     os.kill(second.pid, signal.SIGCONT)  # the old leader wakes up: it must step down
@@ -143,18 +145,32 @@ def test_two_beats_only_one_sends(celery_redis, beats, worker, stamps):
     assert_one_dispatch_per_slot(dispatches(stamps, "stamp"), window=2.0)
 
 
-def test_periodic_task_slower_than_its_interval_never_overlaps(celery_redis, beats, worker, stamps):
-    """A 2.5 s job sent every second: runs never overlap and the extra sends are skipped."""
+@pytest.mark.parametrize("label", ["slow", "remote-slow", "plain-slow"])
+def test_periodic_task_slower_than_its_interval_never_overlaps(
+    celery_redis, beats, worker, stamps, label
+):
+    """A 2.5 s job sent every second never overlaps; extra sends are skipped.
+
+    ``slow`` is sent with apply_async, ``remote-slow`` with send_task (beat does not know
+    the task), ``plain-slow`` is locked by configuration alone.
+    """
     beats(1)
-    wait_for(lambda: stamps.exists() and stamps.read_text().count("slow-end") >= 3, timeout=30)
-    lines = [line.split() for line in stamps.read_text().splitlines() if line.startswith("slow-")]
-    starts = [int(t) for kind, t, _ in lines if kind == "slow-start"]
-    ends = [int(t) for kind, t, _ in lines if kind == "slow-end"]
-    runs = list(zip(sorted(starts), sorted(ends), strict=False))
+    wait_for(lambda: stamps.exists() and stamps.read_text().count(f"{label}-end") >= 3, timeout=30)
+    lines = [
+        line.split() for line in stamps.read_text().splitlines() if line.startswith(f"{label}-")
+    ]
+    starts = sorted(int(t) for kind, t, _ in lines if kind == f"{label}-start")
+    ends = sorted(int(t) for kind, t, _ in lines if kind == f"{label}-end")
+    runs = list(zip(starts, ends, strict=False))
     assert all(b[0] >= a[1] for a, b in itertools.pairwise(runs)), "two runs overlapped"
-    fences = [int(f) for kind, _, f in lines if kind == "slow-start"]
+    fences = [int(f) for kind, _, f in lines if kind == f"{label}-start"]
     assert fences == sorted(fences) and len(set(fences)) == len(fences)
-    skipped = len(re.findall(r"tests\.apps\.beatapp\.slow\[[^\]]+\] skipped", worker.log_text()))
+    task = {
+        "slow": "tests.apps.beatapp.slow",
+        "remote-slow": "tests.apps.beat_worker_tasks.remote_slow",
+        "plain-slow": "tests.apps.beatapp.plain_slow",
+    }[label]
+    skipped = len(re.findall(re.escape(task) + r"\[[^\]]+\] skipped", worker.log_text()))
     assert skipped >= 2, "beat kept sending while the previous run went on"
 
 

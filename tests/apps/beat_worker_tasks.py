@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import time
 
-from tests.apps.beatapp import app, write
+from celery_redlock import LockedTask
+from tests.apps.beatapp import app, run_slowly, write
 
 
 @app.task(shared=False)
 def remote_stamp(label):
     """Record that one dispatch of ``label`` arrived."""
     write(f"{label} {time.time():.6f}")
+
+
+@app.task(base=LockedTask, bind=True, shared=False, lock_args=())
+def remote_slow(self, label):
+    """A locked 2.5 s run that beat can only send by name."""
+    run_slowly(label, self.lock.fence)

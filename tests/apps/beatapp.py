@@ -32,9 +32,22 @@ app = make_app(
             "schedule": 1.0,
             "args": ("remote",),
         },
-        # slower than its interval: must never overlap itself
-        "slow": {"task": "tests.apps.beatapp.slow", "schedule": 1.0},
+        # slower than their interval: must never overlap themselves, whether sent with
+        # apply_async (a LockedTask beat knows), send_task (a LockedTask only the worker
+        # registers) or locked by configuration alone (redlock_tasks below)
+        "slow": {"task": "tests.apps.beatapp.slow", "schedule": 1.0, "args": ("slow",)},
+        "remote-slow": {
+            "task": "tests.apps.beat_worker_tasks.remote_slow",
+            "schedule": 1.0,
+            "args": ("remote-slow",),
+        },
+        "plain-slow": {
+            "task": "tests.apps.beatapp.plain_slow",
+            "schedule": 1.0,
+            "args": ("plain-slow",),
+        },
     },
+    redlock_tasks={"tests.apps.beatapp.plain_slow": {"args": []}},
 )
 
 
@@ -49,9 +62,20 @@ def stamp(label):
     write(f"{label} {time.time():.6f}")
 
 
-@app.task(base=LockedTask, bind=True, shared=False, lock_args=())
-def slow(self):
-    """A 2.5 s run every second: overlapping sends are skipped by the lock."""
-    write(f"slow-start {time.monotonic_ns()} {self.lock.fence}")
+def run_slowly(label: str, fence: int) -> None:
+    """A 2.5 s run, recorded as ``<label>-start|end <monotonic_ns> <fence>`` lines."""
+    write(f"{label}-start {time.monotonic_ns()} {fence}")
     time.sleep(2.5)
-    write(f"slow-end {time.monotonic_ns()} {self.lock.fence}")
+    write(f"{label}-end {time.monotonic_ns()} {fence}")
+
+
+@app.task(base=LockedTask, bind=True, shared=False, lock_args=())
+def slow(self, label):
+    """A 2.5 s run every second: overlapping sends are skipped by the lock."""
+    run_slowly(label, self.lock.fence)
+
+
+@app.task(bind=True, shared=False)
+def plain_slow(self, label):
+    """The same, with no lock in the code: redlock_tasks locks it in the worker."""
+    run_slowly(label, self.lock.fence)
