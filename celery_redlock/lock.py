@@ -44,6 +44,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from . import metrics
 from .exceptions import LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from .keys import DEFAULT_PREFIX, lock_keys
 from .nodes import Call, NodeSet, Reply
@@ -158,22 +159,25 @@ class Redlock:
         """
         if self._reenter():
             return True
-        give_up = None if timeout is None or not blocking else time.monotonic() + timeout
+        started = time.monotonic()
+        give_up = None if timeout is None or not blocking else started + timeout
         subscription: Subscription | None = None
         try:
             while True:
                 attempt = self._attempt()
                 if attempt is None:
+                    if metrics.enabled:
+                        metrics.acquired(self.task_name, time.monotonic() - started)
                     return True
                 if len(attempt.errors) > len(self.nodeset) - self.nodeset.quorum:
                     # Too many nodes failed for any quorum: waiting would hide a
                     # Redis outage behind a lock that looks busy.
                     raise NodeUnavailable(self.keys.lock, attempt.errors)
-                if not blocking:
+                if not blocking or (give_up is not None and time.monotonic() >= give_up):
+                    if metrics.enabled:
+                        metrics.busy(self.task_name)
                     return False
                 left = None if give_up is None else give_up - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
                 if attempt.busy_ttl:
                     if subscription is None:
                         subscription = Subscription(
@@ -196,10 +200,15 @@ class Redlock:
         """Take the lock now or raise :class:`LockBusy` naming the holder."""
         if self._reenter():
             return
+        started = time.monotonic()
         attempt = self._attempt()
         if attempt is None:
+            if metrics.enabled:
+                metrics.acquired(self.task_name, time.monotonic() - started)
             return
         if attempt.busy_ttl:
+            if metrics.enabled:
+                metrics.busy(self.task_name)
             raise LockBusy(self.keys.lock, attempt.holder, min(attempt.busy_ttl))
         raise NodeUnavailable(self.keys.lock, attempt.errors)
 
@@ -261,7 +270,7 @@ class Redlock:
         if len(attempt.granted) >= quorum and validity > 0:
             fence = max(attempt.fences)
             if attempt.fences.count(fence) >= quorum or self._sync_fence(token, fence, attempt):
-                self._won(token, fence, sent_at)
+                self._won(token, fence, sent_at, len(attempt.granted))
                 return None
         if not all(_is_busy(reply) for reply in replies):
             # Undo everywhere, including nodes that did not answer (they may have
@@ -323,16 +332,40 @@ class Redlock:
             return False
         return True
 
-    def _won(self, token: str, fence: int, sent_at: float) -> None:
+    @property
+    def owner(self) -> str:
+        """Who holds this object's acquisitions, for logs: ``task[task id]`` or ``-``."""
+        if self.task_id:
+            return f"{self.task_name or 'task'}[{self.task_id}]"
+        return self.task_name or "-"
+
+    def _won(self, token: str, fence: int, sent_at: float, granted: int) -> None:
         callbacks = [self.on_lost] if self.on_lost is not None else []
-        lease = Lease(self.keys, token, fence, self.nodeset, self.timing, sent_at, callbacks)
+        lease = Lease(
+            self.keys,
+            token,
+            fence,
+            self.nodeset,
+            self.timing,
+            sent_at,
+            callbacks,
+            owner=self.owner,
+            task_name=self.task_name,
+        )
         with self._mutex:
             self._lease = lease
             self._count = 1
             self._holder_thread = threading.get_ident()
         if self.auto_renew:
             get_renewer().add(lease)
-        logger.debug("Lock(%r) acquired, fence %s", self.keys.lock, fence)
+        logger.debug(
+            "Lock(%r) acquired by %s: fence %s, %d of %d nodes",
+            self.keys.lock,
+            self.owner,
+            fence,
+            granted,
+            len(self.nodeset),
+        )
 
     def _unlock(self, token: str, wait_for: Sequence[int] | None = None) -> list[Reply | None]:
         """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all)."""
@@ -391,6 +424,8 @@ class Redlock:
                 return
             lease.released = True
         replies = self._unlock(lease.token)
+        if metrics.enabled and lease.lost is None:
+            metrics.released(self.task_name, time.monotonic() - lease.sent_at)
         codes = [r.values[0] for r in replies if r is not None and r.ok]
         expired = time.monotonic() >= lease.deadline
         if lease.lost is None and not expired and codes.count(RELEASED) < self.nodeset.quorum:
@@ -401,7 +436,14 @@ class Redlock:
                 len(self.nodeset),
                 self.timing.ttl,
             )
-        logger.debug("Lock(%r) released, fence %s", self.keys.lock, lease.fence)
+        logger.debug(
+            "Lock(%r) released by %s: fence %s, %d of %d nodes",
+            self.keys.lock,
+            self.owner,
+            lease.fence,
+            codes.count(RELEASED),
+            len(self.nodeset),
+        )
 
     def extend(self) -> float:
         """Renew the lease now, as the watchdog would.

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import metrics
 from .nodes import Call, NodeSet
 from .scripts import RELEASE_IF
 
@@ -180,6 +181,8 @@ class Reaper:
                     self._remove_reader(fd)
             os.close(fd)
         self.on_pipe_readable()  # anything it announced just before dying
+        if metrics.enabled:
+            metrics.process_died(pid)
         for task_id, key in self._held.pop(pid, ()):
             self._release(pid, task_id, key)
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import ResponseError
 
+from . import metrics
 from .exceptions import LockLost
 from .nodes import Call
 from .scripts import RENEW_MANY
@@ -73,8 +74,11 @@ class Lease:
         "lost",
         "nodeset",
         "on_lost",
+        "owner",
         "pid",
         "released",
+        "sent_at",
+        "task_name",
         "timing",
         "token",
     )
@@ -88,13 +92,19 @@ class Lease:
         timing: Timing,
         sent_at: float,
         on_lost: list[Callable[[LockLost], object]] | None = None,
+        *,
+        owner: str = "-",
+        task_name: str | None = None,
     ) -> None:
         self.keys = keys
         self.token = token
         self.fence = fence
         self.nodeset = nodeset
         self.timing = timing
+        self.sent_at = sent_at
         self.deadline = sent_at + timing.ttl - timing.drift
+        self.owner = owner
+        self.task_name = task_name
         self.on_lost = list(on_lost or ())
         self.lost: LockLost | None = None
         self.released = False
@@ -140,7 +150,16 @@ class Lease:
             if self.lost is not None or self.released:
                 return False
             self.lost = LockLost(self.keys.lock, reason, self.fence)
-        logger.error("Lock(%r) lost: %s (fence %s)", self.keys.lock, reason, self.fence)
+        logger.error(
+            "Lock(%r) held by %s lost: %s (fence %s, %d node(s))",
+            self.keys.lock,
+            self.owner,
+            reason,
+            self.fence,
+            len(self.nodeset),
+        )
+        if metrics.enabled:
+            metrics.lost(self.task_name)
         for callback in self.on_lost:
             try:
                 callback(self.lost)
@@ -186,7 +205,8 @@ class Renewer:
             if self._heap[0][2] is lease:
                 self._cond.notify()
 
-    def _take_due(self) -> list[Lease]:
+    def _take_due(self) -> tuple[list[Lease], float]:
+        """Wait for due leases; return them and when the first of them was due."""
         with self._cond:
             while True:
                 while self._heap and not _alive(self._heap[0][2]):
@@ -199,7 +219,7 @@ class Renewer:
                 if wait > 0:
                     self._cond.wait(wait)
                     continue
-                now = time.monotonic()
+                now, first_due = time.monotonic(), due
                 taken = []
                 while self._heap:
                     due, _, lease = self._heap[0]
@@ -209,27 +229,30 @@ class Renewer:
                     if _alive(lease):
                         taken.append(lease)
                 if taken:
-                    return taken
+                    return taken, first_due
 
     def _run(self) -> None:
         while True:
-            leases = self._take_due()
+            leases, due = self._take_due()
             try:
-                self.renew(leases)
+                self.renew(leases, due)
             except Exception as exc:  # never let the watchdog die; retry these leases soon
                 logger.exception("renewer tick failed")
                 now = time.monotonic()
                 for lease in leases:
                     self._retry_or_lose(lease, now, f"renewer error: {exc!r}")
 
-    def renew(self, leases: list[Lease]) -> None:
+    def renew(self, leases: list[Lease], due: float | None = None) -> None:
         """Renew ``leases`` now: one script call per node per chunk, per node set."""
         self.ticks += 1
+        started = time.monotonic()
         by_nodeset: dict[int, list[Lease]] = {}
         for lease in leases:
             by_nodeset.setdefault(id(lease.nodeset), []).append(lease)
         for group in by_nodeset.values():
             self._renew_group(group)
+        if metrics.enabled:
+            metrics.tick(time.monotonic() - started, 0.0 if due is None else started - due)
 
     def _renew_group(self, leases: list[Lease]) -> None:
         nodeset = leases[0].nodeset
@@ -279,6 +302,8 @@ class Renewer:
                     why = "; ".join(errors) or "no quorum"
                     if self._retry_or_lose(lease, now, why):
                         retried.append(why)
+                        if metrics.enabled:
+                            metrics.renew_failed(lease.task_name)
         if retried:
             # One line per tick, not per lock: 10,000 locks on a dead node are one event.
             logger.warning(

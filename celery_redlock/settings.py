@@ -125,6 +125,14 @@ def _prefix(name: str, value: Any) -> str:
         raise ConfigurationError(str(exc).replace("redlock_key_prefix", name)) from None
 
 
+def _optional_port(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigurationError(f"{name} must be a TCP port (1-65535), got {value!r}")
+    return value
+
+
 def _optional_name(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -241,6 +249,18 @@ OPTIONS: dict[str, Option] = {
             "Lease of the beat leader in seconds: a standby takes over within it.",
         ),
         Option(
+            "metrics",
+            False,
+            _bool,
+            "Record Prometheus metrics (needs the 'metrics' extra, prometheus_client).",
+        ),
+        Option(
+            "metrics_port",
+            None,
+            _optional_port,
+            "Serve the metrics on this port from the worker's main process.",
+        ),
+        Option(
             "tasks",
             None,
             _tasks,
@@ -330,6 +350,8 @@ class Settings:
     node_timeout: float | None = None
     min_replicas: int = 0
     fail_open: bool = False
+    metrics: bool = False
+    metrics_port: int | None = None
     beat_name: str | None = None
     beat_ttl: float = 10.0
     tasks: dict[str, dict] = field(default_factory=dict)

@@ -31,7 +31,7 @@ from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from kombu.utils.url import maybe_sanitize_url
 
-from . import abort, config_only, reaper
+from . import abort, config_only, metrics, reaper
 from .nodes import NodeSet
 from .reaper import Reaper
 from .renewal import get_renewer
@@ -56,6 +56,9 @@ class RedlockStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         app = worker.app
         settings = app_settings(app)  # raises ConfigurationError: the worker stops
+        if settings.metrics:
+            metrics.enable()
+        self.metrics_port = settings.metrics_port if settings.metrics else None
         config_only.apply(app, settings)
         locked = [task for task in app.tasks.values() if isinstance(task, LockedTask)]
         for task in locked:
@@ -75,6 +78,8 @@ class RedlockStep(bootsteps.StartStopStep):
 
     def start(self, worker: Any) -> None:
         """Start the reaper (prefork) or this process's renewer (solo, threads)."""
+        if self.metrics_port is not None:
+            metrics.serve(self.metrics_port)
         if self.reaper is not None:
             self.reaper.start(getattr(worker, "hub", None))
         if not self.prefork:

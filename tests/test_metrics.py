@@ -1,0 +1,69 @@
+"""Prometheus metrics: absent unless enabled, and counting what happens when enabled."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from celery_redlock import LockLost, Redlock, metrics
+from tests.harness import wait_for
+
+
+@pytest.fixture
+def registry():
+    """Metrics enabled on a registry of this test's own; disabled again afterwards."""
+    registry = CollectorRegistry()
+    metrics._metrics.clear()
+    metrics.enabled = False
+    metrics.enable(registry)
+    yield registry
+    metrics.enabled = False
+    metrics._metrics.clear()
+
+
+def value(registry, name, **labels):
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def test_metrics_are_off_and_free_by_default():
+    """Importing the package does not import prometheus_client or enable anything."""
+    probe = (
+        "import sys, celery_redlock; "
+        "assert 'prometheus_client' not in sys.modules; "
+        "assert celery_redlock.metrics.enabled is False; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_acquire_busy_release_lost_and_renewal_are_counted(redis_node, registry):
+    """Each lock event moves its counter; the held gauge follows; ticks are timed."""
+    lock = Redlock("job", nodes=[redis_node.url], ttl=1.2, task_name="proj.sync")
+    other = Redlock("job", nodes=[redis_node.url], ttl=1.2)
+    assert lock.acquire()
+    assert not other.acquire(blocking=False)
+    assert value(registry, "redlock_acquisitions_total", task="proj.sync") == 1
+    assert value(registry, "redlock_busy_total", task="-") == 1
+    assert value(registry, "redlock_locks_held") == 1
+    assert value(registry, "redlock_acquire_seconds_count", task="proj.sync") == 1
+    wait_for(lambda: value(registry, "redlock_renew_tick_seconds_count") >= 1, timeout=5)
+    lock.release()
+    assert value(registry, "redlock_released_total", task="proj.sync") == 1
+    assert value(registry, "redlock_hold_seconds_count", task="proj.sync") == 1
+    assert value(registry, "redlock_locks_held") == 0
+
+    lost = []
+    victim = Redlock(
+        "job2", nodes=[redis_node.url], ttl=1.2, task_name="proj.sync", on_lost=lost.append
+    )
+    assert victim.acquire()
+    redis_node.client().delete(victim.key)
+    wait_for(lambda: lost, timeout=5)
+    assert isinstance(lost[0], LockLost)
+    assert value(registry, "redlock_lost_total", task="proj.sync") == 1
+    assert value(registry, "redlock_locks_held") == 0
+    victim.release()
+    assert value(registry, "redlock_released_total", task="proj.sync") == 1, "a lost lock"
