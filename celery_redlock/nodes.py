@@ -107,7 +107,9 @@ def _connection_options(timeout: float) -> dict[str, Any]:
         "protocol": 2,
     }
     accepted = inspect.signature(AbstractConnection.__init__).parameters
-    if "lib_name" in accepted:
+    if "driver_info" in accepted:  # redis-py >= 7.1; lib_name is deprecated there
+        options["driver_info"] = None
+    elif "lib_name" in accepted:
         options.update(lib_name=None, lib_version=None)
     if "maint_notifications_config" in accepted:
         from redis.maint_notifications import MaintNotificationsConfig  # noqa: PLC0415 (redis-py >= 6.4 only)

@@ -1,0 +1,146 @@
+"""Deployment variants against real servers: an ACL user with the minimal commands, TLS."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+
+import pytest
+
+from celery_redlock import NodeUnavailable, Redlock
+from tests.harness import free_port
+
+#: Everything the library sends, directly or from its Lua scripts (scripts run with the
+#: caller's permissions). Documented in the README; keep both in step.
+MINIMAL_ACL = (
+    "+evalsha",
+    "+script|load",
+    "+exists",
+    "+wait",
+    "+subscribe",
+    "+unsubscribe",
+    "+hgetall",
+    "+hget",
+    "+hset",
+    "+hmget",
+    "+incr",
+    "+pexpire",
+    "+pttl",
+    "+del",
+    "+publish",
+    "+get",
+    "+set",
+)
+
+
+def exercise(url: str) -> None:
+    """Acquire, renew, wait for a release, inspect and release through ``url``."""
+    holder = Redlock("topology", nodes=[url], ttl=1.0)
+    waiter = Redlock("topology", nodes=[url], ttl=1.0)
+    assert holder.acquire() and holder.locked() and holder.owned()
+    holder.extend()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(got=waiter.acquire(timeout=10)))
+    thread.start()
+    holder.release()
+    thread.join(15)
+    assert result["got"] is True
+    assert waiter.inspect()[0]["fence_counter"] == 2
+    waiter.release()
+
+
+def test_acl_user_with_the_documented_command_set_works(redis_factory):
+    """A user allowed only the documented commands, keys and channels can do everything."""
+    (server,) = redis_factory(1)
+    server.client().execute_command(
+        "ACL",
+        "SETUSER",
+        "locker",
+        "on",
+        ">pw",
+        "resetkeys",
+        "~redlock:*",
+        "resetchannels",
+        "&redlock:*",
+        "-@all",
+        *MINIMAL_ACL,
+    )
+    exercise(f"redis://locker:pw@127.0.0.1:{server.port}/0")
+    stats = server.commandstats()
+    assert "keys" not in stats, "the KEYS command is never used"
+
+
+def test_acl_user_without_a_needed_command_gets_a_clear_error(redis_factory):
+    """Missing a permission names the command instead of failing silently."""
+    (server,) = redis_factory(1)
+    server.client().execute_command(
+        "ACL",
+        "SETUSER",
+        "locker",
+        "on",
+        ">pw",
+        "~redlock:*",
+        "&redlock:*",
+        "-@all",
+        *(c for c in MINIMAL_ACL if c != "+incr"),
+    )
+    lock = Redlock("topology", nodes=[f"redis://locker:pw@127.0.0.1:{server.port}/0"], ttl=1.0)
+    with pytest.raises(NodeUnavailable, match=r"can't run this command"):
+        lock.acquire(blocking=False)
+
+
+@pytest.fixture
+def certificates(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make a test certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert
+
+
+def test_tls_rediss_url(redis_factory, certificates):
+    """rediss:// with a verified certificate works end to end (if the server has TLS)."""
+    key, cert = certificates
+    port = free_port()
+    try:
+        redis_factory(
+            1,
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(cert),
+            "--tls-auth-clients",
+            "no",
+        )
+    except RuntimeError as exc:
+        if "tls" in str(exc).lower():
+            pytest.skip(f"this redis-server was built without TLS: {exc}")
+        raise
+    url = f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={cert}"
+    exercise(url)
