@@ -13,8 +13,9 @@ never starts (a ``task_prerun`` receiver could not do this: Celery logs and swal
 its exceptions). It is released in ``task_postrun`` (see :mod:`celery_redlock.worker`),
 which fires for every outcome: SUCCESS, FAILURE, RETRY, IGNORED and REJECTED.
 
-Everything about one execution lives on ``self.request`` (the execution's own
-context), never on the task object, which the threads pool shares between runs.
+Everything about one execution lives in thread-local (greenlet-local under gevent)
+storage keyed by the execution's task id, never on the task object, which the threads
+pool shares between runs.
 
 What a busy lock does (``lock_on_busy``):
 
@@ -31,8 +32,10 @@ What a busy lock does (``lock_on_busy``):
 =========  ======================================================================
 
 A second delivery of a task id whose first delivery still holds the lock (acks_late
-redelivery) is ignored whatever the policy: it neither runs nor stores a result, so
-the running delivery's result is the task's result.
+redelivery, ``retry(countdown=0)`` picked up before the release, redelivery after the
+first delivery's worker died) is put back on the queue with a growing delay, whatever
+the policy, storing nothing; it runs once the lock is free, unless the first delivery
+stored a final result meanwhile.
 
 Redis unreachable: the body does not run and the task fails with
 :class:`~celery_redlock.NodeUnavailable` (or retries, with ``lock_on_busy="retry"``),
@@ -42,12 +45,13 @@ unless ``redlock_fail_open`` is set, in which case it runs unlocked with a warni
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery, Task, states
 from celery.exceptions import Ignore
 
 from . import abort, reaper
@@ -60,8 +64,28 @@ __all__ = ["LockedTask", "TaskLockOptions", "app_settings", "lock_options"]
 
 logger = logging.getLogger("celery_redlock.task")
 
-#: The attribute of ``task.request`` holding the execution's :class:`Redlock`.
-REQUEST_ATTR = "redlock"
+# The lock of the execution running in this thread (greenlet, under gevent). Not an
+# attribute of ``task.request``: Celery copies unknown request attributes into the
+# custom headers of retried messages, and a Redlock is not serialisable.
+_running = threading.local()
+
+
+def held_lock(task: Task) -> Redlock | None:
+    """The lock held by the execution of ``task`` running in this thread, if any."""
+    lock = getattr(_running, "lock", None)
+    if lock is not None and lock.task_id == task.request.id:
+        return lock
+    return None
+
+
+def pop_lock(task_id: str | None) -> Redlock | None:
+    """Detach and return this thread's lock for ``task_id`` (at the end of a run)."""
+    lock = getattr(_running, "lock", None)
+    if lock is None or lock.task_id != task_id:
+        return None
+    _running.lock = None
+    return lock
+
 
 _settings: weakref.WeakKeyDictionary[Celery, Settings] = weakref.WeakKeyDictionary()
 
@@ -173,7 +197,7 @@ class LockedTask(Task):
     @property
     def lock(self) -> Redlock:
         """The lock this execution holds: ``fence``, ``key``, ``remaining()``, ``check()``."""
-        lock = getattr(self.request, REQUEST_ATTR, None)
+        lock = held_lock(self)
         if lock is None:
             raise RuntimeError(
                 f"task {self.name}: self.lock exists only while a worker runs the task "
@@ -189,7 +213,7 @@ class LockedTask(Task):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body; a lock lost meanwhile makes the result a LockLost failure."""
-        lock = getattr(self.request, REQUEST_ATTR, None)
+        lock = held_lock(self)
         if lock is None:
             return super().__call__(*args, **kwargs)
         try:
@@ -243,7 +267,17 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
     except LockBusy as busy:
         reaper.forget(task_id, lock.key)
         _busy(task, task_id, busy, options)
-    setattr(task.request, REQUEST_ATTR, lock)
+    if _header(task.request, REQUEUES_HEADER) and _already_done(task, task_id):
+        # A requeued duplicate whose first delivery finished while it waited.
+        lock.release()
+        reaper.forget(task_id, lock.key)
+        logger.info(
+            "Task %s[%s] already finished in an earlier delivery; not running it again",
+            task.name,
+            task_id,
+        )
+        raise Ignore("already finished")
+    _running.lock = lock
     abort.track(lock._lease, task_id)
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
     return lock
@@ -260,20 +294,62 @@ def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> None:
             lock.try_acquire()
 
 
+#: Header counting how often a duplicate delivery was put back; sets its backoff.
+REQUEUES_HEADER = "redlock_requeues"
+
+
+def _requeue_duplicate(task: Task, task_id: str, busy: LockBusy) -> None:
+    """The lock is held under this very task id: put this delivery back for later.
+
+    This is a second delivery of a message whose first delivery holds the lock: an
+    acks_late redelivery while it runs, a ``retry(countdown=0)`` picked up before the
+    first attempt released, or a redelivery after the first delivery's worker died
+    and before its lock expired. Running now would overlap; dropping the message
+    would lose the task in the last two cases. So the message is published again
+    with a growing delay (never beyond the holder's lease) and this delivery ends as
+    ignored, storing nothing. When the copy runs and the task id already has a final
+    result from the first delivery, it does not run again (see :func:`acquire_for`).
+    """
+    requeues = _header(task.request, REQUEUES_HEADER) + 1
+    countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(requeues, 8))
+    signature = task.signature_from_request(task.request, countdown=countdown)
+    signature.set(headers={REQUEUES_HEADER: requeues})
+    signature.apply_async()
+    logger.info(
+        "Task %s[%s] is held by an earlier delivery of itself; trying again in %.2fs: %s",
+        task.name,
+        task_id,
+        countdown,
+        busy,
+    )
+    raise Ignore(str(busy))
+
+
+def _header(request: Any, name: str) -> int:
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _already_done(task: Task, task_id: str) -> bool:
+    """Whether an earlier delivery of ``task_id`` stored a final result."""
+    if task.ignore_result:
+        return False
+    try:
+        state = task.backend.get_task_meta(task_id).get("status")
+    except Exception:  # no usable backend: run (at least once beats at most once)
+        return False
+    return state in states.READY_STATES
+
+
 def _busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
     """Apply ``lock_on_busy``; always raises."""
     if busy.holder == task_id:
-        # The same task id holds it: this is a second delivery of a message whose
-        # first delivery is still running (acks_late + visibility timeout, a
-        # broker reconnect). That run will store the result; this one must not
-        # overwrite it, nor run, nor retry.
-        logger.info(
-            "Task %s[%s] is already running elsewhere; ignoring this duplicate delivery: %s",
-            task.name,
-            task_id,
-            busy,
-        )
-        raise Ignore(str(busy))
+        _requeue_duplicate(task, task_id, busy)
     policy = options.on_busy
     if policy == "retry":
         logger.info(

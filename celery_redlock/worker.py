@@ -36,7 +36,7 @@ from .nodes import NodeSet
 from .reaper import Reaper
 from .renewal import get_renewer
 from .settings import timing
-from .task import REQUEST_ATTR, LockedTask, app_settings, lock_options
+from .task import LockedTask, app_settings, lock_options, pop_lock
 
 __all__ = ["RedlockStep", "install"]
 
@@ -126,11 +126,10 @@ def _on_worker_process_init(**kwargs: Any) -> None:
 
 @signals.task_postrun.connect(dispatch_uid="celery_redlock.task_postrun")
 def _on_task_postrun(task: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
-    lock = getattr(task.request, REQUEST_ATTR, None) if task is not None else None
+    lock = pop_lock(task_id)
     if lock is None:
         return
     abort.untrack()
-    setattr(task.request, REQUEST_ATTR, None)
     try:
         lock.release()
     except Exception:  # the lease ends by itself within one TTL

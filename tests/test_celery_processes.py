@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -20,6 +21,7 @@ def client(celery_redis):
     """The test side of the locked app: sends tasks and reads results."""
     app = create_app(celery_redis.url)
     yield app
+    gc.collect()  # AsyncResult.__del__ needs the backend still up (see test_celery_task)
     app.close()
 
 

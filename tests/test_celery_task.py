@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -22,7 +23,12 @@ from tests.harness.servers import free_port
 
 @pytest.fixture
 def app(celery_redis):
-    return create_app(celery_redis.url)
+    app = create_app(celery_redis.url)
+    yield app
+    # AsyncResult.__del__ talks to the result backend: let it happen while the test's
+    # Redis is still up, not during a later test (an unraisable error there).
+    gc.collect()
+    app.close()
 
 
 def get(result, timeout=30, **kwargs):
@@ -263,3 +269,26 @@ def test_invalid_setting_stops_the_worker_with_a_clear_error(celery_redis):
         worker.start()
     worker.stop()
     assert "redlock_on_busy must be one of 'skip', 'retry', 'raise', 'wait'" in str(info.value)
+
+
+def test_redelivery_after_the_holder_died_still_runs(app, celery_redis, inprocess_worker_factory):
+    """Same task id, lock left by a dead delivery: the new delivery waits, then runs."""
+    from celery_redlock.keys import lock_keys, task_lock_name
+
+    hold = app.tasks["tests.apps.locked.hold"]
+    key = lock_keys(
+        task_lock_name(hold.name, hold.run, ("acct-dead",), {}, lock_args=("resource",))
+    ).lock
+    celery_redis.client().hset(key, mapping={"token": "dead", "task_id": "dead-1", "pid": 1})
+    celery_redis.client().pexpire(key, 1500)
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    result = hold.apply_async(("acct-dead", None, "after-death", 0), task_id="dead-1")
+    assert get(result)["label"] == "after-death"
+    assert result.state == "SUCCESS"
+
+
+def test_an_immediate_retry_is_not_lost(app, inprocess_worker_factory):
+    """retry(countdown=0) races its own release; the retry still runs."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    results = [app.tasks["tests.apps.locked.retry_now"].delay(f"r{i}") for i in range(5)]
+    assert [get(r) for r in results] == ["done"] * 5

@@ -143,6 +143,13 @@ def create_app(redis_url: str = REDIS_URL, **conf: object) -> Celery:
             raise Reject("rejected on purpose", requeue=False)
         return kind
 
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("resource",))
+    def retry_now(self, resource):
+        """Retry at once the first time: the retry may arrive before the release."""
+        if self.request.retries == 0:
+            raise self.retry(countdown=0, max_retries=3)
+        return "done"
+
     @app.task(base=LockedTask, bind=True, shared=False)
     def anything(self, value):
         """Keyed by all arguments, to exercise values that cannot be keyed."""
