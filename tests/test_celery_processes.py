@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import time
@@ -11,7 +10,15 @@ import pytest
 
 from celery_redlock import LockBusy, LockLost
 from tests.apps.locked import create_app
-from tests.harness import holder_pid, lock_keys, make_app, read_intervals, steal_locks, wait_for
+from tests.harness import (
+    close_app,
+    holder_pid,
+    lock_keys,
+    make_app,
+    read_intervals,
+    steal_locks,
+    wait_for,
+)
 
 RESULT_TIMEOUT = 30
 
@@ -21,8 +28,7 @@ def client(celery_redis):
     """The test side of the locked app: sends tasks and reads results."""
     app = create_app(celery_redis.url)
     yield app
-    gc.collect()  # AsyncResult.__del__ needs the backend still up (see test_celery_task)
-    app.close()
+    close_app(app)
 
 
 def locked_worker(worker_process_factory, pool="prefork", ttl="1.0", **kw):

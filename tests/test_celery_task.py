@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
@@ -17,7 +16,7 @@ from celery_redlock import (
     NodeUnavailable,
 )
 from tests.apps.locked import create_app
-from tests.harness import lock_keys, read_intervals, steal_locks, wait_for
+from tests.harness import close_app, lock_keys, read_intervals, steal_locks, wait_for
 from tests.harness.servers import free_port
 
 
@@ -25,10 +24,7 @@ from tests.harness.servers import free_port
 def app(celery_redis):
     app = create_app(celery_redis.url)
     yield app
-    # AsyncResult.__del__ talks to the result backend: let it happen while the test's
-    # Redis is still up, not during a later test (an unraisable error there).
-    gc.collect()
-    app.close()
+    close_app(app)
 
 
 def get(result, timeout=30, **kwargs):

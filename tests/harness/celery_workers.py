@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -842,6 +844,7 @@ __all__ = [
     "WorkerExited",
     "WorkerProcess",
     "child_pids_of",
+    "close_app",
     "group_pids",
     "make_app",
     "read_intervals",
@@ -881,3 +884,17 @@ class BeatProcess(WorkerProcess):
     def __repr__(self) -> str:
         state = "running" if self.alive() else "stopped"
         return f"<BeatProcess {self.name} pid={self._last_pid} {state}>"
+
+
+def close_app(app: celery.Celery) -> None:
+    """Close ``app`` and collect its garbage while its Redis is still up.
+
+    AsyncResult.__del__ talks to the result backend, and sockets of Celery's pools may be
+    collected only at the next GC: left to chance, both happen during a later test,
+    whose Redis is another one (an unraisable error or a ResourceWarning there). Sockets
+    this app leaves unclosed are collected here, quietly.
+    """
+    app.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
