@@ -22,8 +22,7 @@ from celery.exceptions import CeleryError
 
 from celery_redlock import LockBusy, LockLost
 
-from .redis_runner import RedisProcess
-from .support import ROOT, Service, finished_runs, say, step, wait_until
+from .support import ROOT, Service, finished_runs, redis_base, say, step, wait_until
 
 
 def outcome(result, timeout: float = 30) -> str:
@@ -117,12 +116,7 @@ def periodic(worker: Service, backend: redis.Redis, seconds: float) -> None:
 def main() -> None:
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="redlock-demo-") as tmp:
         logdir = Path(tmp)
-        base = os.environ.get("EXAMPLE_REDIS_URL")
-        if not base:
-            server = RedisProcess()
-            stack.callback(server.stop)
-            base = f"redis://127.0.0.1:{server.port}"
-            say(f"started redis-server on port {server.port} (set EXAMPLE_REDIS_URL to use yours)")
+        base = redis_base(stack)
         env = {
             **os.environ,
             "EXAMPLE_REDIS_URL": base,

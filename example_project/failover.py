@@ -19,8 +19,7 @@ from pathlib import Path
 
 import redis
 
-from .redis_runner import RedisProcess
-from .support import ROOT, Service, finished_runs, say, step, wait_until
+from .support import ROOT, Service, finished_runs, redis_base, say, step, wait_until
 
 LEASE = 3.0
 
@@ -34,11 +33,7 @@ def leader_pid(locks: redis.Redis) -> int | None:
 def main() -> None:
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="redlock-failover-") as tmp:
         logdir = Path(tmp)
-        base = os.environ.get("EXAMPLE_REDIS_URL")
-        if not base:
-            server = RedisProcess()
-            stack.callback(server.stop)
-            base = f"redis://127.0.0.1:{server.port}"
+        base = redis_base(stack)
         env = {
             **os.environ,
             "EXAMPLE_REDIS_URL": base,

@@ -65,3 +65,17 @@ def finished_runs(backend, task: str) -> list:
         json.loads(raw) for raw in map(backend.get, backend.scan_iter("celery-task-meta-*")) if raw
     )
     return [m["result"] for m in metas if m.get("name") == task and m.get("status") == "SUCCESS"]
+
+
+def redis_base(stack, say_started: bool = True) -> str:
+    """``$EXAMPLE_REDIS_URL``, or a redis-server started for the demo (stopped by ``stack``)."""
+    from .redis_runner import RedisProcess  # noqa: PLC0415 (only when none is configured)
+
+    base = os.environ.get("EXAMPLE_REDIS_URL")
+    if base:
+        return base
+    server = RedisProcess()
+    stack.callback(server.stop)
+    if say_started:
+        say(f"started redis-server on port {server.port} (set EXAMPLE_REDIS_URL to use yours)")
+    return f"redis://127.0.0.1:{server.port}"

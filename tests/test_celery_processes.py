@@ -31,6 +31,17 @@ def client(celery_redis):
     close_app(app)
 
 
+def expect_abort(server, result) -> LockLost:
+    """Steal the running task's lock; its body must end with LockLost, promptly."""
+    wait_for(lambda: lock_keys(server), timeout=20)
+    deleted_at = time.monotonic()
+    steal_locks(server)
+    with pytest.raises(LockLost) as info:
+        result.get(timeout=RESULT_TIMEOUT)
+    assert time.monotonic() - deleted_at < 10, "aborted long before the body's 60 s"
+    return info.value
+
+
 def locked_worker(worker_process_factory, pool="prefork", ttl="1.0", **kw):
     return worker_process_factory(
         "tests.apps.locked", pool=pool, concurrency=2, env={"REDLOCK_TEST_TTL": ttl}, **kw
@@ -85,12 +96,7 @@ def test_lost_lock_interrupts_a_blocking_socket_read(celery_redis, client, worke
     """A body blocked in recv() on a silent socket is stopped by the abort too."""
     locked_worker(worker_process_factory)
     result = client.tasks["tests.apps.locked.reader"].delay("acct-read", 60)
-    wait_for(lambda: lock_keys(celery_redis), timeout=20)
-    deleted_at = time.monotonic()
-    steal_locks(celery_redis)
-    with pytest.raises(LockLost):
-        result.get(timeout=RESULT_TIMEOUT)
-    assert time.monotonic() - deleted_at < 10
+    expect_abort(celery_redis, result)
 
 
 def test_revoke_policy_terminates_the_child(celery_redis, client, worker_process_factory):
@@ -178,9 +184,4 @@ def test_gevent_pool_aborts_the_greenlet(celery_redis, client, worker_process_fa
     pytest.importorskip("gevent", reason="gevent is an optional dependency (extra 'gevent')")
     locked_worker(worker_process_factory, pool="gevent")
     result = client.tasks["tests.apps.locked.sleeper"].delay("acct-gevent", 60)
-    wait_for(lambda: lock_keys(celery_redis), timeout=20)
-    deleted_at = time.monotonic()
-    steal_locks(celery_redis)
-    with pytest.raises(LockLost):
-        result.get(timeout=RESULT_TIMEOUT)
-    assert time.monotonic() - deleted_at < 10
+    expect_abort(celery_redis, result)
