@@ -48,7 +48,7 @@ from . import metrics
 from .exceptions import LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from .keys import DEFAULT_PREFIX, lock_keys
 from .nodes import Call, NodeSet, Reply
-from .renewal import Lease, get_renewer
+from .renewal import Lease, clock, get_renewer
 from .scripts import ACQUIRE, FENCE_SYNC, INSPECT, RELEASE, RENEW_MANY
 from .settings import timing as make_timing
 from .waiting import Subscription
@@ -159,7 +159,7 @@ class Redlock:
         """
         if self._reenter():
             return True
-        started = time.monotonic()
+        started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
         subscription: Subscription | None = None
         try:
@@ -167,17 +167,17 @@ class Redlock:
                 attempt = self._attempt()
                 if attempt is None:
                     if metrics.enabled:
-                        metrics.acquired(self.task_name, time.monotonic() - started)
+                        metrics.acquired(self.task_name, clock() - started)
                     return True
                 if len(attempt.errors) > len(self.nodeset) - self.nodeset.quorum:
                     # Too many nodes failed for any quorum: waiting would hide a
                     # Redis outage behind a lock that looks busy.
                     raise NodeUnavailable(self.keys.lock, attempt.errors)
-                if not blocking or (give_up is not None and time.monotonic() >= give_up):
+                if not blocking or (give_up is not None and clock() >= give_up):
                     if metrics.enabled:
                         metrics.busy(self.task_name)
                     return False
-                left = None if give_up is None else give_up - time.monotonic()
+                left = None if give_up is None else give_up - clock()
                 if attempt.busy_ttl:
                     if subscription is None:
                         subscription = Subscription(
@@ -200,11 +200,11 @@ class Redlock:
         """Take the lock now or raise :class:`LockBusy` naming the holder."""
         if self._reenter():
             return
-        started = time.monotonic()
+        started = clock()
         attempt = self._attempt()
         if attempt is None:
             if metrics.enabled:
-                metrics.acquired(self.task_name, time.monotonic() - started)
+                metrics.acquired(self.task_name, clock() - started)
             return
         if attempt.busy_ttl:
             if metrics.enabled:
@@ -251,9 +251,9 @@ class Redlock:
                         no += 1
             return yes >= quorum or no > n - quorum
 
-        sent_at = time.monotonic()
+        sent_at = clock()
         replies = nodeset.call(calls, timeout=self._budget(), decided=decided if n > 1 else None)
-        elapsed = time.monotonic() - sent_at
+        elapsed = clock() - sent_at
         for i, reply in enumerate(replies):
             if reply is None:
                 continue
@@ -425,9 +425,9 @@ class Redlock:
             lease.released = True
         replies = self._unlock(lease.token)
         if metrics.enabled and lease.lost is None:
-            metrics.released(self.task_name, time.monotonic() - lease.sent_at)
+            metrics.released(self.task_name, clock() - lease.sent_at)
         codes = [r.values[0] for r in replies if r is not None and r.ok]
-        expired = time.monotonic() >= lease.deadline
+        expired = clock() >= lease.deadline
         if lease.lost is None and not expired and codes.count(RELEASED) < self.nodeset.quorum:
             logger.warning(
                 "Lock(%r) release confirmed by %d of %d nodes; the rest expire within %.1fs",
@@ -455,7 +455,7 @@ class Redlock:
         lease = self._own_lease("extend")
         lease.check()
         ttl_ms = max(1, round(lease.timing.ttl * 1000))
-        sent_at = time.monotonic()
+        sent_at = clock()
         replies = self.nodeset.call([Call(RENEW_MANY, self.keys[:1], (lease.token, ttl_ms))])
         codes = [
             r.values[0][0]

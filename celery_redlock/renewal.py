@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .nodes import NodeSet
     from .settings import Timing
 
-__all__ = ["CHUNK", "Lease", "Renewer", "get_renewer"]
+__all__ = ["CHUNK", "Lease", "Renewer", "clock", "get_renewer"]
 
 logger = logging.getLogger("celery_redlock.renewal")
 
@@ -56,6 +56,16 @@ CHUNK = 1000
 COALESCE = 0.1
 
 RENEWED, GONE, TAKEN = 1, 0, -1
+
+
+def _boottime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+#: The clock of lease deadlines: like ``time.monotonic`` (never stepped by NTP or an
+#: operator), but on Linux it keeps counting while the machine is suspended, so a host
+#: that wakes from suspend knows its leases ran out. Elsewhere, ``time.monotonic``.
+clock = _boottime if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic
 
 
 class Lease:
@@ -123,7 +133,7 @@ class Lease:
         """Seconds of lease left by the local deadline (0 once lost or released)."""
         if self.lost is not None or self.released or self.pid != os.getpid():
             return 0.0
-        return max(0.0, self.deadline - time.monotonic())
+        return max(0.0, self.deadline - clock())
 
     def renewed(self, sent_at: float) -> None:
         """A quorum confirmed a renewal sent at ``sent_at``."""
@@ -137,7 +147,7 @@ class Lease:
                 f"acquired by process {self.pid}; a forked child does not hold its parent's locks",
                 self.fence,
             )
-        if self.lost is None and not self.released and time.monotonic() >= self.give_up_at:
+        if self.lost is None and not self.released and clock() >= self.give_up_at:
             self.mark_lost("renewal not confirmed before the lease deadline")
         if self.lost is not None:
             raise self.lost
@@ -183,7 +193,7 @@ class Renewer:
 
     def add(self, lease: Lease) -> None:
         """Start renewing ``lease``; stop by setting ``released`` or on loss."""
-        self._schedule(lease, time.monotonic() + lease.timing.renew_interval)
+        self._schedule(lease, clock() + lease.timing.renew_interval)
         self.start()
 
     def start(self) -> None:
@@ -215,11 +225,11 @@ class Renewer:
                     self._cond.wait()
                     continue
                 due, _, lease = self._heap[0]
-                wait = due - time.monotonic()
+                wait = due - clock()
                 if wait > 0:
                     self._cond.wait(wait)
                     continue
-                now, first_due = time.monotonic(), due
+                now, first_due = clock(), due
                 taken = []
                 while self._heap:
                     due, _, lease = self._heap[0]
@@ -238,21 +248,21 @@ class Renewer:
                 self.renew(leases, due)
             except Exception as exc:  # never let the watchdog die; retry these leases soon
                 logger.exception("renewer tick failed")
-                now = time.monotonic()
+                now = clock()
                 for lease in leases:
                     self._retry_or_lose(lease, now, f"renewer error: {exc!r}")
 
     def renew(self, leases: list[Lease], due: float | None = None) -> None:
         """Renew ``leases`` now: one script call per node per chunk, per node set."""
         self.ticks += 1
-        started = time.monotonic()
+        started = clock()
         by_nodeset: dict[int, list[Lease]] = {}
         for lease in leases:
             by_nodeset.setdefault(id(lease.nodeset), []).append(lease)
         for group in by_nodeset.values():
             self._renew_group(group)
         if metrics.enabled:
-            metrics.tick(time.monotonic() - started, 0.0 if due is None else started - due)
+            metrics.tick(clock() - started, 0.0 if due is None else started - due)
 
     def _renew_group(self, leases: list[Lease]) -> None:
         nodeset = leases[0].nodeset
@@ -269,10 +279,10 @@ class Renewer:
             )
             for chunk in chunks
         ]
-        sent_at = time.monotonic()
+        sent_at = clock()
         replies = nodeset.call(calls)
         self.calls += len(calls) * sum(1 for r in replies if r is not None)
-        now = time.monotonic()
+        now = clock()
         n, quorum = len(nodeset), nodeset.quorum
         retried: list[str] = []
         for c, chunk in enumerate(chunks):

@@ -229,3 +229,20 @@ def test_threads_sharing_one_object_still_exclude_each_other(redis_node):
     thread.join(10)
     assert result["got"] is False
     lock.release()
+
+
+def test_wall_clock_jumps_do_not_touch_the_lease(redis_node):
+    """An hour's jump of the wall clock (freezegun, which also moves time.monotonic)
+    leaves the lease as it was: deadlines use the boot-time clock."""
+    import datetime
+
+    from freezegun import freeze_time
+
+    lock = Redlock("job", nodes=[redis_node.url], ttl=5, auto_renew=False)
+    assert lock.acquire()
+    before = lock.remaining()
+    for jump in (datetime.timedelta(hours=1), datetime.timedelta(hours=-1)):
+        with freeze_time(datetime.datetime.now() + jump):
+            lock.check()
+            assert 0 < lock.remaining() <= before
+    lock.release()

@@ -8,7 +8,7 @@ import threading
 import time
 
 from celery_redlock import LockLost, LockNotOwned, Redlock
-from celery_redlock.renewal import CHUNK, Renewer, get_renewer
+from celery_redlock.renewal import CHUNK, Renewer, clock, get_renewer
 from tests.harness.servers import wait_for
 
 
@@ -43,7 +43,7 @@ def check_one_tick(renewer, servers, locks):
         server.reset_stats()
     # All due at one instant, so the batching is measured, not the machine's speed
     # at handing 10,000 leases over.
-    due = time.monotonic() + 0.5
+    due = clock() + 0.5
     for lock in locks:
         renewer._schedule(lock._lease, due)
     renewer.start()
@@ -74,7 +74,7 @@ def test_node_unreachable_is_a_loss_before_the_local_deadline(redis_factory):
         "job",
         nodes=[server.url],
         ttl=1.5,
-        on_lost=lambda exc: lost_at.append((time.monotonic(), exc)),
+        on_lost=lambda exc: lost_at.append((clock(), exc)),
     )
     assert lock.acquire()
     server.kill()
@@ -90,7 +90,7 @@ def test_blackholed_node_is_a_loss_before_the_local_deadline(redis_node, fault_p
     proxy = fault_proxy(redis_node)
     lost_at = []
     lock = Redlock(
-        "job", nodes=[proxy.url], ttl=1.5, on_lost=lambda exc: lost_at.append(time.monotonic())
+        "job", nodes=[proxy.url], ttl=1.5, on_lost=lambda exc: lost_at.append(clock())
     )
     assert lock.acquire()
     proxy.blackhole()
