@@ -371,8 +371,11 @@ def _on_lost(task: Task, task_id: str, policy: str, lock: Redlock, exc: LockLost
         return
     if policy == "revoke" and reaper.in_pool_child():
         logger.error("Task %s[%s] lost its lock (%s); revoking it", task.name, task_id, exc)
-        task.app.control.revoke(task_id, terminate=True, signal="SIGTERM")
-        return
+        try:
+            task.app.control.revoke(task_id, terminate=True, signal="SIGTERM")
+            return
+        except Exception:  # broker unreachable: stopping the body must not depend on it
+            logger.exception("Task %s[%s]: revoke failed; aborting instead", task.name, task_id)
     logger.error("Task %s[%s] lost its lock (%s); aborting it", task.name, task_id, exc)
     if not abort.abort(lock._lease, exc):
         logger.debug("Task %s[%s] had already ended", task.name, task_id)
