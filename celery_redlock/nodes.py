@@ -13,6 +13,29 @@ Two properties matter more here than convenience:
   created or shared. It returns as soon as the caller's ``decided`` predicate says
   the outcome is known (a quorum granted or refused); connections whose replies are
   still in flight are drained the next time they are needed, not waited for.
+
+A node is one Redis master, named by a URL: ``redis://``, ``rediss://`` and
+``unix://`` as in redis-py, or a master monitored by Redis Sentinel::
+
+    redis+sentinel://[[username]:password@]host[:port][,host[:port]...]/service[/db]
+        [?sentinel_username=...&sentinel_password=...]
+
+e.g. ``redis+sentinel://:secret@10.0.0.1:26379,10.0.0.2:26379,10.0.0.3/mymaster/0``.
+The hosts are the sentinels (port 26379 by default), ``service`` is the master's name
+in ``sentinel monitor`` (kombu's ``master_name``), ``db`` defaults to 0. The URL's
+credentials are the master's (as in kombu's ``sentinel://`` broker URLs); sentinels
+that require a password of their own get it from ``sentinel_password``. Such a URL is
+*one* lock node: for Redlock, list several (independent) sentinel-managed masters.
+
+Every new connection to a sentinel node first asks the sentinels for the current
+master (redis-py's ``SentinelManagedConnection``; the sentinels are queried in turn,
+each with the node timeout as connect and socket timeout and no retries). A READONLY
+reply (the master was demoted to a replica) is turned into a connection error by
+that class, so the fan-out drops the connection like any other broken one. The node
+also asks the sentinels again at most every :data:`MASTER_RECHECK` seconds when a
+connection is checked out, and drops connections to a server that is no longer the
+master, so a failover whose old master is still up (and still writable until the
+sentinels demote it, up to ~10 s later) is noticed within that delay.
 """
 
 from __future__ import annotations
@@ -27,6 +50,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl, quote, unquote
 
 from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import NoBackoff
@@ -34,6 +58,7 @@ from redis.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from .exceptions import ConfigurationError
 from .scripts import Script
@@ -44,6 +69,16 @@ logger = logging.getLogger("celery_redlock.nodes")
 
 #: Idle connections kept per node and process; more are opened when needed.
 MAX_IDLE = 16
+
+#: URL scheme of a lock node that is a Sentinel-monitored master.
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+SENTINEL_FORM = (
+    "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]"
+    "[?sentinel_username=...&sentinel_password=...]"
+)
+#: Seconds between two checks of a sentinel node's master address on checkout.
+MASTER_RECHECK = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +153,96 @@ def _connection_options(timeout: float) -> dict[str, Any]:
     return options
 
 
+def _sentinel_error(url: str, why: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"invalid Redis Sentinel URL {_sanitize_sentinel_url(url)!r}: {why}; expected "
+        f"{SENTINEL_FORM}, e.g. redis+sentinel://:password@host1:26379,host2:26379/mymaster/0"
+    )
+
+
+def _sanitize_sentinel_url(url: str) -> str:
+    """The URL with its passwords masked (kombu's helper cannot parse a host list)."""
+    rest = url.split("://", 1)[-1]
+    netloc, sep, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:**@{hosts}" if colon else f"{user}@{hosts}"
+    path, question, query = path.partition("?")
+    if question:
+        query = "&".join(
+            f"{k}=**" if k == "sentinel_password" else f"{k}={quote(v, safe='')}"
+            for k, v in parse_qsl(query, keep_blank_values=True)
+        )
+    return f"{SENTINEL_SCHEME}://{netloc}{sep}{path}{question}{query}"
+
+
+def _parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict, dict]:
+    """(sentinel addresses, service name, master credentials and db, sentinel credentials)."""
+    rest = url[len(SENTINEL_SCHEME) + 3 :]
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hostlist = netloc.rpartition("@")
+    master: dict[str, Any] = {}
+    if at:
+        user, colon, password = userinfo.partition(":")
+        master["username"] = unquote(user) or None
+        master["password"] = unquote(password) if colon else None
+    sentinels = []
+    for item in hostlist.split(","):
+        if item.startswith("["):  # [IPv6]:port
+            host, _, port = item[1:].partition("]")
+            port = port[1:] if port.startswith(":") else port
+        else:
+            host, _, port = item.rpartition(":") if ":" in item else (item, "", "")
+        if not host:
+            raise _sentinel_error(url, f"no sentinel host in {item!r}")
+        try:
+            number = int(port) if port else SENTINEL_PORT
+        except ValueError:
+            raise _sentinel_error(url, f"bad port in {item!r}") from None
+        if not 0 < number < 65536:
+            raise _sentinel_error(url, f"bad port in {item!r}")
+        sentinels.append((host, number))
+    parts = [unquote(p) for p in path.split("/")] if path else []
+    if parts and parts[-1] == "":
+        parts.pop()  # a trailing slash
+    if not parts or not parts[0]:
+        raise _sentinel_error(url, "no service (master) name")
+    if len(parts) > 2:
+        raise _sentinel_error(url, f"unexpected path {path!r}")
+    try:
+        master["db"] = int(parts[1]) if len(parts) == 2 else 0
+    except ValueError:
+        raise _sentinel_error(url, f"db must be a number, got {parts[1]!r}") from None
+    if master["db"] < 0:
+        raise _sentinel_error(url, f"db must be >= 0, got {master['db']}")
+    sentinel_auth: dict[str, Any] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if key not in ("sentinel_username", "sentinel_password"):
+            raise _sentinel_error(url, f"unknown option {key!r}")
+        sentinel_auth[key.removeprefix("sentinel_")] = value
+    return sentinels, parts[0], master, sentinel_auth
+
+
+def _sentinel_pool(url: str, timeout: float) -> SentinelConnectionPool:
+    """A pool whose connections reach the master the sentinels report when they connect.
+
+    Only its ``connection_class`` and ``connection_kwargs`` are used (the kwargs hold
+    the pool's proxy, which asks the sentinels); sentinel queries get the same
+    timeouts, no retries and no handshakes as the lock connections.
+    """
+    try:
+        sentinels, service, master, sentinel_auth = _parse_sentinel_url(url)
+    except ValueError as exc:  # parse_qsl(strict_parsing=True)
+        raise _sentinel_error(url, str(exc)) from exc
+    options = _connection_options(timeout)
+    # redis.Redis deprecates retry_on_timeout; Retry(NoBackoff(), 0) retries nothing anyway.
+    sentinel_options = {k: v for k, v in options.items() if k != "retry_on_timeout"}
+    manager = Sentinel(sentinels, sentinel_kwargs={**sentinel_options, **sentinel_auth})
+    return SentinelConnectionPool(service, manager, **master, **options)
+
+
 class Node:
     """One Redis master: its URL and a small per-process pool of connections.
 
@@ -128,15 +253,23 @@ class Node:
     """
 
     def __init__(self, url: str, *, timeout: float) -> None:
-        try:
-            pool = ConnectionPool.from_url(url, **_connection_options(timeout))
-        except (ValueError, TypeError) as exc:
-            raise ConfigurationError(
-                f"invalid Redis URL {maybe_sanitize_url(url)!r}: {exc}; expected "
-                "redis://[[user]:password@]host[:port][/db], rediss://... or unix://path"
-            ) from exc
+        #: The pool of a Sentinel-managed node (None otherwise): it knows the master.
+        self._sentinel: SentinelConnectionPool | None = None
+        if url.startswith(f"{SENTINEL_SCHEME}://"):
+            pool = self._sentinel = _sentinel_pool(url, timeout)
+            self.safe_url = _sanitize_sentinel_url(url)
+        else:
+            try:
+                pool = ConnectionPool.from_url(url, **_connection_options(timeout))
+            except (ValueError, TypeError) as exc:
+                raise ConfigurationError(
+                    f"invalid Redis URL {maybe_sanitize_url(url)!r}: {exc}; expected "
+                    "redis://[[user]:password@]host[:port][/db], rediss://..., unix://path "
+                    f"or {SENTINEL_FORM}"
+                ) from exc
+            self.safe_url = maybe_sanitize_url(url)
+        self._recheck_at = 0.0
         self.url = url
-        self.safe_url = maybe_sanitize_url(url)
         self.timeout = timeout
         self._connection_class = pool.connection_class
         self._connection_kwargs = pool.connection_kwargs
@@ -177,6 +310,8 @@ class Node:
         (release) can never overtake the acquisition it undoes. Return the
         connection with :meth:`checkin`.
         """
+        if self._sentinel is not None:
+            self._recheck_master()
         with self._lock:
             self._check_pid()
             if self._draining:
@@ -185,8 +320,14 @@ class Node:
                 for index, (conn, owed, _, ident) in enumerate(self._draining):
                     if ident == me:
                         del self._draining[index]
-                        return conn, False, owed
+                        if not self._stale(conn):
+                            return conn, False, owed
+                        conn.disconnect()  # the earlier request went to the old master
+                        break
             conn = self._idle.pop() if self._idle else None
+            while conn is not None and self._stale(conn):
+                conn.disconnect()
+                conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = self.new_connection()
         if conn._sock is not None:
@@ -199,6 +340,29 @@ class Node:
             conn.disconnect()
             raise
         return conn, True, 0
+
+    def _stale(self, conn: AbstractConnection) -> bool:
+        """A sentinel node's connection to a server the sentinels no longer call master."""
+        pool = self._sentinel
+        if pool is None or conn._sock is None:
+            return False
+        return (conn.host, conn.port) != pool.master_address  # type: ignore[attr-defined]
+
+    def _recheck_master(self) -> None:
+        """Ask the sentinels for the master, at most every MASTER_RECHECK seconds.
+
+        Bounded by the sentinel connections' timeouts; if no sentinel answers, the
+        connections we have are kept (their own errors will tell).
+        """
+        now = time.monotonic()
+        with self._lock:
+            if now < self._recheck_at:
+                return
+            self._recheck_at = now + MASTER_RECHECK
+        try:
+            self._sentinel.get_master_address()  # type: ignore[union-attr]
+        except (RedisError, OSError) as exc:
+            logger.debug("%s: sentinels did not name a master: %s", self.safe_url, exc)
 
     def checkin(self, conn: AbstractConnection, owed: int = 0, give_up_at: float = 0.0) -> None:
         """Return a connection; ``owed`` replies still in flight are read later."""

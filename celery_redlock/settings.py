@@ -98,9 +98,12 @@ def _bool(name: str, value: Any) -> bool:
 def _url(name: str, value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
+    schemes = ("redis://", "rediss://", "unix://", "redis+sentinel://")
+    if not isinstance(value, str) or not value.startswith(schemes):
         raise ConfigurationError(
-            f"{name} must be a redis://, rediss:// or unix:// URL, got {value!r}"
+            f"{name} must be a redis://, rediss://, unix:// or Sentinel URL "
+            "(redis+sentinel://[:password@]host[:port][,host[:port]...]/service_name[/db]), "
+            f"got {value!r}"
         )
     return value
 

@@ -89,9 +89,7 @@ def test_blackholed_node_is_a_loss_before_the_local_deadline(redis_node, fault_p
     """A node that stops answering mid-hold: the renewer gives up in time, never silently."""
     proxy = fault_proxy(redis_node)
     lost_at = []
-    lock = Redlock(
-        "job", nodes=[proxy.url], ttl=1.5, on_lost=lambda exc: lost_at.append(clock())
-    )
+    lock = Redlock("job", nodes=[proxy.url], ttl=1.5, on_lost=lambda exc: lost_at.append(clock()))
     assert lock.acquire()
     proxy.blackhole()
     wait_for(lambda: lost_at, timeout=10)
