@@ -63,6 +63,9 @@ DEFAULT_URL = "redis://localhost:6379/0"
 #: holder to wait for (split votes, unreachable nodes), as Redlock prescribes.
 RETRY_DELAY = 0.2
 
+#: Upper bound of the random pause after a split vote, per node: 10 ms x N.
+SPLIT_BACKOFF = 0.002
+
 ACQUIRED, REENTERED, BUSY = 1, 2, 0
 RELEASED, GONE, TAKEN = 1, 0, -1
 
@@ -178,6 +181,16 @@ class Redlock:
                         metrics.busy(self.task_name)
                     return False
                 left = None if give_up is None else give_up - clock()
+                if attempt.granted:
+                    # A split vote: nobody won and every contender is undoing its part,
+                    # which announces releases that would wake us all again at once.
+                    # Step back a random moment, as Redlock prescribes, and ignore the
+                    # wake-ups our own undo caused.
+                    pause = random.uniform(0, SPLIT_BACKOFF * len(self.nodeset))
+                    time.sleep(pause if left is None else max(0.0, min(pause, left)))
+                    if subscription is not None:
+                        subscription.event.clear()
+                    continue
                 if attempt.busy_ttl:
                     if subscription is None:
                         subscription = Subscription(
