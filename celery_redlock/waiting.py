@@ -3,9 +3,10 @@
 ``release.lua`` publishes on the lock's channel when it deletes the lock. A process
 keeps **one pub/sub connection per node**, owned by one listener thread, whatever
 the number of waiters: a waiter registers an event for its channel, the listener
-subscribes (once per channel) and sets every registered event when a release is
-announced. redis-py's default polling wakes a waiter up to 0.1 s late; this wakes
-it about one round trip after the release.
+subscribes (once per channel) and, when a release is announced, wakes the process's
+longest-waiting waiter for it (only one: a release lets one holder in). redis-py's
+default polling wakes a waiter up to 0.1 s late; this wakes it about one round trip
+after the release.
 
 A lock that *expires* publishes nothing, and a notification can be lost with a
 dropped connection; waiters therefore never wait longer than the holder's
@@ -42,7 +43,8 @@ class _Listener(threading.Thread):
         super().__init__(name=f"celery_redlock-listener {node.safe_url}", daemon=True)
         self.node = node
         self._mutex = threading.Lock()
-        self._waiters: dict[str, set[threading.Event]] = {}
+        # channel -> waiters in arrival order (a dict as an ordered set)
+        self._waiters: dict[str, dict[threading.Event, None]] = {}
         self._confirmed: dict[str, threading.Event] = {}
         self._requests: deque[tuple[str, str]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -52,9 +54,9 @@ class _Listener(threading.Thread):
     def add(self, channel: str, event: threading.Event) -> threading.Event:
         """Register ``event`` for ``channel``; returns an event set once subscribed."""
         with self._mutex:
-            waiters = self._waiters.setdefault(channel, set())
+            waiters = self._waiters.setdefault(channel, {})
             first = not waiters
-            waiters.add(event)
+            waiters[event] = None
             confirmed = self._confirmed.setdefault(channel, threading.Event())
             if first:
                 self._requests.append(("SUBSCRIBE", channel))
@@ -68,13 +70,31 @@ class _Listener(threading.Thread):
             waiters = self._waiters.get(channel)
             if waiters is None:
                 return
-            waiters.discard(event)
+            waiters.pop(event, None)
+            if event.is_set():
+                # Woken but leaving without having used it (timed out, or gave up):
+                # pass the wake-up on, or a released lock would wait for its TTL.
+                self._wake_one(waiters)
             if waiters:
                 return
             del self._waiters[channel]
             self._confirmed.pop(channel, None)
             self._requests.append(("UNSUBSCRIBE", channel))
         self._poke()
+
+    @staticmethod
+    def _wake_one(waiters: dict[threading.Event, None]) -> None:
+        """Wake the longest-waiting waiter not already woken.
+
+        One release lets one holder in: waking every waiter would send all of them to
+        Redis for one winner (measured: 45 script calls per acquisition with 64 waiting
+        threads). The one woken tries; if it loses to another process, the next
+        release wakes the next, and the holder's TTL bounds every wait anyway.
+        """
+        for waiter in waiters:
+            if not waiter.is_set():
+                waiter.set()
+                return
 
     def _poke(self) -> None:
         with contextlib.suppress(OSError):
@@ -149,8 +169,7 @@ class _Listener(threading.Thread):
         kind, channel = message[0], message[1]
         with self._mutex:
             if kind == "message":
-                for event in self._waiters.get(channel, ()):
-                    event.set()
+                self._wake_one(self._waiters.get(channel, {}))
             elif kind == "subscribe":
                 confirmed = self._confirmed.get(channel)
                 if confirmed is not None:

@@ -246,3 +246,34 @@ def test_wall_clock_jumps_do_not_touch_the_lease(redis_node):
             lock.check()
             assert 0 < lock.remaining() <= before
     lock.release()
+
+
+def test_a_release_wakes_one_waiter_not_all(redis_node):
+    """8 threads wait on one lock: each release sends one of them to Redis, not all 8."""
+    holder = Redlock("herd", nodes=[redis_node.url], ttl=30)
+    assert holder.acquire()
+    attempts = []
+    waiters = [Redlock("herd", nodes=[redis_node.url], ttl=30) for _ in range(8)]
+    for waiter in waiters:
+        real = waiter._attempt
+        waiter._attempt = lambda real=real: attempts.append(1) or real()
+
+    def take_and_pass(lock: Redlock) -> None:
+        assert lock.acquire(timeout=30)
+        lock.release()
+
+    threads = [threading.Thread(target=take_and_pass, args=(w,)) for w in waiters]
+    for thread in threads:
+        thread.start()
+    client = redis_node.client()
+    wait_for(
+        lambda: client.pubsub_numsub("redlock:{herd}:released")[0][1] >= 1 and len(attempts) >= 16,
+        timeout=10,
+    )  # each waiter: first try + once subscribed
+    before = len(attempts)
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    # One attempt per release (8), not 8 + 7 + ... + 1 = 36; a little slack for a
+    # waiter that races a release between its tries.
+    assert len(attempts) - before <= 8 + 4, f"{len(attempts) - before} attempts for 8 handoffs"
