@@ -20,23 +20,18 @@ at least python-redis-lock's, and a per-client minimum above 0 in every cell.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import platform
 import statistics
 import threading
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import redis
 import redis_lock
 
-import celery_redlock
+from benchmarks.common import environment, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
 
-RESULTS = Path(__file__).parent / "results"
 KINDS = ("celery_redlock", "python-redis-lock", "redis-py Lock")
 LEAD = 0.3  # seconds between handing out a cell and its common start
 DRAIN = 15.0  # seconds a cell may overrun its duration before it counts as hung
@@ -218,13 +213,9 @@ def main() -> None:
         }
     report = {
         "benchmark": "contended acquire / hold / release, one node, fixed time per cell",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        **environment(),
         "cpus": multiprocessing.cpu_count(),
-        "python": platform.python_version(),
         "redis_server": f"{version[0]} {'.'.join(map(str, version[1]))}",
-        "celery_redlock": celery_redlock.__version__,
-        "redis_py": redis.__version__,
         "python_redis_lock": redis_lock.__version__,
         "duration_s": args.duration,
         "runs": args.runs,
@@ -232,8 +223,7 @@ def main() -> None:
         "results": rows,
         "targets": targets,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "contention.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report("contention", report)
     print(
         f"{'mode':<9} {'N':>3} {'hold':>4}  {'lock':<17} {'total/s':>8} {'min/s':>7} "
         f"{'jain':>5} {'wait p50 µs':>11} {'p99 µs':>9}"

@@ -17,24 +17,19 @@ p50 at most 2 ms and at least 20x better (lower) than redis-py's Lock.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
-from pathlib import Path
 
 import redis
 import redis_lock
 
-import celery_redlock
+from benchmarks.common import environment, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
 
-RESULTS = Path(__file__).parent / "results"
 WAIT_LIMIT = 10.0  # seconds; a handoff slower than this aborts the run
 
 
@@ -154,12 +149,8 @@ def main() -> None:
     redis_py = rows["redis-py Lock (sleep=0.1)"]["median_us"]
     report = {
         "benchmark": "handoff latency release() -> blocked waiter's acquire() returns, one node",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "python": platform.python_version(),
+        **environment(),
         "redis_server": f"{version[0]} {'.'.join(map(str, version[1]))}",
-        "celery_redlock": celery_redlock.__version__,
-        "redis_py": redis.__version__,
         "python_redis_lock": redis_lock.__version__,
         "handoffs_per_lock": per_run * args.runs,
         "runs": args.runs,
@@ -170,8 +161,7 @@ def main() -> None:
             "redis-py p50 / celery_redlock p50 (>= 20)": round(redis_py / ours, 1),
         },
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "handoff.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report("handoff", report)
     width = max(map(len, rows))
     print(f"{'lock':<{width}}  median µs     p99 µs")
     for label, row in rows.items():

@@ -12,21 +12,14 @@ MULTI / EXEC lock that the seed articles start from. Target: celery_redlock at m
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
 import uuid
-from datetime import datetime, timezone
-from pathlib import Path
 
 import redis
 
-import celery_redlock
+from benchmarks.common import environment, measure_us, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
-
-RESULTS = Path(__file__).parent / "results"
 
 
 class WatchLock:
@@ -94,15 +87,6 @@ def contenders(url: str) -> dict:
     }
 
 
-def measure(fn, ops: int) -> list[float]:
-    samples = []
-    for _ in range(ops):
-        start = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - start) / 1000)
-    return samples
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=2000, help="operations per run")
@@ -111,12 +95,12 @@ def main() -> None:
     with RedisServer() as server:
         locks = contenders(server.url)
         for fn in locks.values():  # warm connections and script caches
-            measure(fn, 200)
+            measure_us(fn, 200)
         samples: dict[str, list[float]] = {name: [] for name in locks}
         medians: dict[str, list[float]] = {name: [] for name in locks}
         for _ in range(args.runs):
             for name, fn in locks.items():
-                run = measure(fn, args.ops)
+                run = measure_us(fn, args.ops)
                 samples[name].extend(run)
                 medians[name].append(statistics.median(run))
         version = server.version
@@ -133,12 +117,8 @@ def main() -> None:
     ours = rows["celery_redlock"]["median_us"]
     report = {
         "benchmark": "uncontended acquire + release, one node",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "python": platform.python_version(),
+        **environment(),
         "redis_server": f"{version[0]} {'.'.join(map(str, version[1]))}",
-        "celery_redlock": celery_redlock.__version__,
-        "redis_py": redis.__version__,
         "ops_per_run": args.ops,
         "runs": args.runs,
         "results": rows,
@@ -147,8 +127,7 @@ def main() -> None:
             "vs WATCH baseline (<= 0.5)": round(ours / watch, 3),
         },
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latency.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report("latency", report)
     width = max(map(len, rows))
     print(f"{'lock':<{width}}  median µs   p99 µs")
     for name, row in rows.items():

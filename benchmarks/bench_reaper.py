@@ -10,18 +10,14 @@ would stay for the whole 30 s lease. Writes ``benchmarks/results/reaper.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
+from benchmarks.common import environment, write_report
 from tests.apps.locked import create_app
 from tests.harness import RedisServer, WorkerProcess, holder_pid, lock_keys, wait_for
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -54,15 +50,14 @@ def main() -> None:
     samples.sort()
     report = {
         "benchmark": "lock release after SIGKILL of the holding prefork child (lease 30 s)",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **environment(),
         "trials": len(samples),
         "median_ms": round(statistics.median(samples), 1),
         "max_ms": round(samples[-1], 1),
         "samples_ms": [round(s, 1) for s in samples],
         "target": "within 1 s (DESIGN: at once)",
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "reaper.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report("reaper", report)
     print(
         f"released after SIGKILL: median {report['median_ms']} ms, max {report['max_ms']} ms "
         f"over {len(samples)} kills (lease 30 s)"

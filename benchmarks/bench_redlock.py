@@ -17,22 +17,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
 from importlib.metadata import version as dist_version
-from pathlib import Path
 
 import redis
 from pottery import Redlock as PotteryRedlock
 
-import celery_redlock
+from benchmarks.common import environment, measure_us, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def contenders(urls: list[str], counts: list[int]) -> dict[tuple[str, int], object]:
@@ -59,15 +53,6 @@ def contenders(urls: list[str], counts: list[int]) -> dict[tuple[str, int], obje
     return cells
 
 
-def measure(fn, ops: int) -> list[float]:
-    samples = []
-    for _ in range(ops):
-        start = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - start) / 1000)
-    return samples
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=1000, help="operations per cell and run")
@@ -80,12 +65,12 @@ def main() -> None:
         servers = [stack.enter_context(RedisServer()) for _ in range(max(counts))]
         cells = contenders([s.url for s in servers], counts)
         for fn in cells.values():  # warm connections, script caches, executor threads
-            measure(fn, 100)
+            measure_us(fn, 100)
         samples: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
         medians: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
         for _ in range(args.runs):
             for cell, fn in cells.items():
-                run = measure(fn, args.ops)
+                run = measure_us(fn, args.ops)
                 samples[cell].extend(run)
                 medians[cell].append(statistics.median(run))
         version = servers[0].version
@@ -114,12 +99,8 @@ def main() -> None:
             )
     report = {
         "benchmark": "uncontended acquire + release, N independent redis-server nodes",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "python": platform.python_version(),
+        **environment(),
         "redis_server": f"{version[0]} {'.'.join(map(str, version[1]))}",
-        "celery_redlock": celery_redlock.__version__,
-        "redis_py": redis.__version__,
         "pottery": dist_version("pottery"),
         "ops_per_run": args.ops,
         "runs": args.runs,
@@ -127,8 +108,7 @@ def main() -> None:
         "results": rows,
         "targets": targets,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "redlock.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report("redlock", report)
     print(f"{'lock':<15} {'nodes':>5}  median µs   p99 µs")
     for row in sorted(rows, key=lambda r: (r["nodes"], r["lock"])):
         print(f"{row['lock']:<15} {row['nodes']:>5}  {row['median_us']:>9}  {row['p99_us']:>7}")

@@ -25,25 +25,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import os
-import platform
 import statistics
 import threading
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import redis
 import redis_lock
 
-import celery_redlock
+from benchmarks.common import environment, write_report
 from celery_redlock import Redlock
 from celery_redlock.renewal import CHUNK, Renewer, clock, get_renewer
 from tests.harness import RedisServer
 
-RESULTS = Path(__file__).parent / "results"
 SIZES = (10, 1_000, 10_000, 50_000)
 THREAD_SIZES = (10, 1_000)
 THREAD_LIMIT_NOTE = (
@@ -222,6 +216,11 @@ def window_celery_redlock(server: RedisServer, n: int, window: float) -> dict:
     }
 
 
+def _shown(value: object) -> object:
+    """A table cell: '-' where a short window measured nothing."""
+    return "-" if value is None else value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ticks", type=int, default=5, help="ticks per N >= 10,000 (x4 below)")
@@ -244,13 +243,8 @@ def main() -> None:
     total = round(time.perf_counter() - started, 1)
     report = {
         "benchmark": "renewal cost of N held locks, one local node",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
+        **environment(),
         "redis_server": f"{version[0]} {'.'.join(map(str, version[1]))}",
-        "celery_redlock": celery_redlock.__version__,
-        "redis_py": redis.__version__,
         "python_redis_lock": getattr(redis_lock, "__version__", "?"),
         "chunk": CHUNK,
         "notes": [
@@ -278,8 +272,7 @@ def main() -> None:
         "windows": windows,
         "total_seconds": total,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "renewal.json").write_text(json.dumps(report, indent=2) + "\n")
+    written = write_report("renewal", report)
 
     print(f"\nOne renewal tick ({report['redis_server']}, Python {report['python']})")
     print(
@@ -300,12 +293,13 @@ def main() -> None:
     )
     for n, methods in windows.items():
         for name, row in methods.items():
+            cell = {key: _shown(value) for key, value in row.items()}
             print(
-                f"{n:>7}  {name:<36} {row['renewal_threads']:>7} {row['renew_interval_s']:>7} "
-                f"{row['cpu_ms_window']:>8} {row['round_trips_window']:>6} "
-                f"{row['cpu_us_per_lock_renewal']:>20} {row['still_held_after_window']:>10}"
+                f"{n:>7}  {name:<36} {cell['renewal_threads']:>7} {cell['renew_interval_s']:>7} "
+                f"{cell['cpu_ms_window']:>8} {cell['round_trips_window']:>6} "
+                f"{cell['cpu_us_per_lock_renewal']:>20} {cell['still_held_after_window']:>10}"
             )
-    print(f"\ntotal {total} s; wrote {RESULTS / 'renewal.json'}")
+    print(f"\ntotal {total} s; wrote {written}")
 
 
 if __name__ == "__main__":
