@@ -50,23 +50,19 @@ def exercise(url: str) -> None:
     waiter.release()
 
 
+def acl_user(server, commands) -> str:
+    """Create user ``locker`` limited to ``commands`` and the lock keys; return its URL."""
+    server.client().execute_command(
+        "ACL", "SETUSER", "locker", "on", ">pw", "resetkeys", "~redlock:*",
+        "resetchannels", "&redlock:*", "-@all", *commands,
+    )  # fmt: skip
+    return f"redis://locker:pw@127.0.0.1:{server.port}/0"
+
+
 def test_acl_user_with_the_documented_command_set_works(redis_factory):
     """A user allowed only the documented commands, keys and channels can do everything."""
     (server,) = redis_factory(1)
-    server.client().execute_command(
-        "ACL",
-        "SETUSER",
-        "locker",
-        "on",
-        ">pw",
-        "resetkeys",
-        "~redlock:*",
-        "resetchannels",
-        "&redlock:*",
-        "-@all",
-        *MINIMAL_ACL,
-    )
-    exercise(f"redis://locker:pw@127.0.0.1:{server.port}/0")
+    exercise(acl_user(server, MINIMAL_ACL))
     stats = server.commandstats()
     assert "keys" not in stats, "the KEYS command is never used"
 
@@ -74,18 +70,8 @@ def test_acl_user_with_the_documented_command_set_works(redis_factory):
 def test_acl_user_without_a_needed_command_gets_a_clear_error(redis_factory):
     """Missing a permission names the command instead of failing silently."""
     (server,) = redis_factory(1)
-    server.client().execute_command(
-        "ACL",
-        "SETUSER",
-        "locker",
-        "on",
-        ">pw",
-        "~redlock:*",
-        "&redlock:*",
-        "-@all",
-        *(c for c in MINIMAL_ACL if c != "+incr"),
-    )
-    lock = Redlock("topology", nodes=[f"redis://locker:pw@127.0.0.1:{server.port}/0"], ttl=1.0)
+    url = acl_user(server, [c for c in MINIMAL_ACL if c != "+incr"])
+    lock = Redlock("topology", nodes=[url], ttl=1.0)
     with pytest.raises(NodeUnavailable, match=r"can't run this command"):
         lock.acquire(blocking=False)
 
