@@ -28,10 +28,14 @@ __all__ = [
 class Script:
     """A Lua script shipped with the package, addressed by its SHA1."""
 
-    __slots__ = ("name", "sha", "source")
+    __slots__ = ("name", "per_key_args", "sha", "source")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, per_key_args: int | None = None) -> None:
         self.name = name
+        #: For a script whose keys are independent of each other (each key with this
+        #: many ARGV entries of its own, and one reply entry per key), so that a call
+        #: may be split by key, e.g. per Redis Cluster master. None: keys go together.
+        self.per_key_args = per_key_args
         self.source = resources.files(__package__).joinpath(f"{name}.lua").read_text("utf-8")
         self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
 
@@ -45,7 +49,7 @@ class Script:
 
 ACQUIRE = Script("acquire")
 FENCE_SYNC = Script("fence_sync")
-RENEW_MANY = Script("renew_many")
+RENEW_MANY = Script("renew_many", per_key_args=2)
 RELEASE = Script("release")
 RELEASE_IF = Script("release_if")
 INSPECT = Script("inspect")
