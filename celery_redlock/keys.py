@@ -7,6 +7,12 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
     redlock:{NAME}:fence      fence counter (an integer that only grows; no TTL)
     redlock:{NAME}:released   pub/sub channel: one message per release
     redlock:{NAME}:state      hash of per-entry last run times (beat leader locks only)
+    redlock:{NAME}:shared     sorted set: shared holders (read locks, ``limit`` slots),
+                              token -> lease deadline in ms on the node's clock; the
+                              member ``!writer`` marks a writer waiting for them
+    redlock:{NAME}:holders    hash: shared holder token -> "task_id pid host task_name"
+    redlock:{NAME}:queue      sorted set: fair waiters, token -> arrival order
+    redlock:{NAME}:waiting    sorted set: fair waiters, token -> deadline in ms
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all.
@@ -35,6 +41,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "LockKeys",
     "check_lock_args",
+    "keys_of",
     "lock_keys",
     "task_lock_name",
     "validate_prefix",
@@ -53,8 +60,17 @@ class LockKeys(NamedTuple):
 
     lock: str
     fence: str
-    channel: str
+    channel: str  # redlock:{NAME}:released
     state: str
+    shared: str
+    holders: str
+    queue: str
+    waiting: str
+
+    @property
+    def resource(self) -> tuple[str, str, str, str]:
+        """The keys every acquisition checks: lock, fence, shared holders, their info."""
+        return (self.lock, self.fence, self.shared, self.holders)
 
 
 def validate_prefix(prefix: str) -> str:
@@ -76,8 +92,13 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
             f"lock name is {len(name)} characters long, the limit is {MAX_NAME_LENGTH}: "
             "hash long names before using them"
         )
-    lock = f"{prefix}{{{name}}}"
-    return LockKeys(lock, f"{lock}:fence", f"{lock}:released", f"{lock}:state")
+    return keys_of(f"{prefix}{{{name}}}")
+
+
+def keys_of(lock: str) -> LockKeys:
+    """Every key of a lock, from its lock key (``<prefix>{<name>}``)."""
+    suffixes = [field if field != "channel" else "released" for field in LockKeys._fields[1:]]
+    return LockKeys(lock, *(f"{lock}:{suffix}" for suffix in suffixes))
 
 
 # -- task locks ------------------------------------------------------------------

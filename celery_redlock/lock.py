@@ -45,15 +45,23 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from . import metrics
-from .exceptions import LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from .keys import DEFAULT_PREFIX, lock_keys
+from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
+from .keys import DEFAULT_PREFIX, LockKeys, lock_keys
 from .nodes import Call, NodeSet, Reply
-from .renewal import Lease, clock, get_renewer
-from .scripts import ACQUIRE, FENCE_SYNC, INSPECT, RELEASE, RENEW_MANY
+from .renewal import Lease, clock, get_renewer, lease_code, renew_call
+from .scripts import (
+    ACQUIRE,
+    ACQUIRE_SHARED,
+    FAIR_LEAVE,
+    FENCE_SYNC,
+    INSPECT,
+    RELEASE,
+    RELEASE_SHARED,
+)
 from .settings import timing as make_timing
 from .waiting import Subscription
 
-__all__ = ["DEFAULT_URL", "Redlock"]
+__all__ = ["DEFAULT_URL", "MODES", "Redlock"]
 
 logger = logging.getLogger("celery_redlock.lock")
 
@@ -67,6 +75,10 @@ RETRY_DELAY = 0.2
 SPLIT_BACKOFF = 0.002
 
 ACQUIRED, REENTERED, BUSY = 1, 2, 0
+
+#: Lock modes: one exclusive holder, or any number of shared holders (at most
+#: ``limit``) and never both at once.
+MODES = ("exclusive", "shared")
 RELEASED, GONE, TAKEN = 1, 0, -1
 
 _HOST = socket.gethostname()
@@ -79,7 +91,7 @@ class _Attempt:
 
     def __init__(self) -> None:
         self.granted: list[int] = []
-        self.fences: list[int] = []
+        self.fences: list[tuple[int, ...]] = []  # per granting node, one per resource
         self.busy_ttl: list[float] = []
         self.holder: str | None = None
         self.errors: list[str] = []
@@ -117,7 +129,7 @@ class Redlock:
 
     def __init__(
         self,
-        name: str,
+        name: str | Sequence[str],
         *,
         nodes: Sequence[str] | str | None = None,
         ttl: float = 30.0,
@@ -130,9 +142,16 @@ class Redlock:
         min_replicas: int = 0,
         task_id: str | None = None,
         task_name: str | None = None,
+        mode: str | None = None,
+        limit: int | None = None,
+        fair: bool = False,
     ) -> None:
-        self.name = name
-        self.keys = lock_keys(name, key_prefix)
+        names = [name] if isinstance(name, str) else list(dict.fromkeys(name))
+        self.mode, self.limit, self.fair = _check_kind(names, mode, limit, fair)
+        self.names = tuple(names)
+        self.name = names[0]
+        self.resources: tuple[LockKeys, ...] = tuple(lock_keys(n, key_prefix) for n in names)
+        self.keys = self.resources[0]
         self.timing = make_timing(ttl, renew_interval, node_timeout, drift_factor, source="")
         if nodes is None:
             nodes = [DEFAULT_URL]
@@ -148,7 +167,11 @@ class Redlock:
         self._mutex = threading.RLock()
 
     def __repr__(self) -> str:
-        return f"<Redlock {self.keys.lock!r} on {len(self.nodeset)} node(s) fence={self.fence}>"
+        kind = "" if self.mode == "exclusive" else f" {self.mode}"
+        if self.limit:
+            kind += f" limit={self.limit}"
+        names = self.keys.lock if len(self.resources) == 1 else [k.lock for k in self.resources]
+        return f"<Redlock{kind} {names!r} on {len(self.nodeset)} node(s) fence={self.fence}>"
 
     # -- acquisition -----------------------------------------------------------
 
@@ -159,18 +182,27 @@ class Redlock:
         its lease) between attempts; it never polls at a fixed interval. Raises
         :class:`NodeUnavailable` when so many nodes fail that no quorum is possible
         (blocking or not: an outage is not a busy lock).
+
+        With ``fair=True`` a blocking call queues up on the nodes and is served in
+        arrival order; it refreshes its place while it waits, so a waiter that dies
+        leaves the queue within one ``ttl``.
         """
         if self._reenter():
             return True
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
+        waiter = _Waiter(blocking, self.fair, len(self.nodeset))
         subscription: Subscription | None = None
+        acquired = False
         try:
             while True:
-                attempt = self._attempt()
+                attempt = self._attempt(waiter)
                 if attempt is None:
+                    acquired = True
                     if metrics.enabled:
                         metrics.acquired(self.task_name, clock() - started)
+                    if subscription is not None and self.mode == "shared":
+                        subscription.pass_on()  # a share does not exclude the next waiter
                     return True
                 if len(attempt.errors) > len(self.nodeset) - self.nodeset.quorum:
                     # Too many nodes failed for any quorum: waiting would hide a
@@ -197,10 +229,15 @@ class Redlock:
                             self.nodeset.nodes,
                             self.keys.channel,
                             confirm_timeout=self.timing.node_timeout,
+                            token=waiter.token if self.fair else None,
                         )
                         continue  # retry once subscribed, so no release is missed
-                    # TTL fallback: an expiry publishes nothing.
+                    # TTL fallback: an expiry publishes nothing. A queued (fair) waiter
+                    # or a writer waiting for shared holders also comes back before its
+                    # mark on the nodes expires, to renew it.
                     pause = min(attempt.busy_ttl) + random.uniform(0, 0.01)
+                    if self.fair or self.mode == "exclusive":
+                        pause = min(pause, self.timing.renew_interval)
                     subscription.wait(pause if left is None else min(pause, left))
                 else:
                     pause = random.uniform(0, RETRY_DELAY)
@@ -208,13 +245,15 @@ class Redlock:
         finally:
             if subscription is not None:
                 subscription.close()
+            if self.fair and blocking and not acquired:
+                self._leave_queue(waiter.token)
 
     def try_acquire(self) -> None:
         """Take the lock now or raise :class:`LockBusy` naming the holder."""
         if self._reenter():
             return
         started = clock()
-        attempt = self._attempt()
+        attempt = self._attempt(_Waiter(False, self.fair, len(self.nodeset)))
         if attempt is None:
             if metrics.enabled:
                 metrics.acquired(self.task_name, clock() - started)
@@ -225,25 +264,39 @@ class Redlock:
             raise LockBusy(self.keys.lock, attempt.holder, min(attempt.busy_ttl))
         raise NodeUnavailable(self.keys.lock, attempt.errors)
 
-    def _attempt(self) -> _Attempt | None:
-        """One acquisition attempt; None when it succeeded."""
-        token = secrets.token_hex(16)
+    def _acquire_call(self, waiter: _Waiter) -> Call:
+        """The script call of one attempt on every node."""
         ttl_ms = max(1, round(self.timing.ttl * 1000))
-        calls = [
-            Call(
-                ACQUIRE,
-                self.keys[:2],
-                (
-                    token,
-                    ttl_ms,
-                    self.task_id or "",
-                    _HOST,
-                    os.getpid(),
-                    f"{time.time():.3f}",
-                    self.task_name or "",
-                ),
-            )
-        ]
+        holder = (self.task_id or "", _HOST, os.getpid(), f"{time.time():.3f}")
+        if self.mode == "shared":
+            task_id, host, pid, acquired_at = holder
+            return Call(
+                ACQUIRE_SHARED,
+                self.keys.resource,
+                (waiter.token, ttl_ms, self.limit or 0, task_id, host, pid, acquired_at,
+                 self.task_name or ""),
+            )  # fmt: skip
+        keys = tuple(key for resource in self.resources for key in resource.resource)
+        fair = ""
+        if self.fair:
+            keys += (self.keys.queue, self.keys.waiting)
+            fair = str(ttl_ms if waiter.blocking else 0)
+        return Call(
+            ACQUIRE,
+            keys,
+            (waiter.token, ttl_ms, *holder, self.task_name or "", "1" if waiter.blocking else "",
+             fair, waiter.arrival),
+        )  # fmt: skip
+
+    def _leave_queue(self, token: str) -> None:
+        """Give up a fair waiter's place (else it would hold up the queue for a TTL)."""
+        keys = (self.keys.lock, self.keys.queue, self.keys.waiting)
+        self.nodeset.call([Call(FAIR_LEAVE, keys, (token,))])
+
+    def _attempt(self, waiter: _Waiter) -> _Attempt | None:
+        """One acquisition attempt; None when it succeeded."""
+        token = waiter.token
+        calls = [self._acquire_call(waiter)]
         if self.min_replicas:
             calls.append(
                 Call.command(
@@ -270,10 +323,10 @@ class Redlock:
         for i, reply in enumerate(replies):
             if reply is None:
                 continue
-            fence = self._granted(reply)
-            if fence is not None:
+            fences = self._granted(reply)
+            if fences is not None:
                 attempt.granted.append(i)
-                attempt.fences.append(fence)
+                attempt.fences.append(fences)
             elif reply.error is not None:
                 attempt.errors.append(reply.describe_error())
             else:
@@ -281,9 +334,11 @@ class Redlock:
 
         validity = self.timing.ttl - elapsed - self.timing.drift
         if len(attempt.granted) >= quorum and validity > 0:
-            fence = max(attempt.fences)
-            if attempt.fences.count(fence) >= quorum or self._sync_fence(token, fence, attempt):
-                self._won(token, fence, sent_at, len(attempt.granted))
+            # Per resource, the largest fence among the granting nodes.
+            fences = tuple(max(column) for column in zip(*attempt.fences, strict=True))
+            agreed = sum(1 for node_fences in attempt.fences if node_fences == fences)
+            if agreed >= quorum or self._sync_fence(token, fences, attempt):
+                self._won(token, fences, sent_at, len(attempt.granted))
                 return None
         if not all(_is_busy(reply) for reply in replies):
             # Undo everywhere, including nodes that did not answer (they may have
@@ -305,8 +360,8 @@ class Redlock:
         node_timeout = self.timing.node_timeout
         return node_timeout if not self.min_replicas else 2 * node_timeout + 0.1
 
-    def _granted(self, reply: Reply) -> int | None:
-        """The fence a node granted, or None if it refused or failed."""
+    def _granted(self, reply: Reply) -> tuple[int, ...] | None:
+        """The fences a node granted (one per resource), or None if it refused or failed."""
         if reply.error is not None:
             return None
         value = reply.values[0]
@@ -316,7 +371,7 @@ class Redlock:
             isinstance(reply.values[1], ResponseError) or reply.values[1] < self.min_replicas
         ):
             return None
-        return int(value[1])
+        return tuple(int(fence) for fence in value[1:])
 
     def _note_refusal(self, reply: Reply, attempt: _Attempt) -> None:
         value = reply.values[0]
@@ -333,13 +388,20 @@ class Redlock:
         else:
             raise ValueError(f"acquire.lua returned unknown code {value[0]!r}")
 
-    def _sync_fence(self, token: str, fence: int, attempt: _Attempt) -> bool:
-        """Store the fence back on the granting nodes; True if a quorum holds it."""
+    def _sync_fence(self, token: str, fences: tuple[int, ...], attempt: _Attempt) -> bool:
+        """Store the fences back on the granting nodes; True if a quorum holds them."""
+        if self.mode == "shared":
+            calls = [Call(FENCE_SYNC, _fence_keys(self.keys), (token, fences[0], "s"))]
+        else:
+            calls = [
+                Call(FENCE_SYNC, _fence_keys(resource), (token, fence, ""))
+                for resource, fence in zip(self.resources, fences, strict=True)
+            ]
         requests: list[list[Call] | None] = [None] * len(self.nodeset)
         for i in attempt.granted:
-            requests[i] = [Call(FENCE_SYNC, self.keys[:2], (token, fence))]
+            requests[i] = calls
         replies = self.nodeset.call(requests, per_node=True)
-        synced = sum(1 for r in replies if r is not None and r.ok and r.values[0] == 1)
+        synced = sum(1 for r in replies if r is not None and r.ok and all(v == 1 for v in r.values))
         if synced < self.nodeset.quorum:
             attempt.errors.append(f"fence stored on {synced} nodes only")
             return False
@@ -352,18 +414,20 @@ class Redlock:
             return f"{self.task_name or 'task'}[{self.task_id}]"
         return self.task_name or "-"
 
-    def _won(self, token: str, fence: int, sent_at: float, granted: int) -> None:
+    def _won(self, token: str, fences: tuple[int, ...], sent_at: float, granted: int) -> None:
         callbacks = [self.on_lost] if self.on_lost is not None else []
         lease = Lease(
             self.keys,
             token,
-            fence,
+            fences[0],
             self.nodeset,
             self.timing,
             sent_at,
             callbacks,
             owner=self.owner,
             task_name=self.task_name,
+            entries=self._entries(),
+            fences=fences,
         )
         with self._mutex:
             self._lease = lease
@@ -375,10 +439,25 @@ class Redlock:
             "Lock(%r) acquired by %s: fence %s, %d of %d nodes",
             self.keys.lock,
             self.owner,
-            fence,
+            fences[0] if len(fences) == 1 else fences,
             granted,
             len(self.nodeset),
         )
+
+    def _entries(self) -> tuple[tuple[str, str], ...]:
+        """What renewal extends for a hold: (key, kind) pairs, as renew_many.lua takes."""
+        if self.mode == "shared":
+            return ((self.keys.shared, "s"), (self.keys.holders, "d"))
+        return tuple((resource.lock, "x") for resource in self.resources)
+
+    def _release_call(self, token: str) -> Call:
+        if self.mode == "shared":
+            keys = (self.keys.lock, self.keys.shared, self.keys.holders)
+            return Call(RELEASE_SHARED, keys, (token,))
+        if self.fair:
+            keys = (self.keys.lock, self.keys.queue, self.keys.waiting)
+            return Call(RELEASE, keys, (token, "fair"))
+        return Call(RELEASE, tuple(resource.lock for resource in self.resources), (token,))
 
     def _unlock(self, token: str, wait_for: Sequence[int] | None = None) -> list[Reply | None]:
         """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all)."""
@@ -387,7 +466,7 @@ class Redlock:
             return all(replies[i] is not None for i in wait_for)  # type: ignore[union-attr]
 
         return self.nodeset.call(
-            [Call(RELEASE, self.keys[:1], (token,))],
+            [self._release_call(token)],
             decided=None if wait_for is None else decided,
         )
 
@@ -467,11 +546,10 @@ class Redlock:
         """
         lease = self._own_lease("extend")
         lease.check()
-        ttl_ms = max(1, round(lease.timing.ttl * 1000))
         sent_at = clock()
-        replies = self.nodeset.call([Call(RENEW_MANY, self.keys[:1], (lease.token, ttl_ms))])
+        replies = self.nodeset.call([renew_call([lease])])
         codes = [
-            r.values[0][0]
+            lease_code(r.values[0], 0, len(lease.entries))
             for r in replies
             if r is not None and r.ok and not isinstance(r.values[0], ResponseError)
         ]
@@ -501,20 +579,41 @@ class Redlock:
         lease = self._lease
         if not self._held() or lease is None:
             return False
-        replies = self.nodeset.call([Call(INSPECT, self.keys[:2])])
+        if self.mode == "shared":
+            calls = [Call.command("ZSCORE", self.keys.shared, lease.token)]
+        else:
+            calls = [Call.command("HGET", resource.lock, "token") for resource in self.resources]
         holding = 0
-        for reply in replies:
-            if reply is not None and reply.ok and not isinstance(reply.values[0], ResponseError):
-                fields = _fields(reply.values[0][2:])
-                holding += fields.get("token") == lease.token
+        for reply in self.nodeset.call(calls):
+            if reply is not None and reply.ok:
+                if self.mode == "shared":
+                    holding += reply.values[0] is not None
+                else:
+                    holding += all(value == lease.token for value in reply.values)
         return holding >= self.nodeset.quorum
 
     def locked(self) -> bool:
-        """True if anyone holds the lock (a quorum of nodes has the key)."""
-        replies = self.nodeset.call([Call.command("EXISTS", self.keys.lock)])
-        return sum(1 for r in replies if r is not None and r.ok and r.values[0] == 1) >= (
-            self.nodeset.quorum
-        )
+        """True if a quorum of nodes says the lock is held, so that ``acquire`` would wait.
+
+        Exclusive mode: any of its resources is held exclusively. Shared mode: the
+        resource is held exclusively, or ``limit`` shares are taken.
+        """
+        if self.mode == "shared":
+            calls = [
+                Call.command("EXISTS", self.keys.lock),
+                Call.command("ZCOUNT", self.keys.shared, "-inf", "+inf"),
+            ]
+        else:
+            calls = [Call.command("EXISTS", *(resource.lock for resource in self.resources))]
+        held = 0
+        for reply in self.nodeset.call(calls):
+            if reply is None or not reply.ok:
+                continue
+            if self.mode == "shared":
+                held += reply.values[0] > 0 or bool(self.limit and reply.values[1] >= self.limit)
+            else:
+                held += reply.values[0] > 0
+        return held >= self.nodeset.quorum
 
     def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
@@ -542,9 +641,21 @@ class Redlock:
 
     @property
     def fence(self) -> int | None:
-        """The fencing token of the current acquisition (larger than any before it)."""
+        """The fencing token of the current acquisition (larger than any before it).
+
+        For a lock on several resources, the fence of the first one; use
+        :attr:`fences` to guard writes to the others.
+        """
         lease = self._lease
         return None if lease is None else lease.fence
+
+    @property
+    def fences(self) -> dict[str, int]:
+        """Each resource's fencing token for the current acquisition, by name."""
+        lease = self._lease
+        if lease is None:
+            return {}
+        return dict(zip(self.names, lease.fences, strict=True))
 
     def remaining(self) -> float:
         """Seconds of lease left by the local deadline; 0 when not held."""
@@ -571,3 +682,45 @@ def _is_busy(reply: Reply | None) -> bool:
 
 def _fields(flat: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+class _Waiter:
+    """One acquire call's identity across its attempts (a fair waiter keeps its place)."""
+
+    __slots__ = ("arrival", "blocking", "token")
+
+    def __init__(self, blocking: bool, fair: bool, nodes: int) -> None:
+        self.token = secrets.token_hex(16)
+        self.blocking = blocking
+        # One node numbers arrivals itself; several must agree on the order, so the
+        # waiter stamps its arrival (clocks of different hosts order it roughly).
+        self.arrival = f"{time.time() * 1000:.3f}" if fair and nodes > 1 else ""
+
+
+def _check_kind(
+    names: list[Any], mode: str | None, limit: int | None, fair: bool
+) -> tuple[str, int | None, bool]:
+    """Validate the lock's shape; (mode, limit, fair)."""
+    if not names or not all(isinstance(name, str) for name in names):
+        raise ConfigurationError(
+            f"a lock name must be a non-empty string or a sequence of them, got {names!r}"
+        )
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigurationError(f"limit must be an integer >= 1 (or None), got {limit!r}")
+    if mode is None:
+        mode = "shared" if limit is not None else "exclusive"
+    if mode not in MODES:
+        raise ConfigurationError(f"mode must be one of {MODES!r}, got {mode!r}")
+    if limit is not None and mode != "shared":
+        raise ConfigurationError("limit applies to shared holders: use mode='shared' or no mode")
+    if mode == "shared" and len(names) > 1:
+        raise ConfigurationError(
+            f"a shared lock (or a limit) covers one resource, got {len(names)}: {names!r}"
+        )
+    if fair and (mode != "exclusive" or len(names) > 1):
+        raise ConfigurationError("fair waiting applies to an exclusive lock on one resource")
+    return mode, limit, bool(fair)
+
+
+def _fence_keys(keys: LockKeys) -> tuple[str, str, str]:
+    return (keys.lock, keys.fence, keys.holders)

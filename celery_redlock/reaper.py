@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import metrics
+from .keys import keys_of
 from .nodes import Call, NodeSet
 from .scripts import RELEASE_IF
 
@@ -187,7 +188,7 @@ class Reaper:
             self._release(pid, task_id, key)
 
     def _release(self, pid: int, task_id: str, key: str) -> None:
-        replies = self.nodeset.call([Call(RELEASE_IF, (key,), (task_id, pid))])
+        replies = self.nodeset.call([Call(RELEASE_IF, _release_keys(key), (task_id, pid))])
         codes = [r.values[0] for r in replies if r is not None and r.ok]
         if 1 in codes:
             self.released += 1
@@ -202,3 +203,9 @@ class Reaper:
                 task_id,
                 codes or "no node answered",
             )
+
+
+def _release_keys(key: str) -> tuple[str, str, str]:
+    """A lock key with its shared holders' keys: the dead child may have held a share."""
+    keys = keys_of(key)
+    return (keys.lock, keys.shared, keys.holders)

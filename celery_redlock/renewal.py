@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .nodes import NodeSet
     from .settings import Timing
 
-__all__ = ["CHUNK", "Lease", "Renewer", "clock", "get_renewer"]
+__all__ = ["CHUNK", "Lease", "Renewer", "clock", "get_renewer", "lease_code", "renew_call"]
 
 logger = logging.getLogger("celery_redlock.renewal")
 
@@ -83,7 +83,9 @@ class Lease:
     __slots__ = (
         "_lock",
         "deadline",
+        "entries",
         "fence",
+        "fences",
         "keys",
         "lost",
         "nodeset",
@@ -109,10 +111,16 @@ class Lease:
         *,
         owner: str = "-",
         task_name: str | None = None,
+        entries: tuple[tuple[str, str], ...] | None = None,
+        fences: tuple[int, ...] | None = None,
     ) -> None:
         self.keys = keys
+        #: What each renewal extends: (key, kind) pairs as ``renew_many.lua`` takes
+        #: them; several for a lock on several resources, two for a share.
+        self.entries = entries or ((keys.lock, "x"),)
         self.token = token
         self.fence = fence
+        self.fences = fences or (fence,)
         self.nodeset = nodeset
         self.timing = timing
         self.sent_at = sent_at
@@ -270,19 +278,9 @@ class Renewer:
 
     def _renew_group(self, leases: list[Lease]) -> None:
         nodeset = leases[0].nodeset
-        chunks = [leases[i : i + CHUNK] for i in range(0, len(leases), CHUNK)]
-        calls = [
-            Call(
-                RENEW_MANY,
-                tuple(lease.keys.lock for lease in chunk),
-                tuple(
-                    item
-                    for lease in chunk
-                    for item in (lease.token, max(1, round(lease.timing.ttl * 1000)))
-                ),
-            )
-            for chunk in chunks
-        ]
+        # Entries (not leases) are chunked: a lease on several resources has several.
+        entries = [(lease, entry) for lease in leases for entry in lease.entries]
+        calls = [_renew_entries(entries[i : i + CHUNK]) for i in range(0, len(entries), CHUNK)]
         sent_at = clock()
         # Chunks go pipelined on one connection per node and the server runs them one
         # after another, so the budget grows with them (one budget for 50 chunks of a
@@ -292,35 +290,36 @@ class Renewer:
         now = clock()
         n, quorum = len(nodeset), nodeset.quorum
         retried: list[str] = []
-        for c, chunk in enumerate(chunks):
-            for j, lease in enumerate(chunk):
-                renewed = refused = 0
-                errors = []
-                for reply in replies:
-                    code, error = _code(reply, c, j)
-                    if code == RENEWED:
-                        renewed += 1
-                    elif code in (GONE, TAKEN):
-                        refused += 1
-                    else:
-                        errors.append(error)
-                if lease.released:
-                    continue
-                if renewed >= quorum:
-                    lease.renewed(sent_at)
-                    self._schedule(lease, now + lease.timing.renew_interval)
-                elif refused > n - quorum:
-                    lease.mark_lost(
-                        "the key expired, was deleted or is held by another owner"
-                        if n == 1
-                        else f"only {renewed} of {n} nodes still hold it (quorum {quorum})"
-                    )
+        offset = 0
+        for lease in leases:
+            renewed = refused = 0
+            errors = []
+            for reply in replies:
+                code, error = _code(reply, offset, len(lease.entries))
+                if code == RENEWED:
+                    renewed += 1
+                elif code in (GONE, TAKEN):
+                    refused += 1
                 else:
-                    why = "; ".join(errors) or "no quorum"
-                    if self._retry_or_lose(lease, now, why):
-                        retried.append(why)
-                        if metrics.enabled:
-                            metrics.renew_failed(lease.task_name)
+                    errors.append(error)
+            offset += len(lease.entries)
+            if lease.released:
+                continue
+            if renewed >= quorum:
+                lease.renewed(sent_at)
+                self._schedule(lease, now + lease.timing.renew_interval)
+            elif refused > n - quorum:
+                lease.mark_lost(
+                    "the key expired, was deleted or is held by another owner"
+                    if n == 1
+                    else f"only {renewed} of {n} nodes still hold it (quorum {quorum})"
+                )
+            else:
+                why = "; ".join(errors) or "no quorum"
+                if self._retry_or_lose(lease, now, why):
+                    retried.append(why)
+                    if metrics.enabled:
+                        metrics.renew_failed(lease.task_name)
         if retried:
             # One line per tick, not per lock: 10,000 locks on a dead node are one event.
             logger.warning(
@@ -342,19 +341,50 @@ def _alive(lease: Lease) -> bool:
     return lease.lost is None and not lease.released
 
 
-def _code(reply, chunk: int, index: int) -> tuple[int | None, str]:
-    """The renew_many code for one key from one node's reply, or (None, why not)."""
+def _code(reply, offset: int, count: int) -> tuple[int | None, str]:
+    """One node's verdict on a lease whose entries start at ``offset``, or (None, why not)."""
     if reply is None:
         return None, "no reply"
     if reply.error is not None:
         return None, reply.describe_error()
-    value = reply.values[chunk]
-    if isinstance(value, ResponseError):
-        return None, f"{reply.node.safe_url}: {value}"
-    code = value[index]
-    if code not in (RENEWED, GONE, TAKEN):
-        raise ValueError(f"renew_many returned unknown code {code!r}")
-    return code, ""
+    chunk = offset // CHUNK
+    for value in reply.values[chunk : (offset + count - 1) // CHUNK + 1]:
+        if isinstance(value, ResponseError):
+            return None, f"{reply.node.safe_url}: {value}"
+    codes = [reply.values[(offset + k) // CHUNK][(offset + k) % CHUNK] for k in range(count)]
+    return _verdict(codes), ""
+
+
+def _verdict(codes: list[int]) -> int:
+    """A lease is renewed on a node when every entry is; lost there when any is not."""
+    for code in codes:
+        if code not in (RENEWED, GONE, TAKEN):
+            raise ValueError(f"renew_many returned unknown code {code!r}")
+    if all(code == RENEWED for code in codes):
+        return RENEWED
+    return TAKEN if TAKEN in codes else GONE
+
+
+def lease_code(values: list[int], offset: int, count: int) -> int:
+    """The verdict on one lease from a single renew_many reply (``Redlock.extend``)."""
+    return _verdict(list(values[offset : offset + count]))
+
+
+def _renew_entries(entries: list[tuple[Lease, tuple[str, str]]]) -> Call:
+    return Call(
+        RENEW_MANY,
+        tuple(key for _, (key, _) in entries),
+        tuple(
+            item
+            for lease, (_, kind) in entries
+            for item in (lease.token, max(1, round(lease.timing.ttl * 1000)), kind)
+        ),
+    )
+
+
+def renew_call(leases: list[Lease]) -> Call:
+    """One renew_many call for every entry of ``leases`` (at most :data:`CHUNK` entries)."""
+    return _renew_entries([(lease, entry) for lease in leases for entry in lease.entries])
 
 
 _renewer: Renewer | None = None

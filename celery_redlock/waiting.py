@@ -43,20 +43,26 @@ class _Listener(threading.Thread):
         super().__init__(name=f"celery_redlock-listener {node.safe_url}", daemon=True)
         self.node = node
         self._mutex = threading.Lock()
-        # channel -> waiters in arrival order (a dict as an ordered set)
-        self._waiters: dict[str, dict[threading.Event, None]] = {}
+        # channel -> waiters in arrival order, each with its fair-waiting token (or None)
+        self._waiters: dict[str, dict[threading.Event, str | None]] = {}
         self._confirmed: dict[str, threading.Event] = {}
         self._requests: deque[tuple[str, str]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._conn = None
 
-    def add(self, channel: str, event: threading.Event) -> threading.Event:
-        """Register ``event`` for ``channel``; returns an event set once subscribed."""
+    def add(
+        self, channel: str, event: threading.Event, token: str | None = None
+    ) -> threading.Event:
+        """Register ``event`` for ``channel``; returns an event set once subscribed.
+
+        A fair waiter gives its ``token``: an announcement naming a token wakes only
+        that waiter (the head of the lock's queue), wherever it runs.
+        """
         with self._mutex:
             waiters = self._waiters.setdefault(channel, {})
             first = not waiters
-            waiters[event] = None
+            waiters[event] = token
             confirmed = self._confirmed.setdefault(channel, threading.Event())
             if first:
                 self._requests.append(("SUBSCRIBE", channel))
@@ -82,8 +88,14 @@ class _Listener(threading.Thread):
             self._requests.append(("UNSUBSCRIBE", channel))
         self._poke()
 
+    def pass_on(self, channel: str, event: threading.Event) -> None:
+        """Wake the next waiter for ``channel`` (after a share was taken: it may fit too)."""
+        with self._mutex:
+            waiters = self._waiters.get(channel, {})
+            self._wake_one({w: t for w, t in waiters.items() if w is not event})
+
     @staticmethod
-    def _wake_one(waiters: dict[threading.Event, None]) -> None:
+    def _wake_one(waiters: dict[threading.Event, str | None]) -> None:
         """Wake the longest-waiting waiter not already woken.
 
         One release lets one holder in: waking every waiter would send all of them to
@@ -169,7 +181,15 @@ class _Listener(threading.Thread):
         kind, channel = message[0], message[1]
         with self._mutex:
             if kind == "message":
-                self._wake_one(self._waiters.get(channel, {}))
+                waiters = self._waiters.get(channel, {})
+                head = message[2] if len(message) > 2 else ""
+                if not head:
+                    self._wake_one(waiters)
+                else:
+                    # Fair waiting: the release names the waiter whose turn it is.
+                    for waiter, token in waiters.items():
+                        if token == head:
+                            waiter.set()
             elif kind == "subscribe":
                 confirmed = self._confirmed.get(channel)
                 if confirmed is not None:
@@ -183,11 +203,18 @@ class Subscription:
     release is announced or the timeout passes, whichever is first.
     """
 
-    def __init__(self, nodes: tuple[Node, ...], channel: str, *, confirm_timeout: float) -> None:
+    def __init__(
+        self,
+        nodes: tuple[Node, ...],
+        channel: str,
+        *,
+        confirm_timeout: float,
+        token: str | None = None,
+    ) -> None:
         self.channel = channel
         self.event = threading.Event()
         self._listeners = [get_listener(node) for node in nodes]
-        confirmations = [listener.add(channel, self.event) for listener in self._listeners]
+        confirmations = [listener.add(channel, self.event, token) for listener in self._listeners]
         # Wait until subscribed on at least one node before the caller retries, so
         # a release between that retry and the wait cannot go unnoticed. If no node
         # confirms in time the caller still has the TTL fallback.
@@ -201,6 +228,11 @@ class Subscription:
         woken = self.event.wait(max(0.0, timeout))
         self.event.clear()
         return woken
+
+    def pass_on(self) -> None:
+        """Wake this process's next waiter for the lock (this one no longer waits)."""
+        for listener in self._listeners:
+            listener.pass_on(self.channel, self.event)
 
     def close(self) -> None:
         """Stop listening for this waiter."""

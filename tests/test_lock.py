@@ -94,9 +94,9 @@ def test_waiter_is_woken_by_the_release_not_by_the_ttl(redis_node):
     attempts = []
     real_attempt = waiter._attempt
 
-    def counted_attempt():
+    def counted_attempt(*args):
         attempts.append(time.monotonic())
-        return real_attempt()
+        return real_attempt(*args)
 
     waiter._attempt = counted_attempt
 
@@ -256,7 +256,7 @@ def test_a_release_wakes_one_waiter_not_all(redis_node):
     waiters = [Redlock("herd", nodes=[redis_node.url], ttl=30) for _ in range(8)]
     for waiter in waiters:
         real = waiter._attempt
-        waiter._attempt = lambda real=real: attempts.append(1) or real()
+        waiter._attempt = lambda *args, real=real: attempts.append(1) or real(*args)
 
     def take_and_pass(lock: Redlock) -> None:
         assert lock.acquire(timeout=30)

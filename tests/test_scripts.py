@@ -5,28 +5,45 @@ from __future__ import annotations
 import pytest
 import redis
 
-from celery_redlock.keys import lock_keys
+from celery_redlock import scripts
+from celery_redlock.keys import LockKeys, lock_keys
 from celery_redlock.nodes import Call, Node, fan_out
 from celery_redlock.scripts import (
     ACQUIRE,
+    ACQUIRE_SHARED,
     BEAT_CLAIM,
+    FAIR_LEAVE,
     FENCE_SYNC,
     INSPECT,
     RELEASE,
     RELEASE_IF,
+    RELEASE_SHARED,
     RENEW_MANY,
 )
 
 KEYS = lock_keys("job")
 
 
-def acquire(client, token, ttl=10_000, task_id="t1", pid=100, keys=KEYS):
-    return client.eval(ACQUIRE.source, 2, keys.lock, keys.fence, token, ttl, task_id, "h", pid, 0)
+def acquire(client, token, ttl=10_000, task_id="t1", pid=100, keys=KEYS, writer="", fair=""):
+    resources = [keys] if isinstance(keys, LockKeys) else keys
+    names = [key for resource in resources for key in resource.resource]
+    if fair:
+        names += [resources[0].queue, resources[0].waiting]
+    return client.eval(
+        ACQUIRE.source, len(names), *names, token, ttl, task_id, "h", pid, 0, "task",
+        writer, fair, "",
+    )  # fmt: skip
+
+
+def share(client, token, limit=0, ttl=10_000, task_id="", keys=KEYS):
+    return client.eval(
+        ACQUIRE_SHARED.source, 4, *keys.resource, token, ttl, limit, task_id, "h", 7, 0, "task"
+    )
 
 
 def test_scripts_load_from_the_installed_package():
     """Every script is package data with a header naming its KEYS and ARGV."""
-    for script in (ACQUIRE, BEAT_CLAIM, FENCE_SYNC, INSPECT, RELEASE, RELEASE_IF, RENEW_MANY):
+    for script in (s for s in vars(scripts).values() if isinstance(s, scripts.Script)):
         assert script.source.startswith("-- ")
         assert "-- KEYS[" in script.source
         assert len(script.sha) == 40
@@ -63,8 +80,9 @@ def test_renew_many_reports_each_key(redis_node):
     acquire(c, "a", ttl=1000, keys=k1)
     acquire(c, "other", ttl=1000, keys=k2)
     codes = c.eval(
-        RENEW_MANY.source, 3, k1.lock, k2.lock, k3.lock, "a", 60_000, "a", 60_000, "a", 60_000
-    )
+        RENEW_MANY.source, 3, k1.lock, k2.lock, k3.lock,
+        "a", 60_000, "x", "a", 60_000, "x", "a", 60_000, "x",
+    )  # fmt: skip
     assert codes == [1, -1, 0]
     assert c.pttl(k1.lock) > 1000
     assert c.pttl(k2.lock) <= 1000, "a lock held by another token is not extended"
@@ -76,10 +94,12 @@ def test_renew_many_validates_before_renewing_anything(redis_node):
     k1, k2 = lock_keys("k1"), lock_keys("k2")
     acquire(c, "a", ttl=1000, keys=k1)
     with pytest.raises(redis.ResponseError, match="positive integer"):
-        c.eval(RENEW_MANY.source, 2, k1.lock, k2.lock, "a", 60_000, "a", -1)
+        c.eval(RENEW_MANY.source, 2, k1.lock, k2.lock, "a", 60_000, "x", "a", -1, "x")
     assert c.pttl(k1.lock) <= 1000
-    with pytest.raises(redis.ResponseError, match="one token and one lease per key"):
-        c.eval(RENEW_MANY.source, 2, k1.lock, k2.lock, "a", 60_000)
+    with pytest.raises(redis.ResponseError, match="token, lease and kind per key"):
+        c.eval(RENEW_MANY.source, 2, k1.lock, k2.lock, "a", 60_000, "x")
+    with pytest.raises(redis.ResponseError, match="kind must be"):
+        c.eval(RENEW_MANY.source, 1, k1.lock, "a", 60_000, "q")
 
 
 def test_release_deletes_only_its_own_token_and_announces_it(redis_node):
@@ -116,10 +136,11 @@ def test_fence_sync_only_raises_the_counter(redis_node):
     """The counter moves up to the quorum's fence, never down."""
     c = redis_node.client()
     acquire(c, "a")
-    assert c.eval(FENCE_SYNC.source, 2, KEYS.lock, KEYS.fence, "a", 7) == 1
+    sync = (FENCE_SYNC.source, 3, KEYS.lock, KEYS.fence, KEYS.holders)
+    assert c.eval(*sync, "a", 7, "") == 1
     assert c.get(KEYS.fence) == "7"
     assert c.hget(KEYS.lock, "fence") == "7"
-    assert c.eval(FENCE_SYNC.source, 2, KEYS.lock, KEYS.fence, "b", 3) == 0
+    assert c.eval(*sync, "b", 3, "") == 0
     assert c.get(KEYS.fence) == "7"
 
 
@@ -169,3 +190,116 @@ def test_beat_claim_checks_leadership_and_advances_once(redis_node):
     assert claim("leader", "10", "11") == [1]
     assert claim("leader", "10", "11.5") == [0, "11"], "a second leader based on 10 is refused"
     assert c.hget(keys.state, "entry") == "11"
+
+
+def test_acquire_takes_several_resources_all_or_none(redis_node):
+    """A multi-resource acquisition writes nothing when one resource is held."""
+    c = redis_node.client()
+    a, b = lock_keys("acct:1"), lock_keys("acct:2")
+    acquire(c, "other", keys=b, task_id="t9")
+    code, _, holder = acquire(c, "mine", keys=[a, b])
+    assert (code, holder) == (0, "t9")
+    assert not c.exists(a.lock), "no partial hold"
+    c.delete(b.lock)
+    assert acquire(c, "mine", keys=[a, b]) == [1, 1, 2]
+    assert acquire(c, "mine", keys=[a, b]) == [2, 1, 2], "the same token refreshes both"
+    assert c.eval(RELEASE.source, 2, a.lock, b.lock, "mine") == 1
+    assert c.exists(a.lock, b.lock) == 0
+
+
+def test_shares_exclude_writers_and_respect_the_limit(redis_node):
+    """Shares coexist up to the limit; an exclusive holder and shares never mix."""
+    c = redis_node.client()
+    assert share(c, "r1", limit=2) == [1, 1]
+    assert share(c, "r1", limit=2) == [2, 1], "the same token refreshes its share"
+    assert share(c, "r2", limit=2) == [1, 2]
+    code, wait, _ = share(c, "r3", limit=2)
+    assert code == 0 and 0 < wait <= 10_000, "the limit is reached"
+    code, wait, holder = acquire(c, "w")
+    assert (code, holder) == (0, "") and wait > 0, "a writer waits for the shares"
+    assert c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r1") == 1
+    assert c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r1") == 0
+    assert c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r2") == 1
+    assert acquire(c, "w")[0] == 1
+    code, _, holder = share(c, "r4", task_id="t5")
+    assert (code, holder) == (0, "t1"), "no share while a writer holds it"
+
+
+def test_a_waiting_writer_stops_new_shares(redis_node):
+    """Writer preference: once a blocking writer waits, new readers are refused."""
+    c = redis_node.client()
+    assert share(c, "r1")[0] == 1
+    assert acquire(c, "w", writer="")[0] == 0
+    assert share(c, "r2")[0] == 1, "a writer that only tried does not block readers"
+    assert acquire(c, "w", writer="1")[0] == 0
+    assert share(c, "r3")[0] == 0, "the waiting writer is served first"
+    c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r1")
+    c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r2")
+    assert acquire(c, "w", writer="1")[0] == 1
+    assert c.zrange(KEYS.shared, 0, -1) == [], "the writer's mark is gone with it"
+
+
+def test_expired_shares_are_dropped_and_not_renewed(redis_node):
+    """A dead reader's share ends at its deadline; renewal reports it gone."""
+    c = redis_node.client()
+    assert share(c, "r1", ttl=50, task_id="t1") == [1, 1]
+    renew = (RENEW_MANY.source, 2, KEYS.shared, KEYS.holders, "r1", 60_000, "s", "r1", 60_000, "d")
+    assert c.eval(*renew) == [1, 1]
+    c.zadd(KEYS.shared, {"r1": 0})  # its deadline passes
+    assert c.eval(*renew)[0] == 0
+    assert acquire(c, "w")[0] == 1, "an expired share does not keep a writer out"
+    assert c.hlen(KEYS.holders) == 0, "its details went with it"
+
+
+def test_a_task_id_holds_one_share_only(redis_node):
+    """A redelivered task (same id) cannot take a second share and overlap itself."""
+    c = redis_node.client()
+    assert share(c, "r1", task_id="t1", limit=3)[0] == 1
+    assert share(c, "r2", task_id="t1", limit=3)[:3:2] == [0, "t1"]
+    assert share(c, "r3", task_id="t2", limit=3)[0] == 1
+
+
+def test_release_if_frees_a_dead_childs_share(redis_node):
+    """The parent's cleanup finds a share by task id and pid too."""
+    c = redis_node.client()
+    share(c, "r1", task_id="t1")
+    keys = (KEYS.lock, KEYS.shared, KEYS.holders)
+    assert c.eval(RELEASE_IF.source, 3, *keys, "t1", 8) == 0, "another pid"
+    assert c.eval(RELEASE_IF.source, 3, *keys, "t1", 7) == 1
+    assert c.zcard(KEYS.shared) == 0
+
+
+def test_fair_queue_serves_arrival_order(redis_node):
+    """Only the head of the queue takes a free lock; a try never queues."""
+    c = redis_node.client()
+    assert acquire(c, "holder", fair="10000")[0] == 1
+    assert acquire(c, "w1", fair="10000")[0] == 0
+    assert acquire(c, "w2", fair="10000")[0] == 0
+    assert acquire(c, "try", fair="0")[0] == 0
+    assert c.zrange(KEYS.queue, 0, -1) == ["w1", "w2"]
+    pubsub = c.pubsub()
+    pubsub.subscribe(KEYS.channel)
+    pubsub.get_message(timeout=1)
+    fair_keys = (KEYS.lock, KEYS.queue, KEYS.waiting)
+    assert c.eval(RELEASE.source, 3, *fair_keys, "holder", "fair") == 1
+    assert pubsub.get_message(timeout=1)["data"] == "w1", "the release names the head"
+    assert acquire(c, "w2", fair="10000")[0] == 0, "not w2's turn"
+    assert acquire(c, "try", fair="0")[0] == 0
+    assert acquire(c, "w1", fair="10000")[0] == 1
+    assert c.zrange(KEYS.queue, 0, -1) == ["w2"]
+    c.eval(RELEASE.source, 3, *fair_keys, "w1", "fair")
+    assert pubsub.get_message(timeout=1)["data"] == "w2"
+    assert c.eval(FAIR_LEAVE.source, 3, *fair_keys, "w2") == 1
+    assert acquire(c, "try", fair="0")[0] == 1, "an empty queue lets a try in"
+    pubsub.close()
+
+
+def test_a_dead_fair_waiter_leaves_the_queue(redis_node):
+    """A waiter that stops refreshing its place drops out at its deadline."""
+    c = redis_node.client()
+    acquire(c, "holder", fair="10000")
+    acquire(c, "dead", fair="10000")
+    c.zadd(KEYS.waiting, {"dead": 0})  # its deadline passes
+    c.eval(RELEASE.source, 3, KEYS.lock, KEYS.queue, KEYS.waiting, "holder", "fair")
+    assert acquire(c, "next", fair="10000")[0] == 1
+    assert c.zcard(KEYS.queue) == 0

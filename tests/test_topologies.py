@@ -31,6 +31,17 @@ MINIMAL_ACL = (
     "+publish",
     "+get",
     "+set",
+    "+time",
+    "+hdel",
+    "+hexists",
+    "+zadd",
+    "+zrem",
+    "+zscore",
+    "+zrange",
+    "+zrangebyscore",
+    "+zremrangebyscore",
+    "+zcard",
+    "+zcount",
 )
 
 
@@ -48,6 +59,21 @@ def exercise(url: str) -> None:
     assert result["got"] is True
     assert waiter.inspect()[0]["fence_counter"] == 2
     waiter.release()
+    # The rest of the lock family: shares with a limit, a writer among them, fair
+    # waiting and several resources at once.
+    reader = Redlock("topology", nodes=[url], ttl=1.0, limit=2)
+    writer = Redlock("topology", nodes=[url], ttl=1.0)
+    assert reader.acquire() and reader.owned()
+    reader.extend()
+    assert not writer.acquire(timeout=0.05), "a writer waits for the share"
+    reader.release()
+    fair = Redlock("topology", nodes=[url], ttl=1.0, fair=True)
+    assert fair.acquire(timeout=1)
+    fair.release()
+    both = Redlock(["topology", "other"], nodes=[url], ttl=1.0)
+    assert both.acquire(timeout=1) and both.owned()
+    both.extend()
+    both.release()
 
 
 def acl_user(server, commands) -> str:

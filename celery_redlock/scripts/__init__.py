@@ -15,11 +15,14 @@ from importlib import resources
 
 __all__ = [
     "ACQUIRE",
+    "ACQUIRE_SHARED",
     "BEAT_CLAIM",
+    "FAIR_LEAVE",
     "FENCE_SYNC",
     "INSPECT",
     "RELEASE",
     "RELEASE_IF",
+    "RELEASE_SHARED",
     "RENEW_MANY",
     "Script",
 ]
@@ -49,8 +52,11 @@ class Script:
 
 ACQUIRE = Script("acquire")
 FENCE_SYNC = Script("fence_sync")
-RENEW_MANY = Script("renew_many", per_key_args=2)
+RENEW_MANY = Script("renew_many", per_key_args=3)
 RELEASE = Script("release")
+ACQUIRE_SHARED = Script("acquire_shared")
+RELEASE_SHARED = Script("release_shared")
+FAIR_LEAVE = Script("fair_leave")
 RELEASE_IF = Script("release_if")
 INSPECT = Script("inspect")
 BEAT_CLAIM = Script("beat_claim")

@@ -1,17 +1,30 @@
--- acquire: take the lock if it is free, or refresh it if this token holds it already.
+-- acquire: take an exclusive lock on one or more resources, all of them or none.
 --
--- KEYS[1]  lock hash (fields: token, fence, task_id, task_name, host, pid, acquired_at, ttl)
--- KEYS[2]  fence counter; never expires, so fences only grow for a key
+-- Four keys per resource i (taken together in one script, so no lock-order deadlock):
+-- KEYS[4i-3]  lock hash (fields: token, fence, task_id, task_name, host, pid,
+--             acquired_at, ttl)
+-- KEYS[4i-2]  fence counter; never expires, so fences only grow for a resource
+-- KEYS[4i-1]  shared holders (sorted set token -> lease deadline, node clock, ms)
+-- KEYS[4i]    shared holders' details (hash token -> json)
+-- With fair waiting (one resource only) two more keys:
+-- KEYS[5]     queue (sorted set token -> arrival)   KEYS[6]  waiter deadlines
+--
 -- ARGV[1]  owner token (128 random bits, new for every acquisition)
 -- ARGV[2]  lease in milliseconds (positive integer)
 -- ARGV[3]  holder task id ('' when the holder is not a task)
 -- ARGV[4]  holder host name      ARGV[5] holder pid
 -- ARGV[6]  acquired-at, unix seconds on the client's clock (display only)
 -- ARGV[7]  holder task name ('' when the holder is not a task)
+-- ARGV[8]  '1': a blocking writer; if shared holders keep it out, mark it waiting
+--          ('!writer' in the shared set) so that no new shared holder gets in
+-- ARGV[9]  fair waiting: '' off; else the waiter's lease in ms ('0': a try that
+--          does not queue). Only the head of the queue may take a free lock.
+-- ARGV[10] arrival order for the queue ('' : this node numbers arrivals)
 --
--- Returns  {1, fence}               acquired; fence is the new counter value
---          {2, fence}               this token already held it; lease refreshed
---          {0, pttl, holder_task}   held by another token
+-- Returns  {1, fence_1, ..., fence_n}   acquired; fences are the new counter values
+--          {2, fence_1, ..., fence_n}   this token held them already; leases refreshed
+--          {0, wait_ms, holder_task}    kept out by another holder (or, fair, by the
+--                                       queue); wait_ms: when that may change
 local ttl = tonumber(ARGV[2])
 if not ttl or ttl <= 0 or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire: lease must be a positive integer of ms')
@@ -19,17 +32,122 @@ end
 if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock acquire: empty owner token')
 end
-local current = redis.call('HGET', KEYS[1], 'token')
-if current == false then
-    local fence = redis.call('INCR', KEYS[2])
-    redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, 'task_id', ARGV[3],
-               'task_name', ARGV[7] or '', 'host', ARGV[4], 'pid', ARGV[5],
-               'acquired_at', ARGV[6], 'ttl', ttl)
-    redis.call('PEXPIRE', KEYS[1], ttl)
-    return {1, fence}
+local fair = ARGV[9] ~= nil and ARGV[9] ~= ''
+local n = (#KEYS - (fair and 2 or 0)) / 4
+if n < 1 or n ~= math.floor(n) or (fair and n ~= 1) then
+    return redis.error_reply('ERR celery_redlock acquire: expected 4 keys per resource '
+        .. '(and 2 queue keys with fair waiting, one resource only)')
 end
-if current == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ttl)
-    return {2, tonumber(redis.call('HGET', KEYS[1], 'fence'))}
+local token = ARGV[1]
+
+local now
+local function clock()
+    if not now then
+        local t = redis.call('TIME')
+        now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    end
+    return now
 end
-return {0, redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[1], 'task_id') or ''}
+
+-- Shared holders whose lease ended are dropped: a dead reader's share expires by itself.
+local function shared_wait(shared, holders)
+    if redis.call('EXISTS', shared) == 0 then
+        return nil
+    end
+    local expired = redis.call('ZRANGEBYSCORE', shared, '-inf', clock())
+    if #expired > 0 then
+        redis.call('ZREMRANGEBYSCORE', shared, '-inf', clock())
+        redis.call('HDEL', holders, unpack(expired))
+    end
+    local first = redis.call('ZRANGE', shared, 0, 1, 'WITHSCORES')
+    for j = 1, #first, 2 do
+        if first[j] ~= '!writer' then
+            return math.max(0, tonumber(first[j + 1]) - clock())
+        end
+    end
+    return nil
+end
+
+local blocked
+local owned = 0
+for i = 1, n do
+    local lock = KEYS[4 * i - 3]
+    local current = redis.call('HGET', lock, 'token')
+    if current == token then
+        owned = owned + 1
+    elseif current then
+        blocked = {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}
+        break
+    else
+        local shared = KEYS[4 * i - 1]
+        local wait = shared_wait(shared, KEYS[4 * i])
+        if wait then
+            if ARGV[8] == '1' then
+                redis.call('ZADD', shared, clock() + ttl, '!writer')
+                if redis.call('PTTL', shared) < ttl then
+                    redis.call('PEXPIRE', shared, ttl)
+                end
+            end
+            blocked = {0, wait, ''}
+            break
+        end
+    end
+end
+
+if fair then
+    local queue, waiting = KEYS[5], KEYS[6]
+    local gone = redis.call('ZRANGEBYSCORE', waiting, '-inf', clock())
+    if #gone > 0 then
+        redis.call('ZREMRANGEBYSCORE', waiting, '-inf', clock())
+        redis.call('ZREM', queue, unpack(gone))
+    end
+    if not blocked and owned < n then
+        local head = redis.call('ZRANGE', queue, 0, 0)[1]
+        if head and head ~= token then
+            local deadline = redis.call('ZSCORE', waiting, head)
+            blocked = {0, math.max(0, tonumber(deadline or clock()) - clock()), ''}
+        end
+    end
+    local waiter_ttl = tonumber(ARGV[9]) or 0
+    if blocked and waiter_ttl > 0 then
+        if not redis.call('ZSCORE', queue, token) then
+            local arrival = tonumber(ARGV[10])
+            if not arrival then
+                local last = redis.call('ZRANGE', queue, -1, -1, 'WITHSCORES')[2]
+                arrival = math.max(clock(), (tonumber(last) or 0) + 1)
+            end
+            redis.call('ZADD', queue, arrival, token)
+        end
+        redis.call('ZADD', waiting, clock() + waiter_ttl, token)
+        for _, key in ipairs({queue, waiting}) do
+            if redis.call('PTTL', key) < waiter_ttl then
+                redis.call('PEXPIRE', key, waiter_ttl)
+            end
+        end
+    elseif not blocked then
+        redis.call('ZREM', queue, token)
+        redis.call('ZREM', waiting, token)
+    end
+end
+
+if blocked then
+    return blocked
+end
+
+local result = {owned == n and 2 or 1}
+for i = 1, n do
+    local lock = KEYS[4 * i - 3]
+    local fence
+    if redis.call('HGET', lock, 'token') == token then
+        fence = tonumber(redis.call('HGET', lock, 'fence'))
+    else
+        fence = redis.call('INCR', KEYS[4 * i - 2])
+        redis.call('HSET', lock, 'token', token, 'fence', fence, 'task_id', ARGV[3],
+                   'task_name', ARGV[7] or '', 'host', ARGV[4], 'pid', ARGV[5],
+                   'acquired_at', ARGV[6], 'ttl', ttl)
+        redis.call('ZREM', KEYS[4 * i - 1], '!writer')
+    end
+    redis.call('PEXPIRE', lock, ttl)
+    result[i + 1] = fence
+end
+return result

@@ -5,7 +5,8 @@
 -- quorum intersects this one, so its largest value is then greater than F.
 --
 -- KEYS[1]  lock hash     KEYS[2]  fence counter
--- ARGV[1]  owner token   ARGV[2]  fence F
+-- KEYS[3]  shared holders' details (for a share: ARGV[3] = 's')
+-- ARGV[1]  owner token   ARGV[2]  fence F   ARGV[3]  's' for a share, else ''
 --
 -- Returns  1  the counter is >= F and this token holds the lock (its fence is now F)
 --          0  the counter is >= F but the token no longer holds the lock
@@ -16,6 +17,16 @@ end
 local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
 if counter < fence then
     redis.call('SET', KEYS[2], fence)
+end
+if ARGV[3] == 's' then
+    local details = redis.call('HGET', KEYS[3], ARGV[1])
+    if not details then
+        return 0
+    end
+    local decoded = cjson.decode(details)
+    decoded.fence = fence
+    redis.call('HSET', KEYS[3], ARGV[1], cjson.encode(decoded))
+    return 1
 end
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
     redis.call('HSET', KEYS[1], 'fence', fence)

@@ -1,19 +1,33 @@
--- release: delete the lock if this token holds it, and wake the waiters.
+-- release: delete the locks this token holds, and wake the waiters.
 --
--- KEYS[1]  lock hash
--- ARGV[1]  owner token
+-- KEYS[1..n]  lock hashes (one per resource)
+-- With fair waiting (ARGV[2] = 'fair', one resource): KEYS[2] queue, KEYS[3] waiter
+--             deadlines; the announcement then names the head of the queue.
+-- ARGV[1]     owner token
 --
--- Publishes '' on KEYS[1] .. ':released' when it deletes the lock.
--- Returns  1  released
---          0  gone already (expired or released)
---         -1  held by another token: left alone
-local current = redis.call('HGET', KEYS[1], 'token')
-if current == false then
-    return 0
+-- Publishes on KEYS[i] .. ':released' for each lock it deletes: '' (wake one waiter
+-- per process), or the token of the waiter whose turn it is (fair waiting).
+-- Returns  1  released (every lock was held by this token)
+--          0  gone already (expired or released), wholly or in part
+--         -1  a lock is held by another token: that one is left alone
+local fair = ARGV[2] == 'fair'
+local n = fair and #KEYS - 2 or #KEYS
+local released, taken = 0, false
+for i = 1, n do
+    local current = redis.call('HGET', KEYS[i], 'token')
+    if current == ARGV[1] then
+        redis.call('DEL', KEYS[i])
+        local message = ''
+        if fair then
+            message = redis.call('ZRANGE', KEYS[n + 1], 0, 0)[1] or ''
+        end
+        redis.call('PUBLISH', KEYS[i] .. ':released', message)
+        released = released + 1
+    elseif current then
+        taken = true
+    end
 end
-if current ~= ARGV[1] then
+if taken then
     return -1
 end
-redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', KEYS[1] .. ':released', '')
-return 1
+return released == n and 1 or 0

@@ -1,4 +1,4 @@
--- release_if: delete the lock if it is held for this task id by this pid.
+-- release_if: release the hold of this task id by this pid (its lock or its share).
 --
 -- Used by a prefork parent whose child died while running the task: the parent
 -- never saw the child's token, but it knows the task id and the child's pid, and
@@ -6,9 +6,10 @@
 -- another process, or in the same process only after this one has ended).
 --
 -- KEYS[1]  lock hash
+-- KEYS[2]  shared set, KEYS[3] shared holders' details (optional: shares too)
 -- ARGV[1]  task id   ARGV[2]  pid
 --
--- Publishes '' on KEYS[1] .. ':released' when it deletes the lock.
+-- Publishes '' on KEYS[1] .. ':released' when it deletes the lock or the share.
 -- Returns  1  released
 --          0  gone already
 --         -1  held by another task or process: left alone
@@ -16,12 +17,24 @@ if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock release_if: empty task id')
 end
 local holder = redis.call('HMGET', KEYS[1], 'task_id', 'pid')
-if holder[1] == false then
-    return 0
+if holder[1] ~= false then
+    if holder[1] ~= ARGV[1] or holder[2] ~= ARGV[2] then
+        return -1
+    end
+    redis.call('DEL', KEYS[1])
+    redis.call('PUBLISH', KEYS[1] .. ':released', '')
+    return 1
 end
-if holder[1] ~= ARGV[1] or holder[2] ~= ARGV[2] then
-    return -1
+if #KEYS >= 3 then
+    local details = redis.call('HGETALL', KEYS[3])
+    for j = 2, #details, 2 do
+        local holder_details = cjson.decode(details[j])
+        if holder_details.task_id == ARGV[1] and tostring(holder_details.pid) == ARGV[2] then
+            redis.call('ZREM', KEYS[2], details[j - 1])
+            redis.call('HDEL', KEYS[3], details[j - 1])
+            redis.call('PUBLISH', KEYS[1] .. ':released', '')
+            return 1
+        end
+    end
 end
-redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', KEYS[1] .. ':released', '')
-return 1
+return 0

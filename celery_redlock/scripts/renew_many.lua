@@ -1,35 +1,67 @@
--- renew_many: extend the lease of every (key, token) pair this process holds, in one call.
+-- renew_many: extend the lease of every hold this process has on a node, in one call.
 --
--- KEYS[i]      lock hash i
--- ARGV[2i-1]   owner token of lock i
--- ARGV[2i]     new lease of lock i in milliseconds (positive integer)
+-- KEYS[i]      the key of entry i: a lock hash, a shared set or a holders hash
+-- ARGV[3i-2]   owner token of entry i
+-- ARGV[3i-1]   new lease of entry i in milliseconds (positive integer)
+-- ARGV[3i]     kind of entry i: 'x' an exclusive hold (lock hash), 's' a share (the
+--              shared set), 'd' the shared holders' details (kept as long as a share)
 --
 -- Returns one code per key, in order:
 --           1  renewed
 --           0  gone (expired or released): the lease is lost
 --          -1  held by another token: the lease is lost
-if #ARGV ~= 2 * #KEYS then
-    return redis.error_reply('ERR celery_redlock renew_many: expected one token and one lease per key')
+if #ARGV ~= 3 * #KEYS then
+    return redis.error_reply('ERR celery_redlock renew_many: expected token, lease and kind per key')
 end
 for i = 1, #KEYS do
-    local ttl = tonumber(ARGV[2 * i])
+    local ttl = tonumber(ARGV[3 * i - 1])
     if not ttl or ttl <= 0 or ttl ~= math.floor(ttl) then
         return redis.error_reply('ERR celery_redlock renew_many: lease must be a positive integer of ms')
     end
+    local kind = ARGV[3 * i]
+    if kind ~= 'x' and kind ~= 's' and kind ~= 'd' then
+        return redis.error_reply("ERR celery_redlock renew_many: kind must be 'x', 's' or 'd'")
+    end
 end
+local now
 local codes = {}
 for i, key in ipairs(KEYS) do
-    local token = ARGV[2 * i - 1]
-    local ttl = ARGV[2 * i]
-    local current = redis.call('HGET', key, 'token')
-    if current == false then
-        codes[i] = 0
-    elseif current == token then
-        redis.call('PEXPIRE', key, ttl)
-        redis.call('HSET', key, 'ttl', ttl)
-        codes[i] = 1
+    local token, ttl = ARGV[3 * i - 2], tonumber(ARGV[3 * i - 1])
+    if ARGV[3 * i] == 'x' then
+        local current = redis.call('HGET', key, 'token')
+        if current == false then
+            codes[i] = 0
+        elseif current == token then
+            redis.call('PEXPIRE', key, ttl)
+            redis.call('HSET', key, 'ttl', ttl)
+            codes[i] = 1
+        else
+            codes[i] = -1
+        end
+    elseif ARGV[3 * i] == 'd' then
+        if redis.call('HEXISTS', key, token) == 0 then
+            codes[i] = 0
+        else
+            if redis.call('PTTL', key) < ttl then
+                redis.call('PEXPIRE', key, ttl)
+            end
+            codes[i] = 1
+        end
     else
-        codes[i] = -1
+        if not now then
+            local t = redis.call('TIME')
+            now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        end
+        local deadline = tonumber(redis.call('ZSCORE', key, token))
+        if not deadline or deadline <= now then
+            codes[i] = 0  -- the next acquisition on this resource drops it
+        else
+            redis.call('ZADD', key, now + ttl, token)
+            if redis.call('PTTL', key) < ttl then
+                redis.call('PEXPIRE', key, ttl)
+            end
+            codes[i] = 1
+        end
     end
 end
 return codes

@@ -1,0 +1,82 @@
+-- acquire_shared: take one share of a resource (a read lock, or one of `limit` slots).
+--
+-- Any number of shared holders (at most `limit` when it is > 0) may hold a resource
+-- together, never while an exclusive holder has it. A writer waiting for the shared
+-- holders to leave marks itself ('!writer' in the shared set, see acquire.lua): new
+-- shares are then refused, so a stream of readers cannot starve writers.
+--
+-- KEYS[1]  lock hash (the exclusive holder)   KEYS[2]  fence counter
+-- KEYS[3]  shared holders (sorted set token -> lease deadline, node clock, ms)
+-- KEYS[4]  shared holders' details (hash token -> json: fence, task_id, pid, ...)
+-- ARGV[1]  owner token          ARGV[2]  lease in milliseconds (positive integer)
+-- ARGV[3]  limit (0: any number of shared holders)
+-- ARGV[4]  holder task id ('' when the holder is not a task; a task id that holds a
+--          share already is refused: a redelivered message must not overlap itself)
+-- ARGV[5]  holder host   ARGV[6]  holder pid   ARGV[7]  acquired-at   ARGV[8]  task name
+--
+-- Returns  {1, fence}                  acquired a share
+--          {2, fence}                  this token held one already; lease refreshed
+--          {0, wait_ms, holder_task}   kept out; wait_ms: when that may change
+local ttl = tonumber(ARGV[2])
+if not ttl or ttl <= 0 or ttl ~= math.floor(ttl) then
+    return redis.error_reply('ERR celery_redlock acquire_shared: lease must be a positive integer of ms')
+end
+local limit = tonumber(ARGV[3])
+if not limit or limit < 0 or limit ~= math.floor(limit) then
+    return redis.error_reply('ERR celery_redlock acquire_shared: limit must be an integer >= 0')
+end
+if ARGV[1] == nil or ARGV[1] == '' or ARGV[1] == '!writer' then
+    return redis.error_reply('ERR celery_redlock acquire_shared: bad owner token')
+end
+local token = ARGV[1]
+local lock, shared, holders = KEYS[1], KEYS[3], KEYS[4]
+
+if redis.call('EXISTS', lock) == 1 then
+    return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expired = redis.call('ZRANGEBYSCORE', shared, '-inf', now)
+if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', shared, '-inf', now)
+    redis.call('HDEL', holders, unpack(expired))
+end
+
+local function extend_keys()
+    for _, key in ipairs({shared, holders}) do
+        if redis.call('PTTL', key) < ttl then
+            redis.call('PEXPIRE', key, ttl)
+        end
+    end
+end
+
+if redis.call('ZSCORE', shared, token) then
+    redis.call('ZADD', shared, now + ttl, token)
+    extend_keys()
+    return {2, cjson.decode(redis.call('HGET', holders, token) or '{"fence":0}').fence}
+end
+local writer = redis.call('ZSCORE', shared, '!writer')
+if writer then
+    return {0, math.max(0, tonumber(writer) - now), ''}
+end
+if ARGV[4] ~= '' then
+    local details = redis.call('HGETALL', holders)
+    for j = 2, #details, 2 do
+        if cjson.decode(details[j]).task_id == ARGV[4] then
+            local until_ms = redis.call('ZSCORE', shared, details[j - 1])
+            return {0, math.max(0, tonumber(until_ms or now) - now), ARGV[4]}
+        end
+    end
+end
+if limit > 0 and redis.call('ZCARD', shared) >= limit then
+    local first = redis.call('ZRANGE', shared, 0, 0, 'WITHSCORES')
+    local holder = cjson.decode(redis.call('HGET', holders, first[1]) or '{}').task_id
+    return {0, math.max(0, tonumber(first[2]) - now), holder or ''}
+end
+local fence = redis.call('INCR', KEYS[2])
+redis.call('ZADD', shared, now + ttl, token)
+redis.call('HSET', holders, token, cjson.encode({
+    fence = fence, task_id = ARGV[4], host = ARGV[5], pid = ARGV[6],
+    acquired_at = ARGV[7], task_name = ARGV[8], ttl = ttl}))
+extend_keys()
+return {1, fence}

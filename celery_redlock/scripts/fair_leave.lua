@@ -1,0 +1,17 @@
+-- fair_leave: a fair waiter gives up its place in the queue.
+--
+-- KEYS[1]  lock hash   KEYS[2]  queue   KEYS[3]  waiter deadlines
+-- ARGV[1]  the waiter's token
+--
+-- When the lock is free, announces the new head of the queue on
+-- KEYS[1] .. ':released' so that it does not wait for its next refresh.
+-- Returns  1  left the queue    0  was not in it
+local left = redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    if head then
+        redis.call('PUBLISH', KEYS[1] .. ':released', head)
+    end
+end
+return left
