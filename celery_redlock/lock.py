@@ -156,6 +156,7 @@ class Redlock:
         if nodes is None:
             nodes = [DEFAULT_URL]
         self.nodeset = NodeSet.get(nodes, timeout=self.timing.node_timeout)
+        self.quorum = _quorum(len(self.nodeset), self.limit)
         self.auto_renew = auto_renew
         self.on_lost = on_lost
         self.min_replicas = min_replicas
@@ -204,7 +205,7 @@ class Redlock:
                     if subscription is not None and self.mode == "shared":
                         subscription.pass_on()  # a share does not exclude the next waiter
                     return True
-                if len(attempt.errors) > len(self.nodeset) - self.nodeset.quorum:
+                if len(attempt.errors) > len(self.nodeset) - self.quorum:
                     # Too many nodes failed for any quorum: waiting would hide a
                     # Redis outage behind a lock that looks busy.
                     raise NodeUnavailable(self.keys.lock, attempt.errors)
@@ -304,7 +305,7 @@ class Redlock:
                 )
             )
         nodeset = self.nodeset
-        n, quorum = len(nodeset), nodeset.quorum
+        n, quorum = len(nodeset), self.quorum
         attempt = _Attempt()
 
         def decided(replies: list[Reply | None]) -> bool:
@@ -402,7 +403,7 @@ class Redlock:
             requests[i] = calls
         replies = self.nodeset.call(requests, per_node=True)
         synced = sum(1 for r in replies if r is not None and r.ok and all(v == 1 for v in r.values))
-        if synced < self.nodeset.quorum:
+        if synced < self.quorum:
             attempt.errors.append(f"fence stored on {synced} nodes only")
             return False
         return True
@@ -428,6 +429,7 @@ class Redlock:
             task_name=self.task_name,
             entries=self._entries(),
             fences=fences,
+            quorum=self.quorum,
         )
         with self._mutex:
             self._lease = lease
@@ -520,7 +522,7 @@ class Redlock:
             metrics.released(self.task_name, clock() - lease.sent_at)
         codes = [r.values[0] for r in replies if r is not None and r.ok]
         expired = clock() >= lease.deadline
-        if lease.lost is None and not expired and codes.count(RELEASED) < self.nodeset.quorum:
+        if lease.lost is None and not expired and codes.count(RELEASED) < self.quorum:
             logger.warning(
                 "Lock(%r) release confirmed by %d of %d nodes; the rest expire within %.1fs",
                 self.keys.lock,
@@ -553,10 +555,10 @@ class Redlock:
             for r in replies
             if r is not None and r.ok and not isinstance(r.values[0], ResponseError)
         ]
-        if codes.count(1) >= self.nodeset.quorum:
+        if codes.count(1) >= self.quorum:
             lease.deadline = sent_at + lease.timing.ttl - lease.timing.drift
             return lease.remaining()
-        if len(codes) - codes.count(1) > len(self.nodeset) - self.nodeset.quorum:
+        if len(codes) - codes.count(1) > len(self.nodeset) - self.quorum:
             lease.mark_lost("the key expired, was deleted or is held by another owner")
             lease.check()
         raise NodeUnavailable(
@@ -590,7 +592,7 @@ class Redlock:
                     holding += reply.values[0] is not None
                 else:
                     holding += all(value == lease.token for value in reply.values)
-        return holding >= self.nodeset.quorum
+        return holding >= self.quorum
 
     def locked(self) -> bool:
         """True if a quorum of nodes says the lock is held, so that ``acquire`` would wait.
@@ -613,7 +615,7 @@ class Redlock:
                 held += reply.values[0] > 0 or bool(self.limit and reply.values[1] >= self.limit)
             else:
                 held += reply.values[0] > 0
-        return held >= self.nodeset.quorum
+        return held >= self.quorum
 
     def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
@@ -720,6 +722,20 @@ def _check_kind(
     if fair and (mode != "exclusive" or len(names) > 1):
         raise ConfigurationError("fair waiting applies to an exclusive lock on one resource")
     return mode, limit, bool(fair)
+
+
+def _quorum(nodes: int, limit: int | None) -> int:
+    """Nodes that must grant a hold: a majority, or more for a limit above 1.
+
+    A majority keeps two exclusive holders apart (two majorities intersect), but
+    not ``limit + 1`` holders of ``limit`` slots: with 3 nodes and 2 slots, three
+    holders can each win 2 nodes while every node admits only 2 of them (measured
+    by ``tests/test_lock_family.py``). ``limit + 1`` holds on ``q`` nodes each need
+    more than the ``limit * N`` admissions the nodes have, so ``q > limit*N/(limit+1)``.
+    """
+    if not limit or limit == 1:
+        return nodes // 2 + 1
+    return limit * nodes // (limit + 1) + 1
 
 
 def _fence_keys(keys: LockKeys) -> tuple[str, str, str]:

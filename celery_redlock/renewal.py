@@ -92,6 +92,7 @@ class Lease:
         "on_lost",
         "owner",
         "pid",
+        "quorum",
         "released",
         "sent_at",
         "task_name",
@@ -113,6 +114,7 @@ class Lease:
         task_name: str | None = None,
         entries: tuple[tuple[str, str], ...] | None = None,
         fences: tuple[int, ...] | None = None,
+        quorum: int | None = None,
     ) -> None:
         self.keys = keys
         #: What each renewal extends: (key, kind) pairs as ``renew_many.lua`` takes
@@ -121,6 +123,8 @@ class Lease:
         self.token = token
         self.fence = fence
         self.fences = fences or (fence,)
+        #: Nodes that must confirm a renewal (more than a majority for a limit > 1).
+        self.quorum = quorum or nodeset.quorum
         self.nodeset = nodeset
         self.timing = timing
         self.sent_at = sent_at
@@ -288,10 +292,11 @@ class Renewer:
         replies = nodeset.call(calls, timeout=nodeset.timeout + CHUNK_BUDGET * (len(calls) - 1))
         self.calls += len(calls) * sum(1 for r in replies if r is not None)
         now = clock()
-        n, quorum = len(nodeset), nodeset.quorum
+        n = len(nodeset)
         retried: list[str] = []
         offset = 0
         for lease in leases:
+            quorum = lease.quorum
             renewed = refused = 0
             errors = []
             for reply in replies:
