@@ -44,6 +44,9 @@ OPTION_NAMES = (
     "retry_countdown",
     "wait_timeout",
     "renew_interval",
+    "mode",
+    "limit",
+    "fair",
 )
 
 

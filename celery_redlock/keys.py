@@ -114,13 +114,15 @@ def task_lock_name(
     kwargs: Mapping[str, Any],
     *,
     lock_args: Sequence[str] | None = None,
-    lock_key: str | Callable[[Sequence[Any], Mapping[str, Any]], Any] | None = None,
-) -> str:
-    """The lock name of one task call; never contains argument values.
+    lock_key: str | Sequence[str] | Callable[[Sequence[Any], Mapping[str, Any]], Any] | None = None,
+) -> str | tuple[str, ...]:
+    """The lock name of one task call (or names, for several resources); no argument values.
 
     * ``lock_key`` callable ``(args, kwargs) -> value`` or format string over the
       argument names: ``key:<digest of the value>``. Tasks that compute the same
-      key share the lock, whatever their names.
+      key share the lock, whatever their names. A callable returning a list or
+      tuple, or a list or tuple of format strings, names several resources, locked
+      together (a tuple of names is returned).
     * ``lock_args=()``: the task name alone (one run of the task at a time).
     * ``lock_args=None``: ``<task name>:<digest of every bound argument>``.
     * ``lock_args=("a", "b")``: ``<task name>:<digest of a and b>``.
@@ -137,15 +139,29 @@ def task_lock_name(
     if lock_key is not None:
         if callable(lock_key):
             value = lock_key(args, kwargs)
+        elif isinstance(lock_key, (list, tuple)):
+            value = [_format(task_name, template, bound) for template in lock_key]
         else:
-            try:
-                value = lock_key.format(**bound)
-            except (KeyError, IndexError, AttributeError, ValueError) as exc:
-                raise LockKeyError(task_name, "lock_key", f"{lock_key!r}: {exc!r}") from exc
-        return f"key:{_digest(task_name, 'lock_key', value)}"
+            value = _format(task_name, lock_key, bound)
+        if not isinstance(value, (list, tuple)):
+            return f"key:{_digest(task_name, 'lock_key', value)}"
+        if not value:
+            raise LockKeyError(task_name, "lock_key", "named no resource (an empty list)")
+        # Each resource is digested alone, so a task locking ("acct:1", "acct:2") and
+        # one locking "acct:1" share the lock of account 1.
+        return tuple(
+            f"key:{_digest(task_name, f'lock_key[{i}]', item)}" for i, item in enumerate(value)
+        )
     if lock_args is not None:
         bound = {name: bound[name] for name in lock_args}
     return f"{task_name}:{_digest(task_name, None, bound)}"
+
+
+def _format(task_name: str, template: str, bound: Mapping[str, Any]) -> str:
+    try:
+        return template.format(**bound)
+    except (KeyError, IndexError, AttributeError, ValueError) as exc:
+        raise LockKeyError(task_name, "lock_key", f"{template!r}: {exc!r}") from exc
 
 
 def check_lock_args(task_name: str, run: Callable[..., Any], lock_args: Sequence[str]) -> None:

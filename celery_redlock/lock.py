@@ -61,7 +61,7 @@ from .scripts import (
 from .settings import timing as make_timing
 from .waiting import Subscription
 
-__all__ = ["DEFAULT_URL", "MODES", "Redlock"]
+__all__ = ["DEFAULT_URL", "MODES", "Redlock", "check_kind"]
 
 logger = logging.getLogger("celery_redlock.lock")
 
@@ -147,7 +147,7 @@ class Redlock:
         fair: bool = False,
     ) -> None:
         names = [name] if isinstance(name, str) else list(dict.fromkeys(name))
-        self.mode, self.limit, self.fair = _check_kind(names, mode, limit, fair)
+        self.mode, self.limit, self.fair = check_kind(names, mode, limit, fair)
         self.names = tuple(names)
         self.name = names[0]
         self.resources: tuple[LockKeys, ...] = tuple(lock_keys(n, key_prefix) for n in names)
@@ -699,7 +699,7 @@ class _Waiter:
         self.arrival = f"{time.time() * 1000:.3f}" if fair and nodes > 1 else ""
 
 
-def _check_kind(
+def check_kind(
     names: list[Any], mode: str | None, limit: int | None, fair: bool
 ) -> tuple[str, int | None, bool]:
     """Validate the lock's shape; (mode, limit, fair)."""

@@ -57,10 +57,10 @@ from celery.exceptions import Ignore
 from . import abort, reaper
 from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .keys import check_lock_args, task_lock_name
-from .lock import Redlock
+from .lock import Redlock, check_kind
 from .settings import ON_BUSY, ON_LOST, Settings, from_conf, timing
 
-__all__ = ["LockedTask", "TaskLockOptions", "app_settings", "lock_options"]
+__all__ = ["LockedTask", "TaskLockOptions", "announce_lock", "app_settings", "lock_options"]
 
 logger = logging.getLogger("celery_redlock.task")
 
@@ -110,6 +110,9 @@ class TaskLockOptions:
     on_lost: str
     retry_countdown: float
     wait_timeout: float
+    mode: str | None = None
+    limit: int | None = None
+    fair: bool = False
 
 
 def lock_options(task: Task) -> TaskLockOptions:
@@ -138,6 +141,9 @@ def lock_options(task: Task) -> TaskLockOptions:
         on_lost=pick("on_lost", settings.on_lost),
         retry_countdown=pick("retry_countdown", settings.retry_countdown),
         wait_timeout=pick("wait_timeout", settings.wait_timeout),
+        mode=getattr(task, "lock_mode", None),
+        limit=getattr(task, "lock_limit", None),
+        fair=bool(getattr(task, "lock_fair", False)),
     )
     timing(
         options.ttl,
@@ -156,11 +162,24 @@ def lock_options(task: Task) -> TaskLockOptions:
             )
     if getattr(task, "lock_args", None) is not None:
         check_lock_args(task.name, task.run, task.lock_args)
-    if options.key is not None and not (callable(options.key) or isinstance(options.key, str)):
+    key = options.key
+    if key is not None and not (
+        callable(key)
+        or isinstance(key, str)
+        or (isinstance(key, (list, tuple)) and key and all(isinstance(k, str) for k in key))
+    ):
         raise ConfigurationError(
-            f"{where}key must be a callable (args, kwargs) -> str or a format string over "
-            f"the argument names, got {options.key!r}"
+            f"{where}key must be a callable (args, kwargs) -> str (or a list of them, for "
+            "several resources), a format string over the argument names, or a list of "
+            f"format strings, got {key!r}"
         )
+    several = ["a", "b"] if isinstance(key, (list, tuple)) and len(key) > 1 else ["a"]
+    try:
+        check_kind(several, options.mode, options.limit, options.fair)
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            f"task {task.name}: lock_mode / lock_limit / lock_fair / lock_key: {exc}"
+        ) from None
     cls._redlock_options = options
     return options
 
@@ -180,7 +199,15 @@ class LockedTask(Task):
       (terminate through Celery's revoke; prefork) | ``ignore`` (log only). In
       every case ``self.lock.check()`` raises and the task's result is a failure
       with ``LockLost``.
+    * ``lock_mode``: ``exclusive`` (default) | ``shared``: shared runs hold the
+      resource together, never alongside an exclusive run of the same key.
+    * ``lock_limit``: at most this many runs per key at once (shared slots).
+    * ``lock_fair``: waiters (``lock_on_busy="wait"``) are served in arrival order.
     * ``lock_retry_countdown``, ``lock_wait_timeout``, ``lock_renew_interval``.
+
+    ``lock_key`` may name several resources (a list of format strings, or a callable
+    returning a list): all are locked together or none, e.g. both accounts of a
+    transfer.
 
     .. versionadded:: 0.1
     """
@@ -193,6 +220,9 @@ class LockedTask(Task):
     lock_on_lost: str | None = None
     lock_retry_countdown: float | None = None
     lock_wait_timeout: float | None = None
+    lock_mode: str | None = None
+    lock_limit: int | None = None
+    lock_fair: bool | None = None
 
     @property
     def lock(self) -> Redlock:
@@ -249,13 +279,16 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
         min_replicas=settings.min_replicas,
         task_id=task_id,
         task_name=task.name,
+        mode=options.mode,
+        limit=options.limit,
+        fair=options.fair,
     )
     lock.on_lost = partial(_on_lost, task, task_id, options.on_lost, lock)
-    reaper.announce(task_id, lock.key)
+    announce_lock(reaper.announce, lock, task_id)
     try:
         _take(lock, options, task_id)
     except NodeUnavailable as exc:
-        reaper.forget(task_id, lock.key)
+        announce_lock(reaper.forget, lock, task_id)
         if settings.fail_open:
             logger.warning(
                 "Task %s[%s] runs WITHOUT its lock (redlock_fail_open): %s", task.name, task_id, exc
@@ -265,12 +298,12 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
             raise task.retry(exc=exc, countdown=options.retry_countdown) from exc
         raise
     except LockBusy as busy:
-        reaper.forget(task_id, lock.key)
+        announce_lock(reaper.forget, lock, task_id)
         _busy(task, task_id, busy, options)
     if _header(task.request, REQUEUES_HEADER) and _already_done(task, task_id):
         # A requeued duplicate whose first delivery finished while it waited.
         lock.release()
-        reaper.forget(task_id, lock.key)
+        announce_lock(reaper.forget, lock, task_id)
         logger.info(
             "Task %s[%s] already finished in an earlier delivery; not running it again",
             task.name,
@@ -281,6 +314,12 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
     abort.track(lock._lease, task_id)
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
     return lock
+
+
+def announce_lock(send: Any, lock: Redlock, task_id: str) -> None:
+    """Tell the worker's main process (or stop telling it) about each key of ``lock``."""
+    for resource in lock.resources:
+        send(task_id, resource.lock)
 
 
 def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> None:

@@ -36,7 +36,7 @@ from .nodes import NodeSet
 from .reaper import Reaper
 from .renewal import get_renewer
 from .settings import timing
-from .task import LockedTask, app_settings, lock_options, pop_lock
+from .task import LockedTask, announce_lock, app_settings, lock_options, pop_lock
 
 __all__ = ["RedlockStep", "install"]
 
@@ -135,4 +135,4 @@ def _on_task_postrun(task: Any = None, task_id: str | None = None, **kwargs: Any
     except Exception:  # the lease ends by itself within one TTL
         logger.exception("Task %s[%s]: releasing %s failed", task.name, task_id, lock.key)
     finally:
-        reaper.forget(task_id or "", lock.key)
+        announce_lock(reaper.forget, lock, task_id or "")

@@ -150,6 +150,41 @@ def create_app(redis_url: str = REDIS_URL, **conf: object) -> Celery:
             raise self.retry(countdown=0, max_retries=3)
         return "done"
 
+    # -- the lock family ------------------------------------------------------------
+
+    family = {"base": LockedTask, "bind": True, "shared": False, "lock_wait_timeout": 30}
+
+    @app.task(**family, lock_key="doc:{resource}", lock_mode="shared", lock_on_busy="wait")
+    def read_doc(self, resource, path=None, label="", seconds=0.0):
+        """A reader: shares the document with other readers, never with a writer."""
+        return work(self, path, label, seconds)
+
+    @app.task(**family, lock_key="doc:{resource}", lock_on_busy="wait")
+    def write_doc(self, resource, path=None, label="", seconds=0.0):
+        """A writer of the same document: alone."""
+        return work(self, path, label, seconds)
+
+    @app.task(**family, lock_key="tenant:{resource}", lock_limit=2, lock_on_busy="wait")
+    def call_api(self, resource, path=None, label="", seconds=0.0):
+        """At most two calls per tenant at once."""
+        return work(self, path, label, seconds)
+
+    @app.task(**family, lock_key="tenant:{resource}", lock_limit=1)
+    def one_slot(self, resource, seconds):
+        """Holds the tenant's only slot (a share) for ``seconds``; skipped when taken."""
+        time.sleep(seconds)
+        return "done"
+
+    @app.task(**family, lock_key=("acct:{source}", "acct:{target}"))
+    def transfer(self, source, target, path=None, label="", seconds=0.0):
+        """Locks both accounts, all or nothing."""
+        return {**work(self, path, label, seconds), "fences": self.lock.fences}
+
+    @app.task(**family, lock_key="acct:{account}")
+    def audit(self, account, path=None, label="", seconds=0.0):
+        """Locks one account: excluded by a transfer involving it."""
+        return work(self, path, label, seconds)
+
     @app.task(base=LockedTask, bind=True, shared=False)
     def anything(self, value):
         """Keyed by all arguments, to exercise values that cannot be keyed."""
