@@ -175,28 +175,31 @@ def test_several_resources_are_taken_together_without_deadlock(redis_factory, n_
         assert all(b > a for a, b in itertools.pairwise(fences)), f"{name}'s fences"
 
 
-def fair_waiter(url, index, start, results) -> None:
+def fair_waiter(urls, index, start, results) -> None:
     start.wait(30)
     client_keys = lock_keys("fifo")
-    lock = Redlock("fifo", nodes=[url], ttl=5, fair=True)
+    lock = Redlock("fifo", nodes=urls, ttl=5, fair=True)
     assert lock.acquire(timeout=60)
-    redis.Redis.from_url(url).rpush("fifo:order", index)
+    redis.Redis.from_url(urls[0]).rpush("fifo:order", index)
     time.sleep(0.01)
     lock.release()
     results.put((index, client_keys.queue))
 
 
-def test_fair_waiters_are_served_in_arrival_order(redis_server):
+@pytest.mark.parametrize("n_nodes", [1, 3])
+def test_fair_waiters_are_served_in_arrival_order(redis_factory, n_nodes):
     """5 waiting processes, queued one after another, get the lock in that order."""
-    client = redis_server.client()
-    holder = Redlock("fifo", nodes=[redis_server.url], ttl=5, fair=True)
+    servers = redis_factory(n_nodes)
+    urls = [s.url for s in servers]
+    client = servers[0].client()
+    holder = Redlock("fifo", nodes=urls, ttl=5, fair=True)
     assert holder.acquire()
     queue = lock_keys("fifo").queue
     start, results = ctx.Event(), ctx.Queue()
     start.set()
     procs = []
     for index in range(5):
-        proc = ctx.Process(target=fair_waiter, args=(redis_server.url, index, start, results))
+        proc = ctx.Process(target=fair_waiter, args=(urls, index, start, results))
         proc.start()
         procs.append(proc)
         wait_for(lambda n=index + 1: client.zcard(queue) == n, timeout=30, message="queued")
