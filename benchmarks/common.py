@@ -27,6 +27,8 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "celery_redlock": celery_redlock.__version__,
         "redis_py": redis.__version__,
+        # Other jobs share the machine: the 1, 5 and 15 minute load when the run began.
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
 
 
