@@ -15,7 +15,10 @@ import redis
 
 import celery_redlock
 
-RESULTS = Path(__file__).parent / "results"
+#: Environment variable naming another results directory (``--quick`` runs use one, so a
+#: smoke run never overwrites the published figures).
+RESULTS_ENV = "CELERY_REDLOCK_BENCH_RESULTS"
+RESULTS = Path(os.environ.get(RESULTS_ENV) or Path(__file__).parent / "results")
 
 
 def environment() -> dict[str, Any]:
