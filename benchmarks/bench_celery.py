@@ -31,17 +31,20 @@ Target: LockedTask on distinct keys at least 0.85x the plain task.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
 from importlib.metadata import version as dist_version
+from pathlib import Path
 from typing import Any
 
 import celery
+import redis
 from celery.result import EagerResult
 
 from benchmarks.celery_apps import DONE_KEY, IDLE_QUEUE, WORKER_ENV, counter, create_app
-from benchmarks.common import environment, write_report
+from benchmarks.common import environment, server_label, write_report
 from tests.harness import RedisServer, WorkerProcess, wait_for
 
 TARGET = 0.85
@@ -82,6 +85,22 @@ def send(app: celery.Celery, case: Case, queue: str, tag: str, n: int) -> int:
     return rejected
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux ``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(worker: WorkerProcess, server: redis.Redis) -> dict[str, float]:
+    """CPU seconds so far of the worker's main process, its pool children and Redis."""
+    used = server.info("cpu")
+    return {
+        "worker_main": cpu_seconds(worker.pid),
+        "pool_children": sum(cpu_seconds(pid) for pid in worker.child_pids()),
+        "redis_server": used["used_cpu_user"] + used["used_cpu_sys"],
+    }
+
+
 def measure(
     app: celery.Celery, worker: WorkerProcess, case: Case, tag: str, n: int, timeout: float
 ) -> dict[str, Any]:
@@ -93,6 +112,7 @@ def measure(
     rejected = send(app, case, queue, tag, n)
     sent = time.perf_counter()
     queued = n - rejected
+    cpu_before = cpu_snapshot(worker, done)
     # No reply wanted: collecting it would add up to a second to the drain.
     app.control.add_consumer(queue, destination=[worker.nodename])
     states = wait_for(
@@ -101,6 +121,7 @@ def measure(
         interval=0.002,
     )
     drained = time.perf_counter()
+    cpu_after = cpu_snapshot(worker, done)
     app.control.cancel_consumer(queue, destination=[worker.nodename])
     counts = {k.decode(): int(v) for k, v in states.items()}
     send_s, drain_s = sent - started, drained - sent
@@ -113,6 +134,11 @@ def measure(
         "ran": counts.get("SUCCESS", 0),
         "skipped_by_worker": counts.get("IGNORED", 0),
         "other_states": {k: v for k, v in counts.items() if k not in ("SUCCESS", "IGNORED")},
+        # CPU per task the worker drained (clock ticks of 10 ms: meaningful over many tasks).
+        "cpu_ms_per_task": {
+            where: (cpu_after[where] - cpu_before[where]) * 1000 / max(queued, 1)
+            for where in cpu_before
+        },
     }
 
 
@@ -125,8 +151,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "max": round(max(values), digits),
         }
 
+    cpu = {
+        where: round(statistics.median(run["cpu_ms_per_task"][where] for run in runs), 3)
+        for where in runs[0]["cpu_ms_per_task"]
+    }
     return {
         "tasks_per_s": spread("tasks_per_s"),
+        "cpu_ms_per_task_median": cpu,
         "worker_tasks_per_s": spread("worker_tasks_per_s"),
         "send_s": spread("send_s", 3),
         "drain_s": spread("drain_s", 3),
@@ -178,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "benchmark": "Celery end to end, prefork worker, Redis broker",
         **environment(),
-        "redis_server": f"{version[0]} {'.'.join(map(str, version[1]))}",
+        "redis_server": server_label(version),
         "celery": celery.__version__,
         "celery_once": dist_version("celery-once"),
         "celery_singleton": dist_version("celery-singleton"),
@@ -197,6 +228,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rejected_at_send); LockedTask locks at run time (a busy key is skipped by "
             "the worker: skipped_by_worker)",
             "worker loggers for per-task INFO lines set to WARNING in every case",
+            "cpu_ms_per_task_median: CPU time used during the drain (/proc/<pid>/stat of the "
+            "worker's main process and pool children; INFO cpu of redis-server, which also "
+            "serves this process's polling of the counter) per queued task",
         ],
         "results": results,
         "targets": {
@@ -207,14 +241,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_report("celery", report)
     print(
         f"{'case':<34} {'tasks/s':>8} {'(min-max)':>13} {'worker/s':>9} "
-        f"{'rejected':>8} {'ran':>6} {'skipped':>7}"
+        f"{'rejected':>8} {'ran':>6} {'skipped':>7}  CPU ms/task main, children, redis"
     )
     for name, row in results.items():
         rate, work = row["tasks_per_s"], row["worker_tasks_per_s"]
+        cpu = ", ".join(str(v) for v in row["cpu_ms_per_task_median"].values())
         print(
             f"{name:<34} {rate['median']:>8} {rate['min']:>6}-{rate['max']:<6} "
             f"{work['median']:>9} {statistics.median(row['rejected_at_send']):>8} "
             f"{statistics.median(row['ran']):>6} {statistics.median(row['skipped_by_worker']):>7}"
+            f"  {cpu}"
         )
     for target, value in report["targets"].items():
         print(f"{target}: {value}")

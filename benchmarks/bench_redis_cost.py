@@ -40,7 +40,7 @@ import redis_lock
 from pottery import Redlock as PotteryRedlock
 
 from benchmarks.bench_latency import WatchLock
-from benchmarks.common import environment, write_report
+from benchmarks.common import environment, server_label, write_report
 from celery_redlock import Redlock
 from celery_redlock.renewal import Renewer
 from tests.harness import RedisServer
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "benchmark": "Redis-side cost per acquire / renew / release, one node",
         **environment(),
-        "redis_server": f"{version[0]} {'.'.join(map(str, version[1]))}",
+        "redis_server": server_label(version),
         "python_redis_lock": dist_version("python-redis-lock"),
         "pottery": dist_version("pottery"),
         "ops": args.ops,

@@ -35,6 +35,11 @@ def environment() -> dict[str, Any]:
     }
 
 
+def server_label(version: tuple[str, tuple[int, ...]]) -> str:
+    """``RedisServer.version`` as the results files show it: ``"redis 7.0.15"``."""
+    return f"{version[0]} {'.'.join(map(str, version[1]))}"
+
+
 def measure_us(fn: Callable[[], object], ops: int) -> list[float]:
     """Run ``fn`` ``ops`` times; each call's duration in microseconds."""
     samples = []
