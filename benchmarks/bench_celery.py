@@ -171,7 +171,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=1000, help="submissions per measurement")
+    parser.add_argument("--tasks", type=int, default=2000, help="submissions per measurement")
     parser.add_argument("--runs", type=int, default=5, help="interleaved runs per case")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool processes")
     args = parser.parse_args(argv)

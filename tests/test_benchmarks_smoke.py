@@ -63,6 +63,9 @@ def test_celery_benchmark_counts_every_submission(quick_run):
             row["skipped_by_worker"],
         )
         assert not row["other_states"], (case.name, row["other_states"])
+        cpu = row["cpu_ms_per_task_median"]
+        assert set(cpu) == {"worker_main", "pool_children", "redis_server"}
+        assert all(v >= 0 for v in cpu.values()), cpu
         if not case.one_key:
             assert (ran, rejected, skipped) == (QUICK_TASKS, 0, 0), case.name
         elif case.task == "bench.locked":
