@@ -8,9 +8,10 @@ Run from the repository root (``pip install -e '.[benchmarks]'`` first)::
 
 Each benchmark runs as its own ``python -m benchmarks.bench_<name>`` process (each
 starts its own redis-server processes) and writes ``benchmarks/results/<name>.json``;
-then :mod:`benchmarks.plot` draws ``docs/img/bench-<name>.png`` from them. ``--quick``
-uses the smallest configurations and writes results and plots to ``--results``
-(default: a new temporary directory), never over the published figures.
+then :mod:`benchmarks.plot` draws ``docs/img/bench-<name>.png`` from them. ``--results
+DIR`` puts results and plots in DIR instead; ``--quick`` uses the smallest
+configurations and always writes elsewhere (DIR, or a new temporary directory), never
+over the published figures.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smallest configurations")
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
-    parser.add_argument("--results", type=Path, help="results (and, with --quick, plots) here")
+    parser.add_argument("--results", type=Path, help="results and plots here instead")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     names = args.only.split(",") if args.only else list(BENCHMARKS)
@@ -73,10 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     plotted = [name for name in names if name in plot.PLOTS]
     if plotted and not args.no_plots:
         plot_args = ["--only", ",".join(plotted)]
-        if results is not None:
-            plot_args += ["--results", str(results)]
-            if args.quick:
-                plot_args += ["--out", str(results)]
+        if results is not None:  # plots beside those results, not over the published ones
+            plot_args += ["--results", str(results), "--out", str(results)]
         plot.main(plot_args)
     if results is not None:
         print(f"results in {results}")

@@ -148,8 +148,8 @@ class ServerMeter:
         for name in OBSERVER_COMMANDS:
             calls.pop(name, None)
         return {
-            "server_commands": round(sum(calls.values()) / per, 2),
-            "server_commands_by_name": {k: round(v / per, 2) for k, v in sorted(calls.items())},
+            "server_commands": round(sum(calls.values()) / per, 3),
+            "server_commands_by_name": {k: round(v / per, 3) for k, v in sorted(calls.items())},
             "bytes_in": round(bytes_in / per, 1),
             "bytes_out": round(bytes_out / per, 1),
         }
@@ -185,9 +185,9 @@ class NetworkMeter:
                 elif name not in OBSERVER_COMMANDS:
                     network[name] += 1
         return {
-            "network_commands": round(sum(network.values()) / per, 2),
-            "network_commands_by_name": {k: round(v / per, 2) for k, v in sorted(network.items())},
-            "script_commands": round(scripted / per, 2),
+            "network_commands": round(sum(network.values()) / per, 3),
+            "network_commands_by_name": {k: round(v / per, 3) for k, v in sorted(network.items())},
+            "script_commands": round(scripted / per, 3),
         }
 
 
