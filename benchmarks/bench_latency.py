@@ -55,6 +55,20 @@ class WatchLock:
             except redis.WatchError:
                 pass
 
+    def extend(self) -> bool:
+        """Reset the lease to ``ttl`` if we still hold the lock (the same check-and-set)."""
+        with self.client.pipeline() as pipe:
+            try:
+                pipe.watch(self.name)
+                if pipe.get(self.name) != self.token.encode():
+                    return False
+                pipe.multi()
+                pipe.expire(self.name, self.ttl)
+                pipe.execute()
+            except redis.WatchError:
+                return False
+        return True
+
 
 def contenders(url: str) -> dict:
     client = redis.Redis.from_url(url)

@@ -15,7 +15,10 @@ import redis
 
 import celery_redlock
 
-RESULTS = Path(__file__).parent / "results"
+#: Environment variable naming another results directory (``--quick`` runs use one, so a
+#: smoke run never overwrites the published figures).
+RESULTS_ENV = "CELERY_REDLOCK_BENCH_RESULTS"
+RESULTS = Path(os.environ.get(RESULTS_ENV) or Path(__file__).parent / "results")
 
 
 def environment() -> dict[str, Any]:
@@ -27,7 +30,14 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "celery_redlock": celery_redlock.__version__,
         "redis_py": redis.__version__,
+        # Other jobs share the machine: the 1, 5 and 15 minute load when the run began.
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def server_label(version: tuple[str, tuple[int, ...]]) -> str:
+    """``RedisServer.version`` as the results files show it: ``"redis 7.0.15"``."""
+    return f"{version[0]} {'.'.join(map(str, version[1]))}"
 
 
 def measure_us(fn: Callable[[], object], ops: int) -> list[float]:

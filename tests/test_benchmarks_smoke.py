@@ -1,0 +1,111 @@
+"""The Celery and Redis-cost benchmarks, and their plots, still run and say what they should.
+
+``python -m benchmarks --quick`` in their smallest configuration (seconds), writing into
+a temporary directory. Only the shape and the counts are checked, never speed: the
+counts follow from what each locking style does (send-time locks turn duplicates away,
+ours skips them in the worker; batching renews many locks per call).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_celery import CASES
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+QUICK_TASKS = 30  # benchmarks/__main__.py: celery --tasks 30
+QUICK_OPS = 30  # benchmarks/__main__.py: redis_cost --ops 30 --batch 30
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--only", "celery,redis_cost"]
+    done = subprocess.run(
+        [*command, "--results", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def load(path: Path) -> dict:
+    report = json.loads(path.read_text())
+    for field in ("date", "machine", "python", "redis_server", "celery_redlock", "loadavg"):
+        assert report[field], field
+    return report
+
+
+def test_celery_benchmark_counts_every_submission(quick_run):
+    report = load(quick_run / "celery.json")
+    assert (report["pool"], report["concurrency"]) == ("prefork", 2)
+    assert list(report["results"]) == [case.name for case in CASES]
+    for case in CASES:
+        row = report["results"][case.name]
+        for field in ("tasks_per_s", "worker_tasks_per_s"):
+            spread = row[field]
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"], (case.name, spread)
+            assert math.isfinite(spread["max"])
+        (ran,), (rejected,), (skipped,) = (
+            row["ran"],
+            row["rejected_at_send"],
+            row["skipped_by_worker"],
+        )
+        assert not row["other_states"], (case.name, row["other_states"])
+        cpu = row["cpu_ms_per_task_median"]
+        assert set(cpu) == {"worker_main", "pool_children", "redis_server"}
+        assert all(v >= 0 for v in cpu.values()), cpu
+        if not case.one_key:
+            assert (ran, rejected, skipped) == (QUICK_TASKS, 0, 0), case.name
+        elif case.task == "bench.locked":
+            # Run-time lock: every submission is queued; each runs or is skipped.
+            assert rejected == 0 and ran >= 1 and ran + skipped == QUICK_TASKS, row
+        else:
+            # Send-time lock, queue not consumed while sending: one queued, the rest refused.
+            assert (ran, rejected, skipped) == (1, QUICK_TASKS - 1, 0), (case.name, row)
+    assert all(isinstance(v, float) and v > 0 for v in report["targets"].values())
+
+
+def test_redis_cost_benchmark_counts_commands_and_bytes(quick_run):
+    report = load(quick_run / "redis_cost.json")
+    results = report["results"]
+    assert set(results) == {
+        "celery_redlock",
+        "redis-py Lock",
+        "python-redis-lock",
+        "pottery Redlock (1 node)",
+        "WATCH/MULTI baseline",
+    }
+    for lock, phases in results.items():
+        assert {"acquire", "renew", "release"} <= set(phases), lock
+        for phase, row in phases.items():
+            assert row["bytes_in"] > 0 and row["bytes_out"] > 0, (lock, phase, row)
+            assert row["server_commands"] >= row["network_commands"] > 0, (lock, phase, row)
+            assert sum(row["network_commands_by_name"].values()) == pytest.approx(
+                row["network_commands"], abs=0.05
+            )
+    ours = results["celery_redlock"]
+    # One script call per lock, doing its work inside Lua; batched: one call per tick.
+    for phase in ("acquire", "renew", "release"):
+        assert ours[phase]["network_commands"] == 1.0
+        assert ours[phase]["script_commands"] >= 1
+    batched = ours[f"renew ({QUICK_OPS} locks per tick)"]
+    assert batched["network_commands"] == pytest.approx(1 / QUICK_OPS, abs=0.01)
+    assert results["WATCH/MULTI baseline"]["acquire"]["script_commands"] == 0
+
+
+def test_plots_are_written(quick_run):
+    for name in ("celery", "redis_cost"):
+        image = quick_run / f"bench-{name}.png"
+        assert image.read_bytes()[:8] == PNG, image
