@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "reaper": ["--trials", "1"],
     "celery": ["--tasks", "30", "--runs", "1"],
     "redis_cost": ["--ops", "30", "--batch", "30"],
+    "family": ["--ops", "50", "--runs", "1"],
 }
 
 

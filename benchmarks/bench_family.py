@@ -18,7 +18,7 @@ import statistics
 
 import redis
 
-from benchmarks.common import environment, measure_us, write_report
+from benchmarks.common import environment, measure_us, server_label, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
 
@@ -78,7 +78,7 @@ def main() -> None:
     report = {
         "benchmark": "lock family, uncontended acquire + release, one node",
         **environment(),
-        "redis_server": f"{version[0]} {'.'.join(map(str, version[1]))}",
+        "redis_server": server_label(version),
         "ops_per_run": args.ops,
         "runs": args.runs,
         "results": rows,

@@ -62,13 +62,21 @@ def bars(ax: Axes, names: list[str], values: list[float], highs: list[float] | N
     ax.set_yticks(list(ys), names)
 
 
-def plot_latency(report: dict[str, Any], fig: Figure) -> None:
+def latency_bars(report: dict[str, Any], fig: Figure, title: str) -> None:
     ax = fig.subplots()
     rows = report["results"]
     names = list(rows)
     bars(ax, names, [rows[n]["median_us"] for n in names], [rows[n]["p99_us"] for n in names])
     ax.set_xlabel("acquire + release, µs (bar: median, tick: p99)")
-    ax.set_title("Uncontended acquire + release, one node (lower is better)")
+    ax.set_title(title)
+
+
+def plot_latency(report: dict[str, Any], fig: Figure) -> None:
+    latency_bars(report, fig, "Uncontended acquire + release, one node (lower is better)")
+
+
+def plot_family(report: dict[str, Any], fig: Figure) -> None:
+    latency_bars(report, fig, "The lock family, uncontended, one node (lower is better)")
 
 
 def plot_contention(report: dict[str, Any], fig: Figure) -> None:
@@ -209,6 +217,7 @@ PLOTS: dict[str, tuple[Callable[[dict[str, Any], Figure], None], tuple[float, fl
     "renewal": (plot_renewal, (10, 4.2)),
     "celery": (plot_celery, (12, 4.2)),
     "redis_cost": (plot_redis_cost, (11, 7)),
+    "family": (plot_family, (8, 3.6)),
 }
 
 

@@ -1,4 +1,5 @@
-"""The Celery and Redis-cost benchmarks, and their plots, still run and say what they should.
+"""The Celery, Redis-cost and lock-family benchmarks, and their plots, still run and say
+what they should.
 
 ``python -m benchmarks --quick`` in their smallest configuration (seconds), writing into
 a temporary directory. Only the shape and the counts are checked, never speed: the
@@ -27,7 +28,7 @@ QUICK_OPS = 30  # benchmarks/__main__.py: redis_cost --ops 30 --batch 30
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--only", "celery,redis_cost"]
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--only", "celery,redis_cost,family"]
     done = subprocess.run(
         [*command, "--results", str(out)],
         cwd=ROOT,
@@ -109,3 +110,15 @@ def test_plots_are_written(quick_run):
     for name in ("celery", "redis_cost"):
         image = quick_run / f"bench-{name}.png"
         assert image.read_bytes()[:8] == PNG, image
+
+
+def test_family_benchmark_measures_every_variant(quick_run):
+    report = load(quick_run / "family.json")
+    rows = report["results"]
+    assert list(rows) == [
+        "exclusive", "shared", "limit=3", "two resources", "fair", "redis-py Lock"
+    ]  # fmt: skip
+    for row in rows.values():
+        assert 0 < row["median_us"] <= row["p99_us"]
+    assert rows["exclusive"]["vs_exclusive"] == 1.0
+    assert (quick_run / "bench-family.png").read_bytes().startswith(PNG)
