@@ -152,6 +152,9 @@ class Redlock:
         self.name = names[0]
         self.resources: tuple[LockKeys, ...] = tuple(lock_keys(n, key_prefix) for n in names)
         self.keys = self.resources[0]
+        self._acquire_keys = tuple(key for resource in self.resources for key in resource.resource)
+        if self.fair:
+            self._acquire_keys += (self.keys.queue, self.keys.waiting)
         self.timing = make_timing(ttl, renew_interval, node_timeout, drift_factor, source="")
         if nodes is None:
             nodes = [DEFAULT_URL]
@@ -277,14 +280,12 @@ class Redlock:
                 (waiter.token, ttl_ms, self.limit or 0, task_id, host, pid, acquired_at,
                  self.task_name or ""),
             )  # fmt: skip
-        keys = tuple(key for resource in self.resources for key in resource.resource)
         fair = ""
         if self.fair:
-            keys += (self.keys.queue, self.keys.waiting)
             fair = str(ttl_ms if waiter.blocking else 0)
         return Call(
             ACQUIRE,
-            keys,
+            self._acquire_keys,
             (waiter.token, ttl_ms, *holder, self.task_name or "", "1" if waiter.blocking else "",
              fair, waiter.arrival),
         )  # fmt: skip

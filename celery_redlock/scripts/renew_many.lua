@@ -28,12 +28,15 @@ local codes = {}
 for i, key in ipairs(KEYS) do
     local token, ttl = ARGV[3 * i - 2], tonumber(ARGV[3 * i - 1])
     if ARGV[3 * i] == 'x' then
-        local current = redis.call('HGET', key, 'token')
-        if current == false then
+        local current = redis.call('HMGET', key, 'token', 'ttl')
+        if current[1] == false then
             codes[i] = 0
-        elseif current == token then
+        elseif current[1] == token then
             redis.call('PEXPIRE', key, ttl)
-            redis.call('HSET', key, 'ttl', ttl)
+            if current[2] ~= ARGV[3 * i - 1] then
+                -- Written only when it changes: a write is replicated and logged.
+                redis.call('HSET', key, 'ttl', ttl)
+            end
             codes[i] = 1
         else
             codes[i] = -1
