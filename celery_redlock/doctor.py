@@ -974,13 +974,9 @@ def _measure_clock(
 def close_nodeset(nodeset: NodeSet) -> None:
     """Close the connections of a NodeSet this process will not use again."""
     for node in nodeset.nodes:
-        # Node keeps its pooled connections private; a short-lived command owns this
-        # NodeSet alone, so closing them here cannot pull a socket from under anyone.
-        with node._lock:
-            connections = list(node._idle) + [item[0] for item in node._draining]
-            node._idle, node._draining = [], []
-        for conn in connections:
-            conn.disconnect()
+        # A short-lived command owns this NodeSet alone, so closing its pooled
+        # connections cannot pull a socket from under anyone.
+        node.close()
 
 
 @dataclass

@@ -1,0 +1,193 @@
+"""A real Redis Cluster for tests: three masters on free loopback ports.
+
+Every master is a :class:`~tests.harness.servers.RedisServer` started with
+``--cluster-enabled yes`` and a cluster config file in its own directory. The slots
+are split in three ranges with CLUSTER ADDSLOTSRANGE, the nodes are joined with
+CLUSTER MEET, and :meth:`RedisCluster.start` returns once every node reports
+``cluster_state:ok`` and the same slot map. Import it directly::
+
+    from tests.harness.cluster import RedisCluster
+
+    with RedisCluster(tmp_path) as cluster:
+        url = cluster.url()                    # redis+cluster://127.0.0.1:P1,...
+        owner = cluster.master_for("redlock:{x}")
+        cluster.migrate_slot(slot, owner, other)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+from redis.crc import key_slot
+
+from .servers import HOST, RedisServer, free_port, wait_for
+
+__all__ = ["SLOTS", "ClusterMaster", "RedisCluster", "slot_of"]
+
+SLOTS = 16384
+
+
+def slot_of(key: str) -> int:
+    """The cluster slot of ``key`` (hash tags honoured)."""
+    return key_slot(key.encode())
+
+
+class ClusterMaster(RedisServer):
+    """A cluster-enabled server whose cluster bus gets a free port of its own.
+
+    The default bus port (client port + 10000) does not exist for the high free ports
+    the harness picks, so ``--cluster-port`` names one explicitly.
+    """
+
+    def command_line(self, port: int | None = None) -> list[str]:
+        """The server's command line plus ``--cluster-port`` (kept across restarts)."""
+        if getattr(self, "bus_port", None) is None:
+            self.bus_port = free_port()
+        return [*super().command_line(port), "--cluster-port", str(self.bus_port)]
+
+
+class RedisCluster:
+    """Three cluster-enabled masters owning a third of the slots each; closed together."""
+
+    def __init__(self, base_dir: str | os.PathLike[str], *, masters: int = 3) -> None:
+        self.base_dir = Path(base_dir)
+        self.masters = [
+            ClusterMaster(
+                (
+                    "--cluster-enabled", "yes",
+                    "--cluster-config-file", "nodes.conf",
+                    # A killed master is flagged as failing quickly; with no replica the
+                    # cluster then refuses its slots (cluster-require-full-coverage no
+                    # keeps the other slots served).
+                    "--cluster-node-timeout", "1000",
+                    "--cluster-require-full-coverage", "no",
+                ),
+                data_dir=self.base_dir / f"m{i}",
+            )
+            for i in range(masters)
+        ]  # fmt: skip
+
+    def start(self, timeout: float = 20.0) -> RedisCluster:
+        """Start the masters, assign the slots, join them, and wait for ``cluster_state:ok``."""
+        try:
+            for server in self.masters:
+                server.start()
+            n = len(self.masters)
+            for i, server in enumerate(self.masters):
+                first, last = i * SLOTS // n, (i + 1) * SLOTS // n - 1
+                with server.client() as conn:
+                    conn.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+            with self.masters[0].client() as conn:
+                for server in self.masters[1:]:
+                    conn.execute_command("CLUSTER", "MEET", HOST, server.port, server.bus_port)
+            wait_for(self.settled, timeout=timeout, message="the cluster to settle")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop every master."""
+        errors = []
+        for server in self.masters:
+            try:
+                server.close()
+            except Exception as exc:  # close every process even if one fails
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- views
+
+    def url(
+        self, *, seeds: Sequence[RedisServer] | None = None, scheme: str = "redis+cluster"
+    ) -> str:
+        """``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,...`` (every master a seed by default)."""
+        hosts = ",".join(f"{HOST}:{s.port}" for s in (seeds or self.masters))
+        return f"{scheme}://{hosts}"
+
+    def slot_owner(self, slot: int, via: RedisServer | None = None) -> RedisServer:
+        """The master that serves ``slot`` according to ``via`` (the first running master)."""
+        via = via or next(s for s in self.masters if s.alive())
+        with via.client() as conn:
+            for first, last, master, *_ in conn.execute_command("CLUSTER", "SLOTS"):
+                if first <= slot <= last:
+                    port = int(master[1])
+                    return next(s for s in self.masters if s.port == port)
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def master_for(self, key: str) -> RedisServer:
+        """The master that holds ``key``."""
+        return self.slot_owner(slot_of(key))
+
+    def node_id(self, server: RedisServer) -> str:
+        with server.client() as conn:
+            return conn.execute_command("CLUSTER", "MYID")
+
+    def settled(self) -> bool:
+        """Every running master reports ``cluster_state:ok`` and all slots assigned."""
+        maps = set()
+        for server in self.masters:
+            if not server.alive():
+                continue
+            try:
+                with server.client(socket_timeout=1) as conn:
+                    info = conn.execute_command("CLUSTER", "INFO")
+                    slots = conn.execute_command("CLUSTER", "SLOTS")
+            except redis.RedisError:
+                return False
+            text = info if isinstance(info, str) else info.decode()
+            if "cluster_state:ok" not in text or f"cluster_slots_assigned:{SLOTS}" not in text:
+                return False
+            maps.add(tuple(sorted((int(a), int(b), int(m[1])) for a, b, m, *_ in slots)))
+            if sum(1 for a, b, m, *_ in slots) < len(self.masters):
+                return False
+        return len(maps) == 1
+
+    # ----------------------------------------------------------------- resharding
+
+    def begin_migration(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """CLUSTER SETSLOT IMPORTING on the target, MIGRATING on the source."""
+        source_id, target_id = self.node_id(source), self.node_id(target)
+        with target.client() as conn:
+            conn.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        with source.client() as conn:
+            conn.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+
+    def move_keys(self, slot: int, source: RedisServer, target: RedisServer) -> list[str]:
+        """MIGRATE every key of ``slot`` from ``source`` to ``target`` (one MIGRATE)."""
+        with source.client() as conn:
+            keys = conn.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            keys = [k if isinstance(k, str) else k.decode() for k in keys]
+            if keys:
+                conn.execute_command("MIGRATE", HOST, target.port, "", 0, 5000, "KEYS", *keys)
+        return keys
+
+    def finish_migration(self, slot: int, target: RedisServer) -> None:
+        """CLUSTER SETSLOT NODE on every master, and wait until they all agree."""
+        target_id = self.node_id(target)
+        # The target first, as redis-cli does, so it owns the slot before the source lets go.
+        for server in [target, *(s for s in self.masters if s is not target)]:
+            if server.alive():
+                with server.client() as conn:
+                    conn.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        wait_for(
+            lambda: all(self.slot_owner(slot, via=s) is target for s in self.masters if s.alive()),
+            timeout=10,
+            message=f"every master to agree that slot {slot} moved",
+        )
+
+    def migrate_slot(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Move ``slot`` with its keys from ``source`` to ``target``, as redis-cli does."""
+        self.begin_migration(slot, source, target)
+        self.move_keys(slot, source, target)
+        self.finish_migration(slot, target)
