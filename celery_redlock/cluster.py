@@ -348,7 +348,8 @@ class ClusterNode:
     def failed(self, leg: Leg, error: BaseException) -> ResponseError:
         """The reply value for the calls of a leg whose master did not answer."""
         self._stale = True
-        return MasterUnavailable(f"{leg.node.safe_url}: {type(error).__name__}: {error}")
+        address = next((a for a, node in self._masters.items() if node is leg.node), "?")
+        return MasterUnavailable(f"master {address}: {type(error).__name__}: {error}")
 
     # -- the Node API used outside fan-outs ------------------------------------------
 

@@ -558,8 +558,10 @@ class _Gather:
 
     def fail(self, leg: Leg, error: BaseException) -> None:
         """The leg got no reply: its calls fail (or, for a plain node, the whole node)."""
-        self.error = self.error or error
         value = self.node.failed(leg, error)
+        # A cluster's error names the master; the node's reply is that error when no
+        # master answered at all.
+        self.error = self.error or (error if value is None else value)
         if value is not None:
             for k in range(len(leg.calls)):
                 self.put(leg, k, value)
