@@ -301,8 +301,11 @@ class ClusterNode:
             if keys:
                 home = self._owner(_slot(keys[0]))
                 break
-        if home is None:
-            home = self._owner(0) if self._slots and self._slots[0] else self.masters()[0]
+        if home is None:  # keyless requests (INFO, TIME...): the first master will do
+            masters = self.masters(deadline)
+            if not masters:
+                raise MasterUnavailable(f"{self.safe_url}: no master serves any slot")
+            home = masters[0]
         current = home
         for position, call in enumerate(calls):
             keys = _keys_of(call)

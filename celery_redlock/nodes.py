@@ -69,7 +69,7 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 from .exceptions import ConfigurationError
 from .scripts import Script
 
-__all__ = ["Call", "Leg", "Node", "NodeSet", "Reply", "fan_out", "make_node"]
+__all__ = ["Call", "Leg", "Node", "NodeSet", "Reply", "fan_out", "make_node", "safe_url"]
 
 logger = logging.getLogger("celery_redlock.nodes")
 
@@ -458,6 +458,17 @@ class Node:
             self._idle, self._draining = [], []
         for conn in connections:
             conn.disconnect()
+
+
+def safe_url(url: str) -> str:
+    """``url`` with its passwords masked, for any lock node URL form."""
+    from .cluster import is_cluster_url, sanitize_url  # noqa: PLC0415 (cluster imports this module)
+
+    if url.startswith(f"{SENTINEL_SCHEME}://"):
+        return _sanitize_sentinel_url(url)
+    if is_cluster_url(url):
+        return sanitize_url(url)
+    return maybe_sanitize_url(url)
 
 
 def make_node(url: str, *, timeout: float) -> Node:

@@ -17,7 +17,7 @@ from celery_redlock.cluster import CrossSlotError, MasterUnavailable
 from celery_redlock.doctor import diagnose
 from celery_redlock.exceptions import ConfigurationError
 from celery_redlock.keys import lock_keys
-from celery_redlock.nodes import Call, NodeSet
+from celery_redlock.nodes import Call, NodeSet, safe_url
 from celery_redlock.renewal import Renewer
 from celery_redlock.scripts import RELEASE, RENEW_MANY
 from celery_redlock.settings import from_conf
@@ -84,6 +84,7 @@ def test_cluster_url_is_accepted_as_one_node_and_passwords_are_masked():
     nodeset = NodeSet([url], timeout=0.5)  # no I/O until the first request
     assert len(nodeset) == 1 and nodeset.quorum == 1
     assert "s3cret" not in repr(nodeset) and "app:**@" in nodeset.nodes[0].safe_url
+    assert safe_url(url) == nodeset.nodes[0].safe_url  # what the worker logs at start
 
 
 # --------------------------------------------------------------------------- locks
@@ -181,20 +182,33 @@ def test_a_call_across_slots_that_cannot_be_split_is_refused_naming_the_keys(clu
     assert sum(evalsha_calls(cluster).values()) == 0, "nothing was sent"
 
 
+def subscribers(server, channel: str) -> int:
+    with server.client() as conn:
+        return conn.pubsub_numsub(channel)[0][1]
+
+
 def test_a_release_on_one_master_wakes_a_waiter_listening_on_another(cluster):
     """PUBLISH is broadcast in a cluster: the waiter is woken, not left to the TTL."""
     url = cluster.url()
-    holder = Redlock("report", nodes=[url], ttl=30)
+    # The listener subscribes on the master of slot 0 (first in rotation); the lock
+    # lives on another master.
+    first = cluster.slot_owner(0)
+    name = next(
+        n
+        for group in names_on(cluster, 1).values()
+        for n in group
+        if cluster.master_for(lock_keys(n).lock) is not first
+    )
+    holder = Redlock(name, nodes=[url], ttl=30)
     assert holder.acquire(blocking=False)
     got: list[bool] = []
     waiter = threading.Thread(
-        target=lambda: got.append(Redlock("report", nodes=[url], ttl=30).acquire(timeout=20))
+        target=lambda: got.append(Redlock(name, nodes=[url], ttl=30).acquire(timeout=20))
     )
     waiter.start()
-    wait_for(
-        lambda: any(s.client().pubsub_numsub(holder.keys.channel)[0][1] for s in cluster.masters),
-        timeout=10,
-    )
+    channel = holder.keys.channel
+    wait_for(lambda: sum(subscribers(s, channel) for s in cluster.masters) == 1, timeout=10)
+    assert subscribers(cluster.master_for(holder.keys.lock), channel) == 0
     holder.release()
     waiter.join(25)
     assert got == [True], "woken by the release well before the holder's 30 s lease"
