@@ -71,6 +71,11 @@ DEFAULT_PORT = 6379
 SLOTS = 16384
 #: Redirections (MOVED/ASK) followed for one call within one fan-out.
 MAX_REDIRECTS = 5
+#: Seconds between two reads of the slot map after a failure (MOVED patches its slot
+#: at once), so a dead master does not add a CLUSTER SLOTS round trip to every call.
+MAP_RECHECK = 1.0
+#: Seconds a master that failed is asked for the slot map only after the others.
+SUSPECT_FOR = 10.0
 
 #: Key arguments of the plain commands the package sends with keys: how many
 #: arguments after the command name are keys (None: all of them). Other commands
@@ -187,6 +192,10 @@ class ClusterNode:
         #: slot -> master address; None until the first refresh.
         self._slots: list[str] | None = None
         self._stale = True
+        self._next_refresh = 0.0
+        #: address -> when it last failed (monotonic): asked last for the slot map, so a
+        #: blackholed master does not spend the budget of calls to the healthy ones.
+        self._suspects: dict[str, float] = {}
         self._rotation = itertools.count()
         for host, port in self._seeds:  # validates the URL's options up front
             self._master(_address(host, port))
@@ -217,8 +226,11 @@ class ClusterNode:
 
         Raises the last error when none does; the previous map (if any) is kept.
         """
-        known = list(dict.fromkeys(self._slots or ()))
+        known = [a for a in dict.fromkeys(self._slots or ()) if a]
         candidates = list(dict.fromkeys([*known, *(_address(h, p) for h, p in self._seeds)]))
+        now = time.monotonic()
+        self._next_refresh = now + MAP_RECHECK
+        candidates.sort(key=lambda a: now - self._suspects.get(a, -SUSPECT_FOR) < SUSPECT_FOR)
         error: BaseException = RedisError("no seed to ask")
         for address in candidates:
             budget = self.timeout if deadline is None else deadline - time.monotonic()
@@ -232,6 +244,7 @@ class ClusterNode:
                 ranges = conn.read_response()
             except (RedisError, OSError) as exc:
                 error = exc
+                self._suspects[address] = time.monotonic()
                 continue
             finally:
                 conn.disconnect()
@@ -263,7 +276,7 @@ class ClusterNode:
         self._stale = True
 
     def _ensure_map(self, deadline: float | None) -> None:
-        if self._slots is None or self._stale:
+        if self._slots is None or (self._stale and time.monotonic() >= self._next_refresh):
             try:
                 self.refresh(deadline)
             except (RedisError, OSError):
@@ -352,6 +365,7 @@ class ClusterNode:
         """The reply value for the calls of a leg whose master did not answer."""
         self._stale = True
         address = next((a for a, node in self._masters.items() if node is leg.node), "?")
+        self._suspects[address] = time.monotonic()
         return MasterUnavailable(f"master {address}: {type(error).__name__}: {error}")
 
     # -- the Node API used outside fan-outs ------------------------------------------

@@ -281,6 +281,32 @@ def test_a_killed_master_fails_its_locks_closed_and_spares_the_others(redis_clus
         fresh.release()
 
 
+def test_a_hung_master_does_not_spend_the_budget_of_calls_to_the_others(redis_cluster):
+    """A paused (SIGSTOP) master answers nothing; locks on the others keep working.
+
+    Its failure makes the node read the slot map again, and the hung master, first in
+    slot order, is asked last: otherwise that read alone would spend every later call's
+    budget.
+    """
+    url = redis_cluster.url()
+    victim = redis_cluster.slot_owner(0)
+    names = names_on(redis_cluster, 1)
+    locks = {p: Redlock(n[0], nodes=[url], ttl=10, auto_renew=False) for p, n in names.items()}
+    for lock in locks.values():
+        assert lock.acquire(blocking=False)
+    victim.pause()
+    try:
+        with pytest.raises((LockLost, NodeUnavailable)):
+            locks[victim.port].extend()
+        for port, lock in locks.items():
+            if port != victim.port:
+                lock.extend()
+                lock.extend()
+                lock.release()
+    finally:
+        victim.resume()
+
+
 def test_a_split_call_reports_the_dead_master_per_key(redis_cluster):
     """Keys on a dead master answer MasterUnavailable; the others answer normally."""
     url = redis_cluster.url()
