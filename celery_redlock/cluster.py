@@ -38,7 +38,9 @@ How requests travel (:func:`celery_redlock.nodes.fan_out` does the I/O):
 * A master that cannot be reached fails only the calls routed to it: they get a
   :class:`MasterUnavailable` reply (a ``ResponseError``), per key for split calls;
   when every master of a request failed, the node's reply is that error. The map is
-  refreshed before the next request, so a failover is followed.
+  read again before a later request (at most every :data:`MAP_RECHECK` seconds), so a
+  failover is followed; masters that just failed are asked for it last, so a hung
+  master does not spend the budget of calls to the healthy ones.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from celery_redlock import LockBusy, LockLost, NodeUnavailable, Redlock
+from celery_redlock import cluster as cluster_module
 from celery_redlock.cluster import CrossSlotError, MasterUnavailable
 from celery_redlock.doctor import diagnose
 from celery_redlock.exceptions import ConfigurationError
@@ -281,13 +282,14 @@ def test_a_killed_master_fails_its_locks_closed_and_spares_the_others(redis_clus
         fresh.release()
 
 
-def test_a_hung_master_does_not_spend_the_budget_of_calls_to_the_others(redis_cluster):
+def test_a_hung_master_does_not_spend_the_budget_of_calls_to_the_others(redis_cluster, monkeypatch):
     """A paused (SIGSTOP) master answers nothing; locks on the others keep working.
 
     Its failure makes the node read the slot map again, and the hung master, first in
     slot order, is asked last: otherwise that read alone would spend every later call's
     budget.
     """
+    monkeypatch.setattr(cluster_module, "MAP_RECHECK", 0.0)  # read the map on every call
     url = redis_cluster.url()
     victim = redis_cluster.slot_owner(0)
     names = names_on(redis_cluster, 1)
