@@ -58,6 +58,12 @@ def names_on(cluster: RedisCluster, count: int, *, prefix: str = "n") -> dict[in
     return found
 
 
+def exists(cluster: RedisCluster, key: str) -> bool:
+    """Whether ``key`` exists on the master of its slot."""
+    with cluster.master_for(key).client() as conn:
+        return bool(conn.exists(key))
+
+
 def evalsha_calls(cluster: RedisCluster) -> dict[int, int]:
     return {s.port: s.commandstats().get("evalsha", 0) for s in cluster.masters}
 
@@ -213,6 +219,20 @@ def test_a_release_on_one_master_wakes_a_waiter_listening_on_another(cluster):
     holder.release()
     waiter.join(25)
     assert got == [True], "woken by the release well before the holder's 30 s lease"
+
+
+def test_a_cluster_is_one_vote_in_redlock(cluster, redis_factory):
+    """Redlock over [cluster, node, node]: quorum 2; the cluster's masters are one vote."""
+    plain = redis_factory(2)
+    urls = [cluster.url(), *(s.url for s in plain)]
+    lock = Redlock("quorum", nodes=urls, ttl=10, auto_renew=False)
+    assert len(lock.nodeset) == 3 and lock.nodeset.quorum == 2
+    assert lock.acquire(blocking=False)
+    assert [view.get("error") for view in lock.inspect()] == [None, None, None]
+    plain[0].kill()
+    lock.extend()  # the cluster and one node still make a quorum
+    lock.release()
+    assert not exists(cluster, lock.keys.lock)
 
 
 # --------------------------------------------------------------------------- resharding
@@ -375,7 +395,8 @@ def test_a_locked_task_runs_with_a_cluster_url(
             second.get(timeout=30, disable_sync_subtasks=False)
         result = first.get(timeout=30, disable_sync_subtasks=False)
         assert result["label"] == "first" and result["fence"] >= 1
-        assert redis_cluster.master_for(result["key"]).client().exists(f"{result['key']}:fence")
+        assert exists(redis_cluster, f"{result['key']}:fence")
+        assert not exists(redis_cluster, result["key"]), "released after the run"
     finally:
         close_app(app)
 
