@@ -394,6 +394,9 @@ class ClusterNode:
 def _part(call: Call, indices: list[int]) -> Call:
     """The call restricted to the keys at ``indices`` (and their arguments)."""
     per_key = call.script.per_key_args  # type: ignore[union-attr]
+    if len(indices) == 1:  # the usual part: every lock has a slot of its own
+        i = indices[0]
+        return Call(call.script, (call.keys[i],), call.args[i * per_key : (i + 1) * per_key])
     keys = tuple(call.keys[i] for i in indices)
     args = tuple(a for i in indices for a in call.args[i * per_key : (i + 1) * per_key])
     return Call(call.script, keys, args)

@@ -500,7 +500,7 @@ class _InFlight:
         """Send the calls, preceded by ``SCRIPT LOAD`` of ``load`` (replies skipped)."""
         packed = [("SCRIPT", "LOAD", script.source) for script in load]
         packed += [call.packed_args() for call in self.calls]
-        self.conn.send_packed_command(self.conn.pack_commands(packed), check_health=False)
+        self.conn.send_packed_command(_pack(self.conn, packed), check_health=False)
         self.skip = len(load)
         self.owed = self.stale + len(packed)
 
@@ -535,6 +535,31 @@ class _InFlight:
     def scripts(self) -> list[Script]:
         """The distinct scripts this request calls."""
         return list({call.script.sha: call.script for call in self.calls if call.script}.values())
+
+
+def _pack(conn: AbstractConnection, commands: list) -> list[bytes]:
+    """The commands in RESP, as redis-py would write them, but several times faster.
+
+    Renewal sends one call per lock slot to a Redis Cluster (10,000 locks: 10,000
+    EVALSHA per tick), where redis-py's general packer took most of the tick. This
+    handles the argument types the library sends (str, bytes, int) and leaves
+    anything else to redis-py.
+    """
+    encoding, errors = conn.encoder.encoding, conn.encoder.encoding_errors
+    out = []
+    for args in commands:
+        out.append(b"*%d\r\n" % len(args))
+        for arg in args:
+            if isinstance(arg, str):
+                data = arg.encode(encoding, errors)
+            elif isinstance(arg, bytes):
+                data = arg
+            elif type(arg) is int:  # not bool, which redis-py refuses
+                data = b"%d" % arg
+            else:
+                return conn.pack_commands(commands)
+            out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return [b"".join(out)]
 
 
 class _Gather:
