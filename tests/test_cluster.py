@@ -389,6 +389,35 @@ def test_renewal_of_locks_on_healthy_masters_survives_a_dead_master(redis_cluste
         lock.release()
 
 
+def test_a_lock_held_across_a_master_failover_follows_the_promoted_replica(tmp_path):
+    """SIGKILL a master with an in-sync replica: the cluster promotes the replica, the
+    node reads the new slot map, and the lock (replicated, as WAIT confirmed) is still
+    held there: renewed through the new master, refused to others, released."""
+    with RedisCluster(tmp_path / "failover", replicas=True) as cluster:
+        url = cluster.url()
+        lost: list[LockLost] = []
+        lock = Redlock("failover", nodes=[url], ttl=10, min_replicas=1, on_lost=lost.append)
+        assert lock.acquire(blocking=False)
+        old = cluster.master_for(lock.keys.lock)
+        replica = cluster.replicas[cluster.masters.index(old)]
+        lease = lock._lease
+
+        old.kill()
+        wait_for(
+            lambda: cluster.slot_owner(slot_of(lock.keys.lock)) is replica,
+            timeout=20,
+            message="the cluster to promote the replica",
+        )
+        before = lease.deadline
+        wait_for(lambda: lease.deadline > before, timeout=10, message="a renewal on the new master")
+        assert not lost and lock.owned()
+        with pytest.raises(LockBusy):
+            Redlock("failover", nodes=[url], ttl=10, auto_renew=False).try_acquire()
+        lock.release()
+        with replica.client() as conn:
+            assert not conn.exists(lock.keys.lock)
+
+
 # --------------------------------------------------------------------------- Celery, CLI
 
 

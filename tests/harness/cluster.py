@@ -25,7 +25,7 @@ from redis.crc import key_slot
 
 from .servers import HOST, RedisServer, free_port, wait_for
 
-__all__ = ["SLOTS", "ClusterMaster", "RedisCluster", "slot_of"]
+__all__ = ["SLOTS", "ClusterServer", "RedisCluster", "slot_of"]
 
 SLOTS = 16384
 
@@ -35,7 +35,7 @@ def slot_of(key: str) -> int:
     return key_slot(key.encode())
 
 
-class ClusterMaster(RedisServer):
+class ClusterServer(RedisServer):
     """A cluster-enabled server whose cluster bus gets a free port of its own.
 
     The default bus port (client port + 10000) does not exist for the high free ports
@@ -49,31 +49,48 @@ class ClusterMaster(RedisServer):
         return [*super().command_line(port), "--cluster-port", str(self.bus_port)]
 
 
-class RedisCluster:
-    """Three cluster-enabled masters owning a third of the slots each; closed together."""
+CLUSTER_ARGS = (
+    "--cluster-enabled", "yes",
+    "--cluster-config-file", "nodes.conf",
+    # A killed master is flagged as failing within about a second (and its replica, if
+    # any, promoted); without a replica, cluster-require-full-coverage no keeps the
+    # other masters' slots served.
+    "--cluster-node-timeout", "1000",
+    "--cluster-require-full-coverage", "no",
+    # A replica's first full sync starts at once instead of after the default 5 s.
+    "--repl-diskless-sync-delay", "0",
+)  # fmt: skip
 
-    def __init__(self, base_dir: str | os.PathLike[str], *, masters: int = 3) -> None:
+
+class RedisCluster:
+    """Cluster-enabled masters owning equal shares of the slots, optionally with one
+    replica each (``replicas=True``); all closed together.
+
+    ``masters`` keeps the servers started as masters and ``replicas[i]`` is the replica
+    of ``masters[i]``; after a failover ask :meth:`slot_owner` who serves a slot.
+    """
+
+    def __init__(
+        self, base_dir: str | os.PathLike[str], *, masters: int = 3, replicas: bool = False
+    ) -> None:
         self.base_dir = Path(base_dir)
         self.masters = [
-            ClusterMaster(
-                (
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf",
-                    # A killed master is flagged as failing quickly; with no replica the
-                    # cluster then refuses its slots (cluster-require-full-coverage no
-                    # keeps the other slots served).
-                    "--cluster-node-timeout", "1000",
-                    "--cluster-require-full-coverage", "no",
-                ),
-                data_dir=self.base_dir / f"m{i}",
-            )
-            for i in range(masters)
-        ]  # fmt: skip
+            ClusterServer(CLUSTER_ARGS, data_dir=self.base_dir / f"m{i}") for i in range(masters)
+        ]
+        self.replicas = (
+            [ClusterServer(CLUSTER_ARGS, data_dir=self.base_dir / f"r{i}") for i in range(masters)]
+            if replicas
+            else []
+        )
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [*self.masters, *self.replicas]
 
     def start(self, timeout: float = 20.0) -> RedisCluster:
         """Start the masters, assign the slots, join them, and wait for ``cluster_state:ok``."""
         try:
-            for server in self.masters:
+            for server in self.servers:
                 server.start()
             n = len(self.masters)
             for i, server in enumerate(self.masters):
@@ -81,8 +98,17 @@ class RedisCluster:
                 with server.client() as conn:
                     conn.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
             with self.masters[0].client() as conn:
-                for server in self.masters[1:]:
+                for server in self.servers[1:]:
                     conn.execute_command("CLUSTER", "MEET", HOST, server.port, server.bus_port)
+            for master, replica in zip(self.masters, self.replicas, strict=False):
+                master_id = self.node_id(master)
+                wait_for(
+                    lambda replica=replica, master_id=master_id: self._knows(replica, master_id),
+                    timeout=timeout,
+                    message="the replica to learn its master",
+                )
+                with replica.client() as conn:
+                    conn.execute_command("CLUSTER", "REPLICATE", master_id)
             wait_for(self.settled, timeout=timeout, message="the cluster to settle")
         except BaseException:
             self.close()
@@ -90,9 +116,9 @@ class RedisCluster:
         return self
 
     def close(self) -> None:
-        """Stop every master."""
+        """Stop every server."""
         errors = []
-        for server in self.masters:
+        for server in self.servers:
             try:
                 server.close()
             except Exception as exc:  # close every process even if one fails
@@ -117,12 +143,12 @@ class RedisCluster:
 
     def slot_owner(self, slot: int, via: RedisServer | None = None) -> RedisServer:
         """The master that serves ``slot`` according to ``via`` (the first running master)."""
-        via = via or next(s for s in self.masters if s.alive())
+        via = via or next(s for s in self.servers if s.alive())
         with via.client() as conn:
             for first, last, master, *_ in conn.execute_command("CLUSTER", "SLOTS"):
                 if first <= slot <= last:
                     port = int(master[1])
-                    return next(s for s in self.masters if s.port == port)
+                    return next(s for s in self.servers if s.port == port)
         raise AssertionError(f"no master serves slot {slot}")
 
     def master_for(self, key: str) -> RedisServer:
@@ -133,10 +159,30 @@ class RedisCluster:
         with server.client() as conn:
             return conn.execute_command("CLUSTER", "MYID")
 
+    @staticmethod
+    def _knows(server: RedisServer, node_id: str) -> bool:
+        with server.client() as conn:
+            return node_id in str(conn.execute_command("CLUSTER", "NODES"))
+
+    def replica_in_sync(self, replica: RedisServer) -> bool:
+        """The replica's link to its master is up and it has the whole stream."""
+        try:
+            with replica.client(socket_timeout=1) as conn:
+                info = conn.info("replication")
+        except redis.RedisError:
+            return False
+        if info.get("role") != "slave" or info.get("master_link_status") != "up":
+            return False
+        master = next(s for s in self.servers if s.port == int(info["master_port"]))
+        with master.client(socket_timeout=1) as conn:
+            offset = conn.info("replication").get("master_repl_offset")
+        return int(info.get("slave_repl_offset", -1)) == offset
+
     def settled(self) -> bool:
-        """Every running master reports ``cluster_state:ok`` and all slots assigned."""
+        """Every running server reports ``cluster_state:ok``, the same slot map, one
+        master per share of slots, and every running replica is in sync."""
         maps = set()
-        for server in self.masters:
+        for server in self.servers:
             if not server.alive():
                 continue
             try:
@@ -151,7 +197,9 @@ class RedisCluster:
             maps.add(tuple(sorted((int(a), int(b), int(m[1])) for a, b, m, *_ in slots)))
             if sum(1 for a, b, m, *_ in slots) < len(self.masters):
                 return False
-        return len(maps) == 1
+        if len(maps) != 1:
+            return False
+        return all(self.replica_in_sync(r) for r in self.replicas if r.alive())
 
     # ----------------------------------------------------------------- resharding
 
