@@ -27,6 +27,7 @@ from tests.apps.locked import create_app
 from tests.harness import close_app, wait_for
 from tests.harness.cluster import RedisCluster, slot_of
 from tests.test_cli import cli  # noqa: F401 (fixture)
+from tests.test_topologies import certificates  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +248,23 @@ def test_a_cluster_is_one_vote_in_redlock(cluster, redis_factory):
     lock.extend()  # the cluster and one node still make a quorum
     lock.release()
     assert not exists(cluster, lock.keys.lock)
+
+
+def test_rediss_cluster_url_with_a_verified_certificate(tmp_path, certificates):  # noqa: F811
+    """rediss+cluster://: TLS to every master, which CLUSTER SLOTS names by TLS port."""
+    key, cert = certificates
+    with RedisCluster(tmp_path / "tls", tls=(str(cert), str(key))) as cluster:
+        url = cluster.url()
+        assert url.startswith("rediss+cluster://")
+        names = names_on(cluster, 1)
+        locks = [Redlock(n[0], nodes=[url], ttl=10, auto_renew=False) for n in names.values()]
+        for lock in locks:
+            assert lock.acquire(blocking=False)
+            lock.extend()
+        Renewer().renew([lock._lease for lock in locks])
+        for lock in locks:
+            assert exists(cluster, lock.keys.lock)
+            lock.release()
 
 
 # --------------------------------------------------------------------------- resharding

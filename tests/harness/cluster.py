@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 from redis.crc import key_slot
@@ -40,13 +41,36 @@ class ClusterServer(RedisServer):
 
     The default bus port (client port + 10000) does not exist for the high free ports
     the harness picks, so ``--cluster-port`` names one explicitly.
+
+    With ``tls=(cert, key)`` it also listens for TLS on :attr:`tls_port` (the plain port
+    stays, for the harness) and the cluster bus uses TLS, so ``CLUSTER SLOTS`` asked
+    over TLS names the TLS ports.
     """
+
+    def __init__(self, *args: Any, tls: tuple[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tls = tls
+        self.bus_port: int | None = None
+        self.tls_port: int | None = None
 
     def command_line(self, port: int | None = None) -> list[str]:
         """The server's command line plus ``--cluster-port`` (kept across restarts)."""
-        if getattr(self, "bus_port", None) is None:
+        if self.bus_port is None:
             self.bus_port = free_port()
-        return [*super().command_line(port), "--cluster-port", str(self.bus_port)]
+        args = [*super().command_line(port), "--cluster-port", str(self.bus_port)]
+        if self.tls is not None:
+            if self.tls_port is None:
+                self.tls_port = free_port()
+            cert, key = self.tls
+            args += [
+                "--tls-port", str(self.tls_port),
+                "--tls-cert-file", cert,
+                "--tls-key-file", key,
+                "--tls-ca-cert-file", cert,
+                "--tls-auth-clients", "no",
+                "--tls-cluster", "yes",
+            ]  # fmt: skip
+        return args
 
 
 CLUSTER_ARGS = (
@@ -71,17 +95,23 @@ class RedisCluster:
     """
 
     def __init__(
-        self, base_dir: str | os.PathLike[str], *, masters: int = 3, replicas: bool = False
+        self,
+        base_dir: str | os.PathLike[str],
+        *,
+        masters: int = 3,
+        replicas: bool = False,
+        tls: tuple[str, str] | None = None,
     ) -> None:
         self.base_dir = Path(base_dir)
+        self.tls = tls
         self.masters = [
-            ClusterServer(CLUSTER_ARGS, data_dir=self.base_dir / f"m{i}") for i in range(masters)
+            ClusterServer(CLUSTER_ARGS, data_dir=self.base_dir / f"m{i}", tls=tls)
+            for i in range(masters)
         ]
-        self.replicas = (
-            [ClusterServer(CLUSTER_ARGS, data_dir=self.base_dir / f"r{i}") for i in range(masters)]
-            if replicas
-            else []
-        )
+        self.replicas = [
+            ClusterServer(CLUSTER_ARGS, data_dir=self.base_dir / f"r{i}", tls=tls)
+            for i in range(masters if replicas else 0)
+        ]
 
     @property
     def servers(self) -> list[RedisServer]:
@@ -134,12 +164,16 @@ class RedisCluster:
 
     # ----------------------------------------------------------------- views
 
-    def url(
-        self, *, seeds: Sequence[RedisServer] | None = None, scheme: str = "redis+cluster"
-    ) -> str:
-        """``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,...`` (every master a seed by default)."""
-        hosts = ",".join(f"{HOST}:{s.port}" for s in (seeds or self.masters))
-        return f"{scheme}://{hosts}"
+    def url(self, *, seeds: Sequence[ClusterServer] | None = None) -> str:
+        """``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,...`` (every master a seed by default).
+
+        With TLS: ``rediss+cluster://`` on the TLS ports, verifying the certificate.
+        """
+        seeds = seeds or self.masters
+        if self.tls is None:
+            return "redis+cluster://" + ",".join(f"{HOST}:{s.port}" for s in seeds)
+        hosts = ",".join(f"{HOST}:{s.tls_port}" for s in seeds)
+        return f"rediss+cluster://{hosts}?ssl_cert_reqs=required&ssl_ca_certs={self.tls[0]}"
 
     def slot_owner(self, slot: int, via: RedisServer | None = None) -> RedisServer:
         """The master that serves ``slot`` according to ``via`` (the first running master)."""
