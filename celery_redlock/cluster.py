@@ -56,7 +56,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
 from .exceptions import ConfigurationError
-from .nodes import Call, Leg, Node
+from .nodes import Call, Leg, Node, parse_hosts
 
 __all__ = [
     "CLUSTER_FORM",
@@ -134,22 +134,10 @@ def _parse(url: str) -> tuple[str, str, list[tuple[str, int]], str]:
     if path not in ("", "0"):
         raise _error(url, f"a cluster has database 0 only, got path {path!r}")
     userinfo, at, hostlist = netloc.rpartition("@")
-    seeds = []
-    for item in hostlist.split(","):
-        if item.startswith("["):  # [IPv6]:port
-            host, _, port = item[1:].partition("]")
-            port = port[1:] if port.startswith(":") else port
-        else:
-            host, _, port = item.rpartition(":") if ":" in item else (item, "", "")
-        if not host:
-            raise _error(url, f"no host in {item!r}")
-        try:
-            number = int(port) if port else DEFAULT_PORT
-        except ValueError:
-            raise _error(url, f"bad port in {item!r}") from None
-        if not 0 < number < 65536:
-            raise _error(url, f"bad port in {item!r}")
-        seeds.append((unquote(host), number))
+    try:
+        seeds = [(unquote(h), p) for h, p in parse_hosts(hostlist, DEFAULT_PORT)]
+    except ValueError as exc:
+        raise _error(url, str(exc)) from None
     try:
         options = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError as exc:

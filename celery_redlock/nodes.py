@@ -179,6 +179,31 @@ def _connection_options(timeout: float) -> dict[str, Any]:
     return options
 
 
+def parse_hosts(hostlist: str, default_port: int, *, what: str = "host") -> list[tuple[str, int]]:
+    """``host[:port][,host[:port]...]`` (``[IPv6]:port`` too) as (host, port) pairs.
+
+    Raises:
+        ValueError: naming the item that has no host or a bad port.
+    """
+    hosts = []
+    for item in hostlist.split(","):
+        if item.startswith("["):  # [IPv6]:port
+            host, _, port = item[1:].partition("]")
+            port = port[1:] if port.startswith(":") else port
+        else:
+            host, _, port = item.rpartition(":") if ":" in item else (item, "", "")
+        if not host:
+            raise ValueError(f"no {what} in {item!r}")
+        try:
+            number = int(port) if port else default_port
+        except ValueError:
+            raise ValueError(f"bad port in {item!r}") from None
+        if not 0 < number < 65536:
+            raise ValueError(f"bad port in {item!r}")
+        hosts.append((host, number))
+    return hosts
+
+
 def _sentinel_error(url: str, why: str) -> ConfigurationError:
     return ConfigurationError(
         f"invalid Redis Sentinel URL {_sanitize_sentinel_url(url)!r}: {why}; expected "
@@ -214,22 +239,10 @@ def _parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict, dic
         user, colon, password = userinfo.partition(":")
         master["username"] = unquote(user) or None
         master["password"] = unquote(password) if colon else None
-    sentinels = []
-    for item in hostlist.split(","):
-        if item.startswith("["):  # [IPv6]:port
-            host, _, port = item[1:].partition("]")
-            port = port[1:] if port.startswith(":") else port
-        else:
-            host, _, port = item.rpartition(":") if ":" in item else (item, "", "")
-        if not host:
-            raise _sentinel_error(url, f"no sentinel host in {item!r}")
-        try:
-            number = int(port) if port else SENTINEL_PORT
-        except ValueError:
-            raise _sentinel_error(url, f"bad port in {item!r}") from None
-        if not 0 < number < 65536:
-            raise _sentinel_error(url, f"bad port in {item!r}")
-        sentinels.append((host, number))
+    try:
+        sentinels = parse_hosts(hostlist, SENTINEL_PORT, what="sentinel host")
+    except ValueError as exc:
+        raise _sentinel_error(url, str(exc)) from None
     parts = [unquote(p) for p in path.split("/")] if path else []
     if parts and parts[-1] == "":
         parts.pop()  # a trailing slash
