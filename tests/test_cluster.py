@@ -109,6 +109,12 @@ def test_fast_packing_writes_what_redis_py_writes(commands):
     assert b"".join(_pack(conn, commands)) == b"".join(conn.pack_commands(commands))
 
 
+def test_a_cluster_url_naming_a_plain_server_fails_closed_and_says_why(redis_node):
+    lock = Redlock("x", nodes=[f"redis+cluster://127.0.0.1:{redis_node.port}"], ttl=5)
+    with pytest.raises(NodeUnavailable, match="cluster support disabled"):
+        lock.acquire(blocking=False)
+
+
 # --------------------------------------------------------------------------- locks
 
 
