@@ -27,7 +27,11 @@ from tests.apps.locked import create_app
 from tests.harness import close_app, wait_for
 from tests.harness.cluster import RedisCluster, slot_of
 from tests.test_cli import cli  # noqa: F401 (fixture)
-from tests.test_topologies import certificates  # noqa: F401 (fixture)
+from tests.test_topologies import (
+    MINIMAL_ACL,
+    certificates,  # noqa: F401 (fixture)
+    exercise,
+)
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +275,37 @@ def test_rediss_cluster_url_with_a_verified_certificate(tmp_path, certificates):
         for lock in locks:
             assert exists(cluster, lock.keys.lock)
             lock.release()
+
+
+def test_the_documented_acl_plus_cluster_commands_is_enough(redis_cluster):
+    """The README's minimal ACL plus +asking and +cluster|slots runs a lock's whole life
+    on a cluster, a slot migration (ASK, MOVED) included; without +cluster|slots the
+    node cannot read its slot map and says so."""
+    for server in redis_cluster.masters:
+        with server.client() as conn:
+            conn.execute_command(
+                "ACL", "SETUSER", "locker", "on", ">pw", "resetkeys", "~redlock:*",
+                "resetchannels", "&redlock:*", "-@all", *MINIMAL_ACL, "+asking", "+cluster|slots",
+            )  # fmt: skip
+            conn.execute_command(
+                "ACL", "SETUSER", "blind", "on", ">pw", "allkeys", "+@all", "-cluster"
+            )
+    url = redis_cluster.url().replace("://", "://locker:pw@")
+    exercise(url)
+    lock = Redlock("acl-migrating", nodes=[url], ttl=10, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    slot = slot_of(lock.keys.lock)
+    source = redis_cluster.master_for(lock.keys.lock)
+    target = next(s for s in redis_cluster.masters if s is not source)
+    redis_cluster.begin_migration(slot, source, target)
+    redis_cluster.move_keys(slot, source, target)
+    lock.extend()  # ASKING
+    redis_cluster.finish_migration(slot, target)
+    lock.extend()  # MOVED
+    lock.release()
+    blind = Redlock("x", nodes=[redis_cluster.url().replace("://", "://blind:pw@")], ttl=5)
+    with pytest.raises(NodeUnavailable, match="cluster"):
+        blind.acquire(blocking=False)
 
 
 # --------------------------------------------------------------------------- resharding
