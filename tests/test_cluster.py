@@ -481,10 +481,10 @@ def test_a_lock_held_across_a_master_failover_follows_the_promoted_replica(tmp_p
 
 
 def test_a_locked_task_runs_with_a_cluster_url(
-    redis_cluster, celery_redis, inprocess_worker_factory, tmp_path
+    cluster, celery_redis, inprocess_worker_factory, tmp_path
 ):
     """redlock_url = a cluster: the duplicate is skipped while the first holds the lock."""
-    app = create_app(celery_redis.url, redlock_url=redis_cluster.url())
+    app = create_app(celery_redis.url, redlock_url=cluster.url())
     try:
         inprocess_worker_factory(app, pool="threads", concurrency=2)
         path = str(tmp_path / "runs")
@@ -496,8 +496,8 @@ def test_a_locked_task_runs_with_a_cluster_url(
             second.get(timeout=30, disable_sync_subtasks=False)
         result = first.get(timeout=30, disable_sync_subtasks=False)
         assert result["label"] == "first" and result["fence"] >= 1
-        assert exists(redis_cluster, f"{result['key']}:fence")
-        assert not exists(redis_cluster, result["key"]), "released after the run"
+        assert exists(cluster, f"{result['key']}:fence")
+        assert not exists(cluster, result["key"]), "released after the run"
     finally:
         close_app(app)
 
