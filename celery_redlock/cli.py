@@ -56,12 +56,12 @@ from celery.bin.base import (
 from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 from click_didyoumean import DYMGroup
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from . import doctor as doctor_module
 from .exceptions import ConfigurationError
 from .keys import lock_keys
-from .nodes import Call, NodeSet
+from .nodes import Call, Node, NodeSet, fan_out
 from .scripts import INSPECT, RELEASE
 from .settings import Settings, from_conf
 
@@ -298,28 +298,43 @@ def scan_lock_keys(
     """Every lock key on any node, with SCAN (never KEYS); and the nodes that failed.
 
     All nodes are scanned concurrently: each round sends the next ``SCAN`` to every
-    node whose cursor is not back at 0. ``TYPE hash`` leaves out fence counters
-    (strings) on the server; :func:`is_lock_key` drops beat state hashes.
+    node whose cursor is not back at 0 (every master, for a Redis Cluster node).
+    ``TYPE hash`` leaves out fence counters (strings) on the server;
+    :func:`is_lock_key` drops beat state hashes.
 
     Returns:
         (sorted keys, {node url: error}) for nodes that failed part-way.
     """
     pattern = _glob_escape(prefix) + "{*}"
-    cursors: dict[int, str] = {i: "0" for i in range(len(nodeset))}
-    keys: set[str] = set()
+    # A cluster node is scanned on every master; its errors are reported under its URL.
+    servers: list[Node] = []
+    owners: list[str] = []
     errors: dict[str, str] = {}
+    for node in nodeset.nodes:
+        try:
+            masters = node.masters()
+        except (RedisError, OSError) as exc:
+            errors[node.safe_url] = f"{type(exc).__name__}: {exc}"
+            continue
+        servers += masters
+        owners += [node.safe_url] * len(masters)
+    cursors: dict[int, str] = {i: "0" for i in range(len(servers))}
+    keys: set[str] = set()
     while cursors:
-        requests: list[list[Call] | None] = [None] * len(nodeset)
+        requests: list[list[Call] | None] = [None] * len(servers)
         for i, cursor in cursors.items():
             requests[i] = [
                 Call.command("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT, "TYPE", "hash")
             ]
-        replies = nodeset.call(requests, per_node=True, timeout=timeout)
+        replies = fan_out(
+            servers, requests, timeout=nodeset.timeout if timeout is None else timeout
+        )
         for i in list(cursors):
             reply = replies[i]
             error = _reply_error(reply)
             if error is not None:
-                errors[nodeset.nodes[i].safe_url] = error
+                label = servers[i].safe_url
+                errors[owners[i]] = error if label == owners[i] else f"{label}: {error}"
                 del cursors[i]
                 continue
             cursor, found = reply.values[0]  # type: ignore[union-attr]

@@ -58,10 +58,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery.platforms import EX_UNAVAILABLE
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from .exceptions import ConfigurationError
-from .nodes import Call, NodeSet
+from .nodes import Call, Node, NodeSet, fan_out
 from .settings import Settings, from_conf, timing
 
 __all__ = [
@@ -270,6 +270,8 @@ class NodeFacts:
     clock_skew: float | None = None
     clock_uncertainty: float | None = None
     rtt: float | None = None
+    #: The Redis Cluster lock node this master belongs to (None: it is a lock node).
+    lock_node: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary of the facts the checks used."""
@@ -283,6 +285,7 @@ class NodeFacts:
             "clock_skew": _round(self.clock_skew),
             "clock_uncertainty": _round(self.clock_uncertainty),
             "rtt": _round(self.rtt),
+            "lock_node": self.lock_node,
         }
 
 
@@ -749,7 +752,9 @@ def evaluate(
     The setup's findings (node count, independence, settings) come first, then each
     node's, in the order of the configured nodes.
     """
-    redlock = len(facts) > 1
+    # The masters of one Redis Cluster are one lock node (one vote) between them.
+    lock_nodes = len({n.lock_node or n.node for n in facts})
+    redlock = lock_nodes > 1
     all_leases = leases(settings, tasks)
     longest = max(all_leases, key=lambda lease: lease.ttl)
     shortest = min(all_leases, key=lambda lease: lease.ttl)
@@ -759,7 +764,7 @@ def evaluate(
         f"{shortest.source} {shortest.ttl:g}s x redlock_drift_factor {settings.drift_factor:g}"
     )
     node_timeout = _node_timeout(settings)
-    findings: list[Finding] = [check_node_count(len(facts))]
+    findings: list[Finding] = [check_node_count(lock_nodes)]
     if redlock:
         findings += check_independent(
             {n.node: n.info.get("run_id", "") for n in facts if n.error is None}
@@ -909,19 +914,40 @@ def probe_nodes(
 ) -> list[NodeFacts]:
     """Ask every node for its configuration, INFO and clock (concurrently, no retries).
 
-    ``clock`` is this host's wall clock (injectable for tests).
+    A Redis Cluster node is asked on each of its masters: one :class:`NodeFacts` per
+    master, whose ``lock_node`` names the cluster. ``clock`` is this host's wall
+    clock (injectable for tests).
     """
     nodeset = NodeSet(urls, timeout=timeout)
     try:
+        servers: list[Node] = []
+        owners: list[str] = []
+        unreachable: dict[str, str] = {}
+        for node in nodeset.nodes:
+            try:
+                masters = node.masters()
+            except (RedisError, OSError) as exc:  # a cluster whose slot map cannot be read
+                unreachable[node.safe_url] = f"{type(exc).__name__}: {exc}"
+                continue
+            servers += masters
+            owners += [node.safe_url] * len(masters)
         calls = [Call.command("CONFIG", "GET", p) for p in CONFIG_PARAMETERS]
         calls += [Call.command("INFO", s) for s in INFO_SECTIONS]
+        replies = fan_out(servers, [calls] * len(servers), timeout=timeout)
         facts = []
-        for reply in nodeset.call(calls):
-            assert reply is not None  # no `decided`: every node has a reply
-            facts.append(_facts(reply))
-        for i, node_facts in enumerate(facts):
-            if node_facts.error is None:
-                _measure_clock(nodeset, i, node_facts, clock)
+        for node in nodeset.nodes:
+            if node.safe_url in unreachable:
+                facts.append(NodeFacts(node.safe_url, error=unreachable[node.safe_url]))
+            for i, owner in enumerate(owners):
+                if owner != node.safe_url:
+                    continue
+                assert replies[i] is not None  # no `decided`: every node has a reply
+                server_facts = _facts(replies[i])
+                if servers[i] is not node:
+                    server_facts.lock_node = owner
+                if server_facts.error is None:
+                    _measure_clock(servers[i], server_facts, clock, timeout)
+                facts.append(server_facts)
         return facts
     finally:
         close_nodeset(nodeset)
@@ -947,16 +973,14 @@ def _facts(reply: Any) -> NodeFacts:
 
 
 def _measure_clock(
-    nodeset: NodeSet, index: int, facts: NodeFacts, clock: Callable[[], float]
+    server: Node, facts: NodeFacts, clock: Callable[[], float], timeout: float
 ) -> None:
     """Skew from the TIME sample with the shortest round trip (least uncertainty)."""
-    requests: list[list[Call] | None] = [None] * len(nodeset)
-    requests[index] = [Call.command("TIME")]
     best: tuple[float, float] | None = None
     for _ in range(CLOCK_SAMPLES):
         sent = clock()
         started = time.monotonic()
-        reply = nodeset.call(requests, per_node=True)[index]
+        reply = fan_out([server], [[Call.command("TIME")]], timeout=timeout)[0]
         rtt = time.monotonic() - started
         received = clock()
         if reply is None or reply.error is not None or isinstance(reply.values[0], ResponseError):
@@ -974,13 +998,9 @@ def _measure_clock(
 def close_nodeset(nodeset: NodeSet) -> None:
     """Close the connections of a NodeSet this process will not use again."""
     for node in nodeset.nodes:
-        # Node keeps its pooled connections private; a short-lived command owns this
-        # NodeSet alone, so closing them here cannot pull a socket from under anyone.
-        with node._lock:
-            connections = list(node._idle) + [item[0] for item in node._draining]
-            node._idle, node._draining = [], []
-        for conn in connections:
-            conn.disconnect()
+        # A short-lived command owns this NodeSet alone, so closing its pooled
+        # connections cannot pull a socket from under anyone.
+        node.close()
 
 
 @dataclass

@@ -45,6 +45,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from . import metrics
+from .cluster import is_cluster_url
 from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from .keys import DEFAULT_PREFIX, LockKeys, lock_keys
 from .nodes import Call, NodeSet, Reply
@@ -159,6 +160,12 @@ class Redlock:
         if nodes is None:
             nodes = [DEFAULT_URL]
         self.nodeset = NodeSet.get(nodes, timeout=self.timing.node_timeout)
+        if len(self.resources) > 1 and any(is_cluster_url(n.url) for n in self.nodeset.nodes):
+            raise ConfigurationError(
+                f"a lock on several resources ({list(self.names)!r}) cannot use a Redis Cluster "
+                "node: each resource's keys hash to a slot of their own, and one script "
+                "cannot take keys in several slots; use independent nodes, or one resource"
+            )
         self.quorum = _quorum(len(self.nodeset), self.limit)
         self.auto_renew = auto_renew
         self.on_lost = on_lost

@@ -357,6 +357,9 @@ def _code(reply, offset: int, count: int) -> tuple[int | None, str]:
         if isinstance(value, ResponseError):
             return None, f"{reply.node.safe_url}: {value}"
     codes = [reply.values[(offset + k) // CHUNK][(offset + k) % CHUNK] for k in range(count)]
+    for code in codes:
+        if isinstance(code, ResponseError):  # one key's part of a call split per cluster slot
+            return None, f"{reply.node.safe_url}: {code}"
     return _verdict(codes), ""
 
 

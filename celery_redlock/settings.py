@@ -98,11 +98,19 @@ def _bool(name: str, value: Any) -> bool:
 def _url(name: str, value: Any) -> str | None:
     if value is None:
         return None
-    schemes = ("redis://", "rediss://", "unix://", "redis+sentinel://")
+    schemes = (
+        "redis://",
+        "rediss://",
+        "unix://",
+        "redis+sentinel://",
+        "redis+cluster://",
+        "rediss+cluster://",
+    )
     if not isinstance(value, str) or not value.startswith(schemes):
         raise ConfigurationError(
             f"{name} must be a redis://, rediss://, unix:// or Sentinel URL "
             "(redis+sentinel://[:password@]host[:port][,host[:port]...]/service_name[/db]), "
+            "or a Redis Cluster URL (redis+cluster://[:password@]host:port[,host:port...]), "
             f"got {value!r}"
         )
     return value

@@ -29,10 +29,9 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
-from kombu.utils.url import maybe_sanitize_url
 
 from . import abort, config_only, metrics, reaper
-from .nodes import NodeSet
+from .nodes import NodeSet, safe_url
 from .reaper import Reaper
 from .renewal import get_renewer
 from .settings import timing
@@ -100,7 +99,7 @@ def _is_prefork(worker: Any) -> bool:
 
 def _safe_urls(settings: Any) -> list[str]:
     try:
-        return [maybe_sanitize_url(url) for url in settings.node_urls()]
+        return [safe_url(url) for url in settings.node_urls()]
     except Exception as exc:  # no node configured: the step reports it elsewhere
         return [str(exc)]
 

@@ -25,6 +25,7 @@ from tests.harness import (  # noqa: E402
     WorkerProcess,
     binary_summary,
 )
+from tests.harness.cluster import RedisCluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +108,13 @@ def fault_proxy() -> Iterator[Callable[[RedisServer | int], FaultProxy]]:
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A fresh 3-master Redis Cluster (:class:`tests.harness.cluster.RedisCluster`)."""
+    with RedisCluster(tmp_path / "cluster") as cluster:
+        yield cluster
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -1,0 +1,275 @@
+"""A real Redis Cluster for tests: three masters on free loopback ports.
+
+Every master is a :class:`~tests.harness.servers.RedisServer` started with
+``--cluster-enabled yes`` and a cluster config file in its own directory. The slots
+are split in three ranges with CLUSTER ADDSLOTSRANGE, the nodes are joined with
+CLUSTER MEET, and :meth:`RedisCluster.start` returns once every node reports
+``cluster_state:ok`` and the same slot map. Import it directly::
+
+    from tests.harness.cluster import RedisCluster
+
+    with RedisCluster(tmp_path) as cluster:
+        url = cluster.url()                    # redis+cluster://127.0.0.1:P1,...
+        owner = cluster.master_for("redlock:{x}")
+        cluster.migrate_slot(slot, owner, other)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.crc import key_slot
+
+from .servers import HOST, RedisServer, free_port, wait_for
+
+__all__ = ["SLOTS", "ClusterServer", "RedisCluster", "slot_of"]
+
+SLOTS = 16384
+
+
+def slot_of(key: str) -> int:
+    """The cluster slot of ``key`` (hash tags honoured)."""
+    return key_slot(key.encode())
+
+
+class ClusterServer(RedisServer):
+    """A cluster-enabled server whose cluster bus gets a free port of its own.
+
+    The default bus port (client port + 10000) does not exist for the high free ports
+    the harness picks, so ``--cluster-port`` names one explicitly.
+
+    With ``tls=(cert, key)`` it also listens for TLS on :attr:`tls_port` (the plain port
+    stays, for the harness) and the cluster bus uses TLS, so ``CLUSTER SLOTS`` asked
+    over TLS names the TLS ports.
+    """
+
+    def __init__(self, *args: Any, tls: tuple[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tls = tls
+        self.bus_port: int | None = None
+        self.tls_port: int | None = None
+
+    def command_line(self, port: int | None = None) -> list[str]:
+        """The server's command line plus ``--cluster-port`` (kept across restarts)."""
+        if self.bus_port is None:
+            self.bus_port = free_port()
+        args = [*super().command_line(port), "--cluster-port", str(self.bus_port)]
+        if self.tls is not None:
+            if self.tls_port is None:
+                self.tls_port = free_port()
+            cert, key = self.tls
+            args += [
+                "--tls-port", str(self.tls_port),
+                "--tls-cert-file", cert,
+                "--tls-key-file", key,
+                "--tls-ca-cert-file", cert,
+                "--tls-auth-clients", "no",
+                "--tls-cluster", "yes",
+            ]  # fmt: skip
+        return args
+
+
+CLUSTER_ARGS = (
+    "--cluster-enabled", "yes",
+    "--cluster-config-file", "nodes.conf",
+    # A killed master is flagged as failing within about a second (and its replica, if
+    # any, promoted); without a replica, cluster-require-full-coverage no keeps the
+    # other masters' slots served.
+    "--cluster-node-timeout", "1000",
+    "--cluster-require-full-coverage", "no",
+    # A replica's first full sync starts at once instead of after the default 5 s.
+    "--repl-diskless-sync-delay", "0",
+)  # fmt: skip
+
+
+class RedisCluster:
+    """Cluster-enabled masters owning equal shares of the slots, optionally with one
+    replica each (``replicas=True``); all closed together.
+
+    ``masters`` keeps the servers started as masters and ``replicas[i]`` is the replica
+    of ``masters[i]``; after a failover ask :meth:`slot_owner` who serves a slot.
+    """
+
+    def __init__(
+        self,
+        base_dir: str | os.PathLike[str],
+        *,
+        masters: int = 3,
+        replicas: bool = False,
+        tls: tuple[str, str] | None = None,
+    ) -> None:
+        self.base_dir = Path(base_dir)
+        self.tls = tls
+        self.masters = [
+            ClusterServer(CLUSTER_ARGS, data_dir=self.base_dir / f"m{i}", tls=tls)
+            for i in range(masters)
+        ]
+        self.replicas = [
+            ClusterServer(CLUSTER_ARGS, data_dir=self.base_dir / f"r{i}", tls=tls)
+            for i in range(masters if replicas else 0)
+        ]
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [*self.masters, *self.replicas]
+
+    def start(self, timeout: float = 20.0) -> RedisCluster:
+        """Start the masters, assign the slots, join them, and wait for ``cluster_state:ok``."""
+        try:
+            for server in self.servers:
+                server.start()
+            n = len(self.masters)
+            for i, server in enumerate(self.masters):
+                first, last = i * SLOTS // n, (i + 1) * SLOTS // n - 1
+                with server.client() as conn:
+                    conn.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+            with self.masters[0].client() as conn:
+                for server in self.servers[1:]:
+                    conn.execute_command("CLUSTER", "MEET", HOST, server.port, server.bus_port)
+            for master, replica in zip(self.masters, self.replicas, strict=False):
+                master_id = self.node_id(master)
+                wait_for(
+                    lambda replica=replica, master_id=master_id: self._knows(replica, master_id),
+                    timeout=timeout,
+                    message="the replica to learn its master",
+                )
+                with replica.client() as conn:
+                    conn.execute_command("CLUSTER", "REPLICATE", master_id)
+            wait_for(self.settled, timeout=timeout, message="the cluster to settle")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop every server."""
+        errors = []
+        for server in self.servers:
+            try:
+                server.close()
+            except Exception as exc:  # close every process even if one fails
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- views
+
+    def url(self, *, seeds: Sequence[ClusterServer] | None = None) -> str:
+        """``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,...`` (every master a seed by default).
+
+        With TLS: ``rediss+cluster://`` on the TLS ports, verifying the certificate.
+        """
+        seeds = seeds or self.masters
+        if self.tls is None:
+            return "redis+cluster://" + ",".join(f"{HOST}:{s.port}" for s in seeds)
+        hosts = ",".join(f"{HOST}:{s.tls_port}" for s in seeds)
+        return f"rediss+cluster://{hosts}?ssl_cert_reqs=required&ssl_ca_certs={self.tls[0]}"
+
+    def slot_owner(self, slot: int, via: RedisServer | None = None) -> RedisServer:
+        """The master that serves ``slot`` according to ``via`` (the first running master)."""
+        via = via or next(s for s in self.servers if s.alive())
+        with via.client() as conn:
+            for first, last, master, *_ in conn.execute_command("CLUSTER", "SLOTS"):
+                if first <= slot <= last:
+                    port = int(master[1])
+                    return next(s for s in self.servers if s.port == port)
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def master_for(self, key: str) -> RedisServer:
+        """The master that holds ``key``."""
+        return self.slot_owner(slot_of(key))
+
+    def node_id(self, server: RedisServer) -> str:
+        with server.client() as conn:
+            return conn.execute_command("CLUSTER", "MYID")
+
+    @staticmethod
+    def _knows(server: RedisServer, node_id: str) -> bool:
+        with server.client() as conn:
+            return node_id in str(conn.execute_command("CLUSTER", "NODES"))
+
+    def replica_in_sync(self, replica: RedisServer) -> bool:
+        """The replica's link to its master is up and it has the whole stream."""
+        try:
+            with replica.client(socket_timeout=1) as conn:
+                info = conn.info("replication")
+        except redis.RedisError:
+            return False
+        if info.get("role") != "slave" or info.get("master_link_status") != "up":
+            return False
+        master = next(s for s in self.servers if s.port == int(info["master_port"]))
+        with master.client(socket_timeout=1) as conn:
+            offset = conn.info("replication").get("master_repl_offset")
+        return int(info.get("slave_repl_offset", -1)) == offset
+
+    def settled(self) -> bool:
+        """Every running server reports ``cluster_state:ok``, the same slot map, one
+        master per share of slots, and every running replica is in sync."""
+        maps = set()
+        for server in self.servers:
+            if not server.alive():
+                continue
+            try:
+                with server.client(socket_timeout=1) as conn:
+                    info = conn.execute_command("CLUSTER", "INFO")
+                    slots = conn.execute_command("CLUSTER", "SLOTS")
+            except redis.RedisError:
+                return False
+            text = info if isinstance(info, str) else info.decode()
+            if "cluster_state:ok" not in text or f"cluster_slots_assigned:{SLOTS}" not in text:
+                return False
+            maps.add(tuple(sorted((int(a), int(b), int(m[1])) for a, b, m, *_ in slots)))
+            if sum(1 for a, b, m, *_ in slots) < len(self.masters):
+                return False
+        if len(maps) != 1:
+            return False
+        return all(self.replica_in_sync(r) for r in self.replicas if r.alive())
+
+    # ----------------------------------------------------------------- resharding
+
+    def begin_migration(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """CLUSTER SETSLOT IMPORTING on the target, MIGRATING on the source."""
+        source_id, target_id = self.node_id(source), self.node_id(target)
+        with target.client() as conn:
+            conn.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        with source.client() as conn:
+            conn.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+
+    def move_keys(self, slot: int, source: RedisServer, target: RedisServer) -> list[str]:
+        """MIGRATE every key of ``slot`` from ``source`` to ``target`` (one MIGRATE)."""
+        with source.client() as conn:
+            keys = conn.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+            keys = [k if isinstance(k, str) else k.decode() for k in keys]
+            if keys:
+                conn.execute_command("MIGRATE", HOST, target.port, "", 0, 5000, "KEYS", *keys)
+        return keys
+
+    def finish_migration(self, slot: int, target: RedisServer) -> None:
+        """CLUSTER SETSLOT NODE on every master, and wait until they all agree."""
+        target_id = self.node_id(target)
+        # The target first, as redis-cli does, so it owns the slot before the source lets go.
+        for server in [target, *(s for s in self.masters if s is not target)]:
+            if server.alive():
+                with server.client() as conn:
+                    conn.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        wait_for(
+            lambda: all(self.slot_owner(slot, via=s) is target for s in self.masters if s.alive()),
+            timeout=10,
+            message=f"every master to agree that slot {slot} moved",
+        )
+
+    def migrate_slot(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Move ``slot`` with its keys from ``source`` to ``target``, as redis-cli does."""
+        self.begin_migration(slot, source, target)
+        self.move_keys(slot, source, target)
+        self.finish_migration(slot, target)
