@@ -69,12 +69,13 @@ local function shared_wait(shared, holders)
 end
 
 local blocked
-local owned = 0
+local owned, mine = 0, {}
 for i = 1, n do
     local lock = KEYS[4 * i - 3]
     local current = redis.call('HGET', lock, 'token')
     if current == token then
         owned = owned + 1
+        mine[i] = true
     elseif current then
         blocked = {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}
         break
@@ -138,7 +139,7 @@ local result = {owned == n and 2 or 1}
 for i = 1, n do
     local lock = KEYS[4 * i - 3]
     local fence
-    if redis.call('HGET', lock, 'token') == token then
+    if mine[i] then
         fence = tonumber(redis.call('HGET', lock, 'fence'))
     else
         fence = redis.call('INCR', KEYS[4 * i - 2])
