@@ -9,14 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tests.reliability import scenarios
-from tests.reliability.workload import Lab
-
-
-@pytest.fixture
-def lab(tmp_path):
-    lab = Lab(tmp_path)
-    yield lab
-    lab.close()
 
 
 def assert_clean(outcome):

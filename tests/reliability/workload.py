@@ -119,11 +119,21 @@ class Spec:
     node_timeout: float | None = None
 
 
-def run_section(lock: Redlock, history: History, key: str, spec: Spec, stats: Counter) -> None:
-    """One recorded critical section; the lock is held on entry and released here.
+def run_section(
+    lock: Redlock,
+    history: History,
+    key: str,
+    stats: Counter,
+    *,
+    pause: float = 0.001,
+    hold: float = 0.0,
+    release: bool = True,
+) -> None:
+    """One recorded critical section; the lock is held on entry (and released if asked).
 
     ``lock.check()`` comes before every write, as a correct task does; a lease lost in
-    between is caught by the lease's own margin, or else by the checker.
+    between is caught by the lease's own margin, or else by the checker. A LockLost
+    raised anywhere in the body (the Celery abort) ends the section and is recorded.
     """
     sid = history.new_section_id()
     start = clock()
@@ -134,22 +144,23 @@ def run_section(lock: Redlock, history: History, key: str, spec: Spec, stats: Co
         lock.check()
         stats["writes" if history.write(key, fence, sid) else "writes_refused"] += 1
         value = history.read_counter(key)
-        time.sleep(spec.pause)
+        time.sleep(pause)
         lock.check()
         history.set_counter(key, value + 1)
         increments = 1
-        if spec.hold:
-            time.sleep(spec.hold)
+        if hold:
+            time.sleep(hold)
             lock.check()
     except LockLost:
         lost_at = clock()
         stats["lost"] += 1
     end = clock()
     valid_until = lease_deadline(lock)
-    try:
-        lock.release()
-    except NodeUnavailable:
-        stats["release_failed"] += 1
+    if release:
+        try:
+            lock.release()
+        except NodeUnavailable:
+            stats["release_failed"] += 1
     history.record(
         Section(key, fence, start, end, os.getpid(), valid_until, lost_at, increments, sid)
     )
@@ -182,7 +193,7 @@ def holder(spec: Spec, start: Any, stop: Any, results: Any) -> None:
                 stats["busy_timeouts"] += 1
                 continue
             stats["acquired"] += 1
-            run_section(lock, spec.history, spec.key, spec, stats)
+            run_section(lock, spec.history, spec.key, stats, pause=spec.pause, hold=spec.hold)
     finally:
         results.put((os.getpid(), dict(stats)))
 
