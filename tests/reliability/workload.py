@@ -87,6 +87,10 @@ class Lab:
             made.append(proxy)
         return made
 
+    def lock_servers(self) -> list[RedisServer]:
+        """Every server started so far, but the history's storage."""
+        return [s for s in self._servers if s is not self._storage]
+
     def history(self, name: str) -> History:
         """A fresh history namespace on the lab's storage server."""
         if self._storage is None:
