@@ -2,8 +2,9 @@
 
 Two prefork workers (concurrency 2) share one broker and one lock node; worker B
 reaches the lock node through a fault proxy and alone consumes the ``cut`` queue, so
-faults can be aimed at it. Every task body is a recorded critical section
-(:mod:`tests.apps.reliable`), and the whole run is checked at the end.
+faults can be aimed at it; worker A alone consumes ``direct``. Every task body is a
+recorded critical section (:mod:`tests.apps.reliable`), and the whole run is checked at
+the end.
 
 Phases, in order:
 
@@ -59,7 +60,10 @@ def celery_faults(lab: Lab, log_dir: Path, tasks: int = 10) -> Outcome:
     }
     common = {"redis_url": server.url, "concurrency": 2, "log_dir": log_dir}
     worker_a = WorkerProcess(
-        "tests.apps.reliable", env={**env, "REDLOCK_REL_LOCK_URL": direct}, **common
+        "tests.apps.reliable",
+        env={**env, "REDLOCK_REL_LOCK_URL": direct},
+        extra_args=("-Q", "celery,direct"),
+        **common,
     )
     worker_b = WorkerProcess(
         "tests.apps.reliable",
@@ -106,7 +110,7 @@ def celery_faults(lab: Lab, log_dir: Path, tasks: int = 10) -> Outcome:
         wait_for(lambda: holder(server, key), timeout=30, message="worker B's lock")
         proxy.blackhole()
         outcome.faults["renewal-blackhole"] += 1
-        after = section.delay("cut", 0)  # worker A: waits for the lock, then runs
+        after = section.apply_async(("cut", 0), queue="direct")  # A: waits, then runs
         try:
             cut.get(timeout=RESULT_TIMEOUT)
         except LockLost:

@@ -56,15 +56,8 @@ def node_kill(lab: Lab, nodes: int, down: int, processes: int = 4, rounds: int =
                 progress.fault("node-restart-delayed")
             progress.advance(5)
 
-    return run_holders(
-        f"node-kill-{down}-of-{nodes}",
-        lab,
-        [s.url for s in servers],
-        processes,
-        faults=script,
-        iterations=100_000,
-        ttl=TTL,
-    )
+    urls = [s.url for s in servers]
+    return run_holders(f"node-kill-{down}-of-{nodes}", lab, urls, processes, faults=script, ttl=TTL)
 
 
 def majority_down(lab: Lab, nodes: int = 3, down: int = 2) -> Outcome:
@@ -208,15 +201,7 @@ def network(lab: Lab, processes: int = 4, rounds: int = 1) -> Outcome:
             restore(majority)
             progress.advance(5)  # and works again once the network heals
 
-    return run_holders(
-        "network",
-        lab,
-        [p.url for p in proxies],
-        processes,
-        faults=script,
-        iterations=100_000,
-        ttl=TTL,
-    )
+    return run_holders("network", lab, [p.url for p in proxies], processes, faults=script, ttl=TTL)
 
 
 def _paused_holder(

@@ -238,8 +238,10 @@ def run_holders(
     """Run ``processes`` holders on ``urls`` (and ``faults`` meanwhile); check the history.
 
     Without a fault script, each holder runs its iterations; with one, holders run until
-    the script returns (the iterations bound them anyway).
+    the script returns (unless ``iterations`` says otherwise).
     """
+    if faults is not None:
+        spec.setdefault("iterations", 1_000_000)
     history = lab.history(scenario)
     outcome = Outcome(scenario)
     spec_ = Spec(key=scenario, urls=tuple(urls), history=history, **spec)
