@@ -286,7 +286,7 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
     lock.on_lost = partial(_on_lost, task, task_id, options.on_lost, lock)
     announce_lock(reaper.announce, lock, task_id)
     try:
-        _take(lock, options, task_id)
+        waited = _take(lock, options, task_id)
     except NodeUnavailable as exc:
         announce_lock(reaper.forget, lock, task_id)
         if settings.fail_open:
@@ -300,8 +300,11 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
     except LockBusy as busy:
         announce_lock(reaper.forget, lock, task_id)
         _busy(task, task_id, busy, options)
-    if _header(task.request, REQUEUES_HEADER) and _already_done(task, task_id):
-        # A requeued duplicate whose first delivery finished while it waited.
+    maybe_duplicate = waited or task.request.retries or _header(task.request, REQUEUES_HEADER)
+    if maybe_duplicate and _already_done(task, task_id):
+        # Another delivery of this task id finished while this one waited: behind the
+        # lock (wait), on the queue (retry, or requeued as a duplicate). Running it again
+        # would run the task twice.
         lock.release()
         announce_lock(reaper.forget, lock, task_id)
         logger.info(
@@ -322,8 +325,12 @@ def announce_lock(send: Any, lock: Redlock, task_id: str) -> None:
         send(task_id, resource.lock)
 
 
-def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> None:
-    """Acquire, waiting only with ``on_busy="wait"`` and never for our own task id."""
+def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> bool:
+    """Acquire, waiting only with ``on_busy="wait"`` and never for our own task id.
+
+    Returns whether it had to wait (another delivery of this task id may have run
+    meanwhile).
+    """
     try:
         lock.try_acquire()
     except LockBusy as busy:
@@ -331,6 +338,8 @@ def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> None:
             raise
         if not lock.acquire(timeout=options.wait_timeout):
             lock.try_acquire()
+        return True
+    return False
 
 
 #: Header counting how often a duplicate delivery was put back; sets its backoff.

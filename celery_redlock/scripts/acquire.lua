@@ -25,6 +25,9 @@
 --          {2, fence_1, ..., fence_n}   this token held them already; leases refreshed
 --          {0, wait_ms, holder_task}    kept out by another holder (or, fair, by the
 --                                       queue); wait_ms: when that may change
+if #ARGV ~= 10 then
+    return redis.error_reply('ERR celery_redlock acquire: expected 10 arguments, got ' .. #ARGV)
+end
 local ttl = tonumber(ARGV[2])
 if not ttl or ttl <= 0 or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire: lease must be a positive integer of ms')

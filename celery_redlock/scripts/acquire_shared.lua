@@ -17,6 +17,9 @@
 -- Returns  {1, fence}                  acquired a share
 --          {2, fence}                  this token held one already; lease refreshed
 --          {0, wait_ms, holder_task}   kept out; wait_ms: when that may change
+if #ARGV ~= 8 then
+    return redis.error_reply('ERR celery_redlock acquire_shared: expected 8 arguments, got ' .. #ARGV)
+end
 local ttl = tonumber(ARGV[2])
 if not ttl or ttl <= 0 or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire_shared: lease must be a positive integer of ms')

@@ -6,6 +6,9 @@
 -- When the lock is free, announces the new head of the queue on
 -- KEYS[1] .. ':released' so that it does not wait for its next refresh.
 -- Returns  1  left the queue    0  was not in it
+if ARGV[1] == nil or ARGV[1] == '' then
+    return redis.error_reply('ERR celery_redlock fair_leave: empty owner token')
+end
 local left = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 0 then

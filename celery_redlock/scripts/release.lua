@@ -10,6 +10,9 @@
 -- Returns  1  released (every lock was held by this token)
 --          0  gone already (expired or released), wholly or in part
 --         -1  a lock is held by another token: that one is left alone
+if ARGV[1] == nil or ARGV[1] == '' then
+    return redis.error_reply('ERR celery_redlock release: empty owner token')
+end
 local fair = ARGV[2] == 'fair'
 local n = fair and #KEYS - 2 or #KEYS
 local released, taken = 0, false

@@ -7,6 +7,9 @@
 -- Publishes '' on KEYS[1] .. ':released' when it removes the share.
 -- Returns  1  released
 --          0  gone already (expired, or dropped after expiring)
+if ARGV[1] == nil or ARGV[1] == '' then
+    return redis.error_reply('ERR celery_redlock release_shared: empty owner token')
+end
 if ARGV[1] == '!writer' or redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then
     return 0
 end

@@ -21,11 +21,14 @@ from celery_redlock import ConfigurationError, LockKeyError
 from celery_redlock.keys import MAX_DEPTH, lock_keys, task_lock_name
 from celery_redlock.scripts import (
     ACQUIRE,
+    ACQUIRE_SHARED,
     BEAT_CLAIM,
+    FAIR_LEAVE,
     FENCE_SYNC,
     INSPECT,
     RELEASE,
     RELEASE_IF,
+    RELEASE_SHARED,
     RENEW_MANY,
 )
 from celery_redlock.settings import OPTIONS, from_conf
@@ -217,11 +220,16 @@ def test_several_bad_settings_at_once_name_one_of_them(conf):
 KEYS = lock_keys("owned")
 OWNER, TASK_ID, PID = "owner-token", "owner-task", "4242"
 SCRIPTS = {
-    "acquire": (ACQUIRE, [KEYS.lock, KEYS.fence]),
+    "acquire": (ACQUIRE, list(KEYS.resource)),
+    "acquire (fair)": (ACQUIRE, [*KEYS.resource, KEYS.queue, KEYS.waiting]),
+    "acquire_shared": (ACQUIRE_SHARED, list(KEYS.resource)),
     "renew_many": (RENEW_MANY, [KEYS.lock]),
     "release": (RELEASE, [KEYS.lock]),
-    "release_if": (RELEASE_IF, [KEYS.lock]),
-    "fence_sync": (FENCE_SYNC, [KEYS.lock, KEYS.fence]),
+    "release (fair)": (RELEASE, [KEYS.lock, KEYS.queue, KEYS.waiting]),
+    "release_shared": (RELEASE_SHARED, [KEYS.lock, KEYS.shared, KEYS.holders]),
+    "fair_leave": (FAIR_LEAVE, [KEYS.lock, KEYS.queue, KEYS.waiting]),
+    "release_if": (RELEASE_IF, [KEYS.lock, KEYS.shared, KEYS.holders]),
+    "fence_sync": (FENCE_SYNC, [KEYS.lock, KEYS.fence, KEYS.holders]),
     "inspect": (INSPECT, [KEYS.lock, KEYS.fence]),
     "beat_claim": (BEAT_CLAIM, [KEYS.lock, KEYS.state]),
 }
@@ -239,7 +247,7 @@ def script_node(tmp_path_factory):
     server.close()
 
 
-@given(name=st.sampled_from(sorted(SCRIPTS)), argv=st.lists(argv_item, max_size=9))
+@given(name=st.sampled_from(sorted(SCRIPTS)), argv=st.lists(argv_item, max_size=11))
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_malformed_script_arguments_never_touch_a_lock_they_do_not_own(script_node, name, argv):
     """Any ARGV (wrong count, types, empty): an answer or a clear error; the lock intact."""
@@ -265,22 +273,16 @@ def call_script(c, name, argv):
         return exc
 
 
-@given(argv=st.lists(argv_item, max_size=9))
+@given(argv=st.lists(argv_item, max_size=11))
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_malformed_script_arguments_on_a_free_lock_fail_clearly(script_node, argv):
-    """The same with no lock held: every script (but acquire) answers or refuses clearly."""
+    """The same with no lock held: every script answers or refuses clearly."""
     c = script_node
-    for name in sorted(set(SCRIPTS) - {"acquire"}):
+    for name in sorted(SCRIPTS):
         c.delete(KEYS.lock, KEYS.fence, KEYS.state)
         call_script(c, name, argv)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: acquire.lua given fewer than 7 ARGV on a free lock fails inside "
-    "HSET with a bare Lua error ('Lua redis lib command arguments must be strings or "
-    "integers ... @user_script:25'), not a celery_redlock error reply",
-)
 def test_acquire_with_missing_arguments_on_a_free_lock_fails_clearly(script_node):
     script_node.delete(KEYS.lock, KEYS.fence)
     call_script(script_node, "acquire", ["token", "1000"])

@@ -8,8 +8,6 @@ holder died (``test_redelivery_after_the_holder_died_still_runs``), the hard tim
 
 from __future__ import annotations
 
-import pytest
-
 from tests.apps.locked import create_app
 from tests.harness import close_app, lock_keys, wait_for
 from tests.reliability.celery_scenario import TTL, celery_faults
@@ -20,8 +18,8 @@ def test_celery_workers_under_kills_and_a_renewal_cut(lab, tmp_path):
     outcome = celery_faults(lab, tmp_path / "logs", tasks=10)
     assert outcome.violations == [], outcome.as_dict()
     assert outcome.stats["tasks_succeeded"] == 12
-    # The task id sent twice did not overlap itself (the checker); whether its body ran
-    # once is the xfail test below.
+    # The task id sent twice did not overlap itself (the checker); that its body ran
+    # once is the test below.
     # The parent frees a killed child's 30 s lease itself, long before it could expire.
     assert outcome.stats["child_kill_release_ms"] < 10_000
     assert outcome.stats["child_kill_result_WorkerLostError"] == 1
@@ -33,12 +31,6 @@ def test_celery_workers_under_kills_and_a_renewal_cut(lab, tmp_path):
     assert outcome.stats["ran_after_worker_kill"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a second delivery of a task id that waited behind another holder "
-    "runs its body again after the first delivery stored SUCCESS (wait/retry policies do "
-    "not check _already_done once they get the lock)",
-)
 def test_a_task_id_delivered_twice_while_the_lock_is_busy_runs_once(
     celery_redis, inprocess_worker_factory, tmp_path
 ):
