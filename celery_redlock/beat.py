@@ -24,6 +24,11 @@ one led are sent once, as soon as it takes over (beat's usual catch-up: several 
 runs of one entry become one), and runs already sent are not repeated. A claimed run
 whose send then fails (broker down) is lost: delivery is at most once per run.
 
+**Each run says which run it is.** The message carries the claimed run time (unix
+seconds, the leader's clock) in the header ``redlock_beat_run``
+(``self.request.redlock_beat_run`` in a bound task): two messages never carry the same
+value for one entry, so a task can use it as an idempotency key.
+
 Schedulers: :class:`LeaderScheduler` is Celery's default ``PersistentScheduler`` (a
 shelve file per beat) with leadership. :class:`LeaderMixin` adds the same to another
 scheduler class whose entries are ``ScheduleEntry``-like (``name``, ``last_run_at``)
@@ -55,6 +60,9 @@ __all__ = ["LeaderMixin", "LeaderScheduler"]
 logger = logging.getLogger("celery.beat")
 
 CLAIMED, TAKEN, NOT_LEADER = 1, 0, -1
+
+#: Message header carrying the claimed run time of a periodic run.
+RUN_HEADER = "redlock_beat_run"
 
 
 class LeaderMixin:
@@ -151,14 +159,17 @@ class LeaderMixin:
         if not self._still_leading():
             logger.debug("beat: standing by, not sending %s", entry.name)
             return
-        verdict = self._claim(entry)
+        verdict, run = self._claim(entry)
         if verdict == CLAIMED:
+            headers = {**(entry.options.get("headers") or {}), RUN_HEADER: run}
+            entry.options = {**entry.options, "headers": headers}
             super().apply_entry(entry, producer)
 
-    def _claim(self, entry: Any) -> int:
+    def _claim(self, entry: Any) -> tuple[int, str]:
+        """Claim this run on Redis: (verdict, the claimed run time)."""
         lease = self.leader_lock._lease
         if lease is None:
-            return NOT_LEADER
+            return NOT_LEADER, ""
         current = self.schedule.get(entry.name, entry)
         known = "" if entry.last_run_at is None else repr(_timestamp(entry.last_run_at))
         now = repr(_timestamp(getattr(current, "last_run_at", None) or self.app.now()))
@@ -175,17 +186,17 @@ class LeaderMixin:
                 stored.append(float(reply.values[0][1]))
         quorum = self.leader_lock.nodeset.quorum
         if codes.count(CLAIMED) >= quorum:
-            return CLAIMED
+            return CLAIMED, now
         if codes.count(NOT_LEADER) > len(self.leader_lock.nodeset) - quorum:
             self.leading = False
             logger.warning("beat: not the leader any more; %s not sent", entry.name)
-            return NOT_LEADER
+            return NOT_LEADER, ""
         if stored:
             current.last_run_at = _datetime(max(stored))
             logger.info("beat: %s was already sent by another leader; not sending", entry.name)
-            return TAKEN
+            return TAKEN, ""
         logger.warning("beat: could not claim %s on a quorum of nodes; not sending", entry.name)
-        return TAKEN
+        return TAKEN, ""
 
     def close(self) -> None:
         """Hand leadership over at once on a clean shutdown."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 
 from celery_redlock import LockedTask
-from tests.apps.beatapp import app, run_slowly, write
+from tests.apps.beatapp import app, beat_run, run_slowly, write
 
 
-@app.task(shared=False)
-def remote_stamp(label):
-    """Record that one dispatch of ``label`` arrived."""
-    write(f"{label} {time.time():.6f}")
+@app.task(bind=True, shared=False)
+def remote_stamp(self, label):
+    """Record one dispatch of ``label``: arrival time and the run the leader claimed."""
+    write(f"{label} {time.time():.6f} {beat_run(self)}")
 
 
 @app.task(base=LockedTask, bind=True, shared=False, lock_args=())

@@ -56,10 +56,16 @@ def write(line: str) -> None:
         out.write(line + "\n")
 
 
-@app.task(shared=False)
-def stamp(label):
-    """Record that one dispatch of ``label`` arrived."""
-    write(f"{label} {time.time():.6f}")
+@app.task(bind=True, shared=False)
+def stamp(self, label):
+    """Record one dispatch of ``label``: arrival time and the run the leader claimed."""
+    write(f"{label} {time.time():.6f} {beat_run(self)}")
+
+
+def beat_run(task) -> str:
+    """The run time the leader claimed for this message (header ``redlock_beat_run``)."""
+    run = getattr(task.request, "redlock_beat_run", None)
+    return str(run or (task.request.headers or {}).get("redlock_beat_run") or "-")
 
 
 def run_slowly(label: str, fence: int) -> None:
