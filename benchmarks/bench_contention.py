@@ -12,7 +12,8 @@ per second, the per-client minimum (starvation), Jain's fairness index and the
 p50 / p99 of the time spent blocked in ``acquire``. Cells are interleaved across runs;
 writes ``benchmarks/results/contention.json``.
 
-Peers: python-redis-lock (BLPOP on a signal list) and redis-py's ``redis.lock.Lock``
+Ours runs twice: as is, and with ``fair=True`` (a queue on the node, the release waking
+only the head). Peers: python-redis-lock (BLPOP on a signal list) and redis-py's ``redis.lock.Lock``
 (blocking acquire with its default ``sleep=0.1`` polling). Target: celery_redlock's total
 at least python-redis-lock's, and a per-client minimum above 0 in every cell.
 """
@@ -32,7 +33,8 @@ from benchmarks.common import environment, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
 
-KINDS = ("celery_redlock", "python-redis-lock", "redis-py Lock")
+FAIR = "celery_redlock (fair)"
+KINDS = ("celery_redlock", FAIR, "python-redis-lock", "redis-py Lock")
 LEAD = 0.3  # seconds between handing out a cell and its common start
 DRAIN = 15.0  # seconds a cell may overrun its duration before it counts as hung
 
@@ -42,7 +44,7 @@ def client_loop(
 ) -> tuple[int, list[float]]:
     """One client: acquisitions completed before ``deadline`` and their waits (µs)."""
     client = redis.Redis.from_url(url)
-    ours = Redlock(name, nodes=[url], ttl=30)
+    ours = Redlock(name, nodes=[url], ttl=30, fair=kind == FAIR)
     redis_py = client.lock(name, timeout=30)
     count, waits = 0, []
     time.sleep(max(0.0, start_at - time.monotonic()))
@@ -51,7 +53,7 @@ def client_loop(
         left = deadline - began
         if left <= 0:
             break
-        if kind == "celery_redlock":
+        if kind in ("celery_redlock", FAIR):
             ok, release = ours.acquire(timeout=left), ours.release
         elif kind == "redis-py Lock":
             ok, release = redis_py.acquire(blocking_timeout=left), redis_py.release
@@ -195,9 +197,9 @@ def main() -> None:
         )
     targets = {}
     for row in rows:
-        if row["lock"] != "celery_redlock":
+        if row["lock"] not in ("celery_redlock", FAIR):
             continue
-        key = f"{row['mode']}={row['clients']} hold={row['hold_ms']:g}ms"
+        key = f"{row['lock']} {row['mode']}={row['clients']} hold={row['hold_ms']:g}ms"
         peer = next(
             r
             for r in rows
@@ -225,7 +227,7 @@ def main() -> None:
     }
     write_report("contention", report)
     print(
-        f"{'mode':<9} {'N':>3} {'hold':>4}  {'lock':<17} {'total/s':>8} {'min/s':>7} "
+        f"{'mode':<9} {'N':>3} {'hold':>4}  {'lock':<21} {'total/s':>8} {'min/s':>7} "
         f"{'jain':>5} {'wait p50 µs':>11} {'p99 µs':>9}"
     )
     for row in rows:

@@ -26,6 +26,7 @@ from benchmarks.common import RESULTS
 OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
 OURS = "celery_redlock"
 COLORS = {
+    f"{OURS} (fair)": "tab:cyan",
     OURS: "tab:blue",
     "redis-py Lock": "tab:orange",
     "python-redis-lock": "tab:green",
