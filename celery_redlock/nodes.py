@@ -308,6 +308,8 @@ class Node:
                 ) from exc
             self.safe_url = maybe_sanitize_url(url)
         self._recheck_at = 0.0
+        #: When a connection to this server last failed (monotonic; 0: never).
+        self.failed_at = 0.0
         self.url = url
         self.timeout = timeout
         self._connection_class = pool.connection_class
@@ -444,6 +446,7 @@ class Node:
 
     def discard(self, conn: AbstractConnection) -> None:
         """Close a connection that failed or cannot be trusted to be in sync."""
+        self.failed_at = time.monotonic()
         conn.disconnect()
 
     # The routing interface :func:`fan_out` uses; a cluster node routes per master.
@@ -631,8 +634,11 @@ class _FanOut:
         self.gathers: dict[int, _Gather] = {}
         self.inflight: list[_InFlight] = []
 
-    def start(self, index: int, leg: Leg) -> None:
-        """Check out a connection of the leg's server and send the leg."""
+    def start(self, index: int, leg: Leg, share: int = 1) -> None:
+        """Check out a connection of the leg's server and send the leg.
+
+        A connect may take ``1/share`` of the time left (``share`` connects remain).
+        """
         gather = self.gathers[index]
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
@@ -640,7 +646,7 @@ class _FanOut:
             return
         conn = None
         try:
-            conn, fresh, stale = leg.node.checkout(connect_timeout=remaining)
+            conn, fresh, stale = leg.node.checkout(connect_timeout=remaining / share)
             flight = _InFlight(index, leg, conn, stale)
             # A new connection may face a server that never saw our scripts (it was
             # restarted, or is new): load them in the same write instead of paying a
@@ -731,10 +737,17 @@ def fan_out(
         legs += [(i, leg) for leg in routed]
 
     # Servers with a live connection go first, so a slow connect to a restarted or
-    # unreachable node overlaps with the replies of the healthy ones.
-    legs.sort(key=lambda item: not item[1].node.has_idle())
+    # unreachable node overlaps with the replies of the healthy ones; among the rest,
+    # the servers that failed most recently go last. Connects are made one after
+    # another, so each gets a fair share of what is left of the budget: one node cut
+    # off by a partition must not spend the time the others need (found by
+    # tests/reliability/test_partition.py: a minority partition lost the lock).
+    legs.sort(key=lambda item: (not item[1].node.has_idle(), item[1].node.failed_at))
+    connects = sum(1 for _, leg in legs if not leg.node.has_idle())
     for i, leg in legs:
-        state.start(i, leg)
+        needs_connect = not leg.node.has_idle()
+        state.start(i, leg, share=max(connects, 1) if needs_connect else 1)
+        connects -= needs_connect
     for i in state.gathers:
         state.settle(i)
 

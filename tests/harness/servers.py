@@ -350,6 +350,8 @@ class RedisServer:
         self._paused = False
         self._closed = False
         self._lock = threading.RLock()
+        #: Address the server binds and clients use; a subclass may change it.
+        self._host = HOST
 
     @staticmethod
     def _password_from_args(args: Sequence[str]) -> str | None:
@@ -372,11 +374,11 @@ class RedisServer:
         if self.port is None:
             raise RuntimeError("server was never started; it has no port yet")
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
-        return f"redis://{auth}{HOST}:{self.port}/0"
+        return f"redis://{auth}{self._host}:{self.port}/0"
 
     @property
     def host(self) -> str:
-        return HOST
+        return self._host
 
     @property
     def data_dir(self) -> Path:
@@ -423,7 +425,7 @@ class RedisServer:
 
     def __repr__(self) -> str:
         state = "paused" if self._paused else ("running" if self.alive() else "stopped")
-        return f"<RedisServer {HOST}:{self.port} pid={self._last_pid} {state}>"
+        return f"<{type(self).__name__} {self._host}:{self.port} pid={self._last_pid} {state}>"
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -553,7 +555,7 @@ class RedisServer:
         if self.port is None:
             raise RuntimeError("server was never started; it has no port yet")
         kwargs.setdefault("password", self.password)
-        return make_client(HOST, self.port, **kwargs)
+        return make_client(self._host, self.port, **kwargs)
 
     def commandstats(self) -> dict[str, int]:
         """Return ``{command: calls}`` from INFO commandstats, names lowercased.
@@ -618,7 +620,7 @@ class RedisServer:
         _kind, version = server_version(info.path)
         args = [
             info.path,
-            "--bind", HOST,
+            "--bind", self._host,
             "--port", str(port if port is not None else self.port),
             "--save", "",
             "--appendonly", "no",
