@@ -14,11 +14,10 @@ slot and a fair acquisition within 1.5x of our exclusive lock, two resources wit
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import redis
 
-from benchmarks.common import environment, measure_us, server_label, write_report
+from benchmarks.common import environment, interleaved_latency, server_label, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
 
@@ -54,21 +53,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="interleaved runs per variant")
     args = parser.parse_args()
     with RedisServer() as server:
-        runs = variants(server.url)
-        for fn in runs.values():  # warm connections and script caches
-            measure_us(fn, 200)
-        samples: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(args.runs):
-            for name, fn in runs.items():
-                samples[name].extend(measure_us(fn, args.ops))
+        rows = interleaved_latency(variants(server.url), args.ops, args.runs)
         version = server.version
-    rows = {}
-    for name, values in samples.items():
-        values.sort()
-        rows[name] = {
-            "median_us": round(statistics.median(values), 1),
-            "p99_us": round(values[int(len(values) * 0.99) - 1], 1),
-        }
     exclusive = rows["exclusive"]["median_us"]
     base = rows["redis-py Lock"]["median_us"]
     for row in rows.values():

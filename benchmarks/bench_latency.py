@@ -12,12 +12,11 @@ MULTI / EXEC lock that the seed articles start from. Target: celery_redlock at m
 from __future__ import annotations
 
 import argparse
-import statistics
 import uuid
 
 import redis
 
-from benchmarks.common import environment, measure_us, write_report
+from benchmarks.common import environment, interleaved_latency, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
 
@@ -107,25 +106,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="interleaved runs per lock")
     args = parser.parse_args()
     with RedisServer() as server:
-        locks = contenders(server.url)
-        for fn in locks.values():  # warm connections and script caches
-            measure_us(fn, 200)
-        samples: dict[str, list[float]] = {name: [] for name in locks}
-        medians: dict[str, list[float]] = {name: [] for name in locks}
-        for _ in range(args.runs):
-            for name, fn in locks.items():
-                run = measure_us(fn, args.ops)
-                samples[name].extend(run)
-                medians[name].append(statistics.median(run))
+        rows = interleaved_latency(contenders(server.url), args.ops, args.runs)
         version = server.version
-    rows = {}
-    for name, values in samples.items():
-        values.sort()
-        rows[name] = {
-            "median_us": round(statistics.median(values), 1),
-            "p99_us": round(values[int(len(values) * 0.99) - 1], 1),
-            "run_medians_us": [round(m, 1) for m in medians[name]],
-        }
     base = rows["redis-py Lock"]["median_us"]
     watch = rows["WATCH/MULTI baseline"]["median_us"]
     ours = rows["celery_redlock"]["median_us"]

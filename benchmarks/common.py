@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -48,6 +49,34 @@ def measure_us(fn: Callable[[], object], ops: int) -> list[float]:
         fn()
         samples.append((time.perf_counter_ns() - start) / 1000)
     return samples
+
+
+def interleaved_latency(
+    fns: dict[str, Callable[[], object]], ops: int, runs: int
+) -> dict[str, dict[str, Any]]:
+    """Warm each ``fn`` up, then time ``runs`` interleaved rounds of ``ops`` calls each.
+
+    Returns per name: ``median_us``, ``p99_us`` over every call, and ``run_medians_us``.
+    Interleaving spreads a noisy moment of a shared machine over every contender.
+    """
+    for fn in fns.values():  # warm connections and script caches
+        measure_us(fn, 200)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    medians: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            run = measure_us(fn, ops)
+            samples[name].extend(run)
+            medians[name].append(statistics.median(run))
+    rows = {}
+    for name, values in samples.items():
+        values.sort()
+        rows[name] = {
+            "median_us": round(statistics.median(values), 1),
+            "p99_us": round(values[int(len(values) * 0.99) - 1], 1),
+            "run_medians_us": [round(m, 1) for m in medians[name]],
+        }
+    return rows
 
 
 def write_report(name: str, report: dict[str, Any]) -> Path:
