@@ -64,6 +64,9 @@ from .keys import lock_keys
 from .nodes import Call, Node, NodeSet, fan_out
 from .scripts import INSPECT, RELEASE
 from .settings import Settings, from_conf
+from .shares import ShareView, read_shares
+from .shares import to_float as _float
+from .shares import to_int as _int
 
 __all__ = [
     "ACTIVE",
@@ -248,20 +251,6 @@ def _fence_of(views: Iterable[NodeView], token: str) -> int:
     return max(_int(v.fields.get("fence")) or 0 for v in views if v.fields["token"] == token)
 
 
-def _int(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _float(value: Any) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
 def _float_ms(value: Any) -> float | None:
     ms = _float(value)
     return None if ms is None else ms / 1000
@@ -293,19 +282,25 @@ def resolve_key(text: str, prefix: str) -> str:
 
 
 def scan_lock_keys(
-    nodeset: NodeSet, prefix: str, *, timeout: float | None = None
+    nodeset: NodeSet,
+    prefix: str,
+    *,
+    timeout: float | None = None,
+    suffix: str = "",
+    key_type: str = "hash",
 ) -> tuple[list[str], dict[str, str]]:
     """Every lock key on any node, with SCAN (never KEYS); and the nodes that failed.
 
     All nodes are scanned concurrently: each round sends the next ``SCAN`` to every
     node whose cursor is not back at 0 (every master, for a Redis Cluster node).
     ``TYPE hash`` leaves out fence counters (strings) on the server;
-    :func:`is_lock_key` drops beat state hashes.
+    :func:`is_lock_key` drops beat state hashes. With ``suffix`` (e.g. ``":shared"``,
+    ``key_type="zset"``) it finds that key of every lock instead.
 
     Returns:
         (sorted keys, {node url: error}) for nodes that failed part-way.
     """
-    pattern = _glob_escape(prefix) + "{*}"
+    pattern = _glob_escape(prefix) + "{*}" + _glob_escape(suffix)
     # A cluster node is scanned on every master; its errors are reported under its URL.
     servers: list[Node] = []
     owners: list[str] = []
@@ -323,9 +318,8 @@ def scan_lock_keys(
     while cursors:
         requests: list[list[Call] | None] = [None] * len(servers)
         for i, cursor in cursors.items():
-            requests[i] = [
-                Call.command("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT, "TYPE", "hash")
-            ]
+            scan = ("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT, "TYPE", key_type)
+            requests[i] = [Call.command(*scan)]
         replies = fan_out(
             servers, requests, timeout=nodeset.timeout if timeout is None else timeout
         )
@@ -338,7 +332,10 @@ def scan_lock_keys(
                 del cursors[i]
                 continue
             cursor, found = reply.values[0]  # type: ignore[union-attr]
-            keys.update(k for k in found if is_lock_key(k, prefix))
+            if suffix:
+                keys.update(k for k in found if is_lock_key(k.removesuffix(suffix), prefix))
+            else:
+                keys.update(k for k in found if is_lock_key(k, prefix))
             if str(cursor) == "0":
                 del cursors[i]
             else:
@@ -555,6 +552,39 @@ def _inventory(
     return locks, errors
 
 
+def _share_inventory(
+    session: _Session, task: str | None, timeout: float
+) -> tuple[list[ShareView], dict[str, str]]:
+    keys, errors = scan_lock_keys(
+        session.nodeset, session.prefix, timeout=timeout, suffix=":shared", key_type="zset"
+    )
+    shares = read_shares(session.nodeset, keys, session.prefix, timeout=timeout)
+    if task is not None:
+        shares = [s for s in shares if fnmatch.fnmatchcase(s.task_name or "", task)]
+    return shares, errors
+
+
+def _share_rows(shares: Sequence[ShareView], now: float) -> list[list[str]]:
+    redlock = bool(shares) and shares[0].nodes > 1
+    header = ["SHARED KEY", "TASK", "TASK ID", "HOLDER", "AGE", "TTL", "FENCE"]
+    header += ["NODES"] if redlock else []
+    rows = [header]
+    for share in shares:
+        item = share.as_dict(now)
+        row = [
+            share.key,
+            share.task_name or "-",
+            share.task_id or "-",
+            f"{item['host'] or '?'}:{item['pid'] or '?'}",
+            _duration(None if item["age"] is None else max(item["age"], 0.0)),
+            _duration(share.ttl),
+            str(item["fence"]) if item["fence"] is not None else "-",
+        ]
+        row += [f"{share.held_on}/{share.nodes}"] if redlock else []
+        rows.append(row)
+    return rows
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -690,10 +720,20 @@ def ls(
     timeout: float,
     **kwargs: Any,
 ) -> None:
-    """List the locks held on the lock nodes (SCAN, never KEYS)."""
+    """List the locks and shares held on the lock nodes (SCAN, never KEYS).
+
+    Shares (``lock_mode="shared"``, ``lock_limit``) are listed after the exclusive
+    locks; ``--stale`` applies to exclusive locks only (a share ends by itself within
+    one TTL of its holder's death).
+    """
     session = _session(ctx, node_timeout)
     try:
         locks, errors = _inventory(session, task, node_timeout)
+        shares: list[ShareView] = []
+        if not stale:
+            shares, share_errors = _share_inventory(session, task, node_timeout)
+            for node, error in share_errors.items():
+                errors.setdefault(node, error)
     finally:
         session.close()
     code = _check_quorum(ctx, session.nodeset, errors)
@@ -724,11 +764,15 @@ def ls(
                 "nodes": _nodes_status(session.nodeset, errors),
                 "quorum": session.nodeset.quorum,
                 "locks": items,
+                "shares": [share.as_dict(now) for share in shares],
                 "workers": None if not stale else (workers.as_dict() if workers else None),
             },
         )
-    elif locks:
-        ctx.obj.echo(_table(_lock_rows(locks, now, states)))
+    elif locks or shares:
+        if locks:
+            ctx.obj.echo(_table(_lock_rows(locks, now, states)))
+        if shares:
+            ctx.obj.echo(("\n" if locks else "") + _table(_share_rows(shares, now)))
     else:
         ctx.obj.echo("No stale locks." if stale else "No locks held.")
     ctx.exit(code)

@@ -152,7 +152,8 @@ def test_ls_json_has_stable_keys_and_values(redis_node, cli):
 
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data) == {"nodes", "quorum", "locks", "workers"}
+    assert set(data) == {"nodes", "quorum", "locks", "shares", "workers"}
+    assert data["shares"] == []
     assert data["nodes"] == [{"node": redis_node.url, "ok": True, "error": None}]
     assert data["quorum"] == 1
     assert data["workers"] is None
@@ -172,6 +173,40 @@ def test_ls_json_has_stable_keys_and_values(redis_node, cli):
     assert (item["held_on"], item["nodes"], item["quorum"]) == (1, 1, True)
     assert "keys" not in redis_node.commandstats()
     lock.release()
+
+
+def test_ls_lists_shares_after_the_locks(redis_node, cli):
+    """Two holders of a limited resource appear as shares, with holder, TTL and fence."""
+    exclusive = lock_on(redis_node, "reports:daily")
+    slots = [
+        lock_on(redis_node, "tenant:9", limit=2, task_id=f"call-{i}", task_name="proj.call_api")
+        for i in range(2)
+    ]
+
+    result = cli(redis_node.url, "ls")
+
+    assert result.exit_code == 0, result.output
+    locks_table, shares_table = result.stdout.split("\n\n")
+    assert list(rows(locks_table)) == ["redlock:{reports:daily}"]
+    lines = shares_table.strip().splitlines()
+    assert lines[0].startswith("SHARED KEY")
+    assert len(lines) == 3 and all(line.startswith("redlock:{tenant:9}") for line in lines[1:])
+    assert {"call-0", "call-1"} <= set(shares_table.split())
+    assert {str(slot.fence) for slot in slots} <= set(shares_table.split())
+
+    data = json.loads(cli(redis_node.url, "ls", "--json").stdout)
+    assert [item["key"] for item in data["locks"]] == ["redlock:{reports:daily}"]
+    shares = data["shares"]
+    assert sorted(share["task_id"] for share in shares) == ["call-0", "call-1"]
+    for share in shares:
+        assert share["kind"] == "shared" and share["name"] == "tenant:9"
+        assert (share["host"], share["pid"]) == (HOST, os.getpid())
+        assert 20 < share["ttl"] <= 30 and share["held_on"] == 1
+    filtered = json.loads(cli(redis_node.url, "ls", "--json", "--task", "other.*").stdout)
+    assert filtered["shares"] == []
+    for lock in (exclusive, *slots):
+        lock.release()
+    assert "No locks held." in cli(redis_node.url, "ls").stdout
 
 
 def test_ls_task_filter_matches_task_names_by_glob(redis_node, cli):
