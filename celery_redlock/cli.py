@@ -566,23 +566,46 @@ def _share_inventory(
 
 def _share_rows(shares: Sequence[ShareView], now: float) -> list[list[str]]:
     redlock = bool(shares) and shares[0].nodes > 1
-    header = ["SHARED KEY", "TASK", "TASK ID", "HOLDER", "AGE", "TTL", "FENCE"]
-    header += ["NODES"] if redlock else []
+    header = ["SHARED KEY", *_HOLDER_COLUMNS] + (["NODES"] if redlock else [])
     rows = [header]
     for share in shares:
         item = share.as_dict(now)
-        row = [
+        row = _holder_cells(
             share.key,
-            share.task_name or "-",
-            share.task_id or "-",
+            share.task_name,
+            share.task_id,
             f"{item['host'] or '?'}:{item['pid'] or '?'}",
-            _duration(None if item["age"] is None else max(item["age"], 0.0)),
-            _duration(share.ttl),
-            str(item["fence"]) if item["fence"] is not None else "-",
-        ]
-        row += [f"{share.held_on}/{share.nodes}"] if redlock else []
-        rows.append(row)
+            item["age"],
+            share.ttl,
+            item["fence"],
+        )
+        rows.append(row + ([f"{share.held_on}/{share.nodes}"] if redlock else []))
     return rows
+
+
+#: The columns every row of ``ls`` has after its key.
+_HOLDER_COLUMNS = ["TASK", "TASK ID", "HOLDER", "AGE", "TTL", "FENCE"]
+
+
+def _holder_cells(
+    key: str,
+    task_name: str | None,
+    task_id: str | None,
+    holder: str,
+    age: float | None,
+    ttl: float | None,
+    fence: int | None,
+) -> list[str]:
+    """One ``ls`` row's key and holder columns, as printed."""
+    return [
+        key,
+        task_name or "-",
+        task_id or "-",
+        holder,
+        _duration(None if age is None else max(age, 0.0)),
+        _duration(ttl),
+        str(fence) if fence is not None else "-",
+    ]
 
 
 def _duration(seconds: float | None) -> str:
@@ -622,21 +645,20 @@ def _lock_rows(
     locks: Sequence[LockView], now: float, states: dict[str, tuple[str, str]] | None
 ) -> list[list[str]]:
     redlock = bool(locks) and len(locks[0].views) > 1
-    header = ["KEY", "TASK", "TASK ID", "HOLDER", "AGE", "TTL", "FENCE"]
+    header = ["KEY", *_HOLDER_COLUMNS]
     header += ["NODES"] if redlock else []
     header += ["STATE"] if states is not None else []
     rows = [header]
     for lock in locks:
-        age = lock.age(now)
-        row = [
+        row = _holder_cells(
             lock.key,
-            lock.task_name or "-",
-            lock.task_id or "-",
+            lock.task_name,
+            lock.task_id,
             _holder(lock),
-            _duration(None if age is None else max(age, 0.0)),
-            _duration(lock.ttl),
-            str(lock.fence) if lock.fence is not None else "-",
-        ]
+            lock.age(now),
+            lock.ttl,
+            lock.fence,
+        )
         row += [_nodes_cell(lock)] if redlock else []
         row += [states[lock.key][0]] if states is not None else []
         rows.append(row)

@@ -49,7 +49,7 @@ from .cluster import is_cluster_url
 from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from .keys import DEFAULT_PREFIX, LockKeys, lock_keys
 from .nodes import Call, NodeSet, Reply
-from .renewal import Lease, clock, get_renewer, lease_code, renew_call
+from .renewal import RENEWED, Lease, clock, get_renewer, lease_verdict, renew_call
 from .scripts import (
     ACQUIRE,
     ACQUIRE_SHARED,
@@ -148,7 +148,11 @@ class Redlock:
         fair: bool = False,
     ) -> None:
         names = [name] if isinstance(name, str) else list(dict.fromkeys(name))
-        self.mode, self.limit, self.fair = check_kind(names, mode, limit, fair)
+        if not names or not all(isinstance(n, str) for n in names):
+            raise ConfigurationError(
+                f"a lock name must be a non-empty string or a sequence of them, got {name!r}"
+            )
+        self.mode, self.limit, self.fair = check_kind(len(names), mode, limit, fair)
         self.names = tuple(names)
         self.name = names[0]
         self.resources: tuple[LockKeys, ...] = tuple(lock_keys(n, key_prefix) for n in names)
@@ -277,7 +281,7 @@ class Redlock:
 
     def _acquire_call(self, waiter: _Waiter) -> Call:
         """The script call of one attempt on every node."""
-        ttl_ms = max(1, round(self.timing.ttl * 1000))
+        ttl_ms = self.timing.ttl_ms
         holder = (self.task_id or "", _HOST, os.getpid(), f"{time.time():.3f}")
         if self.mode == "shared":
             task_id, host, pid, acquired_at = holder
@@ -558,20 +562,16 @@ class Redlock:
         lease.check()
         sent_at = clock()
         replies = self.nodeset.call([renew_call([lease])])
-        codes = [
-            lease_code(r.values[0], 0, len(lease.entries))
-            for r in replies
-            if r is not None and r.ok and not isinstance(r.values[0], ResponseError)
-        ]
-        if codes.count(1) >= self.quorum:
+        verdicts = [lease_verdict(reply, 0, len(lease.entries)) for reply in replies]
+        renewed = sum(1 for code, _ in verdicts if code == RENEWED)
+        refused = sum(1 for code, _ in verdicts if code is not None and code != RENEWED)
+        if renewed >= self.quorum:
             lease.deadline = sent_at + lease.timing.ttl - lease.timing.drift
             return lease.remaining()
-        if len(codes) - codes.count(1) > len(self.nodeset) - self.quorum:
+        if refused > len(self.nodeset) - self.quorum:
             lease.mark_lost("the key expired, was deleted or is held by another owner")
             lease.check()
-        raise NodeUnavailable(
-            self.keys.lock, [r.describe_error() for r in replies if r is not None and not r.ok]
-        )
+        raise NodeUnavailable(self.keys.lock, [why for code, why in verdicts if code is None])
 
     def check(self) -> None:
         """Raise :class:`LockLost` unless this object holds the lock and the lease is sure.
@@ -708,13 +708,9 @@ class _Waiter:
 
 
 def check_kind(
-    names: list[Any], mode: str | None, limit: int | None, fair: bool
+    resources: int, mode: str | None, limit: int | None, fair: bool
 ) -> tuple[str, int | None, bool]:
-    """Validate the lock's shape; (mode, limit, fair)."""
-    if not names or not all(isinstance(name, str) for name in names):
-        raise ConfigurationError(
-            f"a lock name must be a non-empty string or a sequence of them, got {names!r}"
-        )
+    """Validate the shape of a lock on ``resources`` resources; (mode, limit, fair)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ConfigurationError(f"limit must be an integer >= 1 (or None), got {limit!r}")
     if mode is None:
@@ -723,11 +719,9 @@ def check_kind(
         raise ConfigurationError(f"mode must be one of {MODES!r}, got {mode!r}")
     if limit is not None and mode != "shared":
         raise ConfigurationError("limit applies to shared holders: use mode='shared' or no mode")
-    if mode == "shared" and len(names) > 1:
-        raise ConfigurationError(
-            f"a shared lock (or a limit) covers one resource, got {len(names)}: {names!r}"
-        )
-    if fair and (mode != "exclusive" or len(names) > 1):
+    if mode == "shared" and resources > 1:
+        raise ConfigurationError(f"a shared lock (or a limit) covers one resource, got {resources}")
+    if fair and (mode != "exclusive" or resources > 1):
         raise ConfigurationError("fair waiting applies to an exclusive lock on one resource")
     return mode, limit, bool(fair)
 

@@ -742,11 +742,13 @@ def fan_out(
     # another, so each gets a fair share of what is left of the budget: one node cut
     # off by a partition must not spend the time the others need (found by
     # tests/reliability/test_partition.py: a minority partition lost the lock).
-    legs.sort(key=lambda item: (not item[1].node.has_idle(), item[1].node.failed_at))
-    connects = sum(1 for _, leg in legs if not leg.node.has_idle())
-    for i, leg in legs:
-        needs_connect = not leg.node.has_idle()
-        state.start(i, leg, share=max(connects, 1) if needs_connect else 1)
+    ordered = sorted(
+        ((not leg.node.has_idle(), leg.node.failed_at, i, leg) for i, leg in legs),
+        key=lambda item: item[:2],
+    )
+    connects = sum(needs_connect for needs_connect, *_ in ordered)
+    for needs_connect, _, i, leg in ordered:
+        state.start(i, leg, share=connects if needs_connect else 1)
         connects -= needs_connect
     for i in state.gathers:
         state.settle(i)

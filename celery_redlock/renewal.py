@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .nodes import NodeSet
     from .settings import Timing
 
-__all__ = ["CHUNK", "Lease", "Renewer", "clock", "get_renewer", "lease_code", "renew_call"]
+__all__ = ["CHUNK", "Lease", "Renewer", "clock", "get_renewer", "lease_verdict", "renew_call"]
 
 logger = logging.getLogger("celery_redlock.renewal")
 
@@ -300,7 +300,7 @@ class Renewer:
             renewed = refused = 0
             errors = []
             for reply in replies:
-                code, error = _code(reply, offset, len(lease.entries))
+                code, error = lease_verdict(reply, offset, len(lease.entries))
                 if code == RENEWED:
                     renewed += 1
                 elif code in (GONE, TAKEN):
@@ -346,8 +346,12 @@ def _alive(lease: Lease) -> bool:
     return lease.lost is None and not lease.released
 
 
-def _code(reply, offset: int, count: int) -> tuple[int | None, str]:
-    """One node's verdict on a lease whose entries start at ``offset``, or (None, why not)."""
+def lease_verdict(reply, offset: int, count: int) -> tuple[int | None, str]:
+    """One node's verdict on a lease whose entries start at ``offset``, or (None, why not).
+
+    ``reply`` answers renew_many calls of :data:`CHUNK` entries each; a lease is renewed
+    on the node when every entry is, lost there when any is gone or taken.
+    """
     if reply is None:
         return None, "no reply"
     if reply.error is not None:
@@ -373,11 +377,6 @@ def _verdict(codes: list[int]) -> int:
     return TAKEN if TAKEN in codes else GONE
 
 
-def lease_code(values: list[int], offset: int, count: int) -> int:
-    """The verdict on one lease from a single renew_many reply (``Redlock.extend``)."""
-    return _verdict(list(values[offset : offset + count]))
-
-
 def _renew_entries(entries: list[tuple[Lease, tuple[str, str]]]) -> Call:
     return Call(
         RENEW_MANY,
@@ -385,7 +384,7 @@ def _renew_entries(entries: list[tuple[Lease, tuple[str, str]]]) -> Call:
         tuple(
             item
             for lease, (_, kind) in entries
-            for item in (lease.token, max(1, round(lease.timing.ttl * 1000)), kind)
+            for item in (lease.token, lease.timing.ttl_ms, kind)
         ),
     )
 

@@ -293,6 +293,11 @@ class Timing:
     drift_factor: float
 
     @property
+    def ttl_ms(self) -> int:
+        """The lease as the scripts take it: whole milliseconds, at least 1."""
+        return max(1, round(self.ttl * 1000))
+
+    @property
     def drift(self) -> float:
         """Seconds subtracted from every lease for clock drift (Redlock's formula)."""
         return self.ttl * self.drift_factor + 0.002

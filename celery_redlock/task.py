@@ -173,9 +173,9 @@ def lock_options(task: Task) -> TaskLockOptions:
             "several resources), a format string over the argument names, or a list of "
             f"format strings, got {key!r}"
         )
-    several = ["a", "b"] if isinstance(key, (list, tuple)) and len(key) > 1 else ["a"]
+    resources = len(key) if isinstance(key, (list, tuple)) else 1
     try:
-        check_kind(several, options.mode, options.limit, options.fair)
+        check_kind(resources, options.mode, options.limit, options.fair)
     except ConfigurationError as exc:
         raise ConfigurationError(
             f"task {task.name}: lock_mode / lock_limit / lock_fair / lock_key: {exc}"

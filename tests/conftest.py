@@ -26,6 +26,7 @@ from tests.harness import (  # noqa: E402
     binary_summary,
 )
 from tests.harness.cluster import RedisCluster  # noqa: E402
+from tests.harness.servers import close_all  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -72,14 +73,7 @@ def redis_factory(tmp_path: Path) -> Iterator[Callable[..., list[RedisServer]]]:
         return servers
 
     yield make
-    errors = []
-    for server in started:
-        try:
-            server.close()
-        except Exception as exc:  # close every server even if one fails
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+    close_all(started)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
-from .servers import HOST, RedisServer, free_port, wait_for
+from .servers import HOST, RedisServer, close_all, free_port, wait_for
 
 __all__ = ["SLOTS", "ClusterServer", "RedisCluster", "slot_of"]
 
@@ -147,14 +147,7 @@ class RedisCluster:
 
     def close(self) -> None:
         """Stop every server."""
-        errors = []
-        for server in self.servers:
-            try:
-                server.close()
-            except Exception as exc:  # close every process even if one fails
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        close_all(self.servers)
 
     def __enter__(self) -> RedisCluster:
         return self.start()

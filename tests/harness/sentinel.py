@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from .servers import HOST, RedisServer, make_client, wait_for
+from .servers import HOST, RedisServer, close_all, make_client, wait_for
 
 __all__ = ["SentinelGroup", "SentinelServer"]
 
@@ -113,16 +113,7 @@ class SentinelGroup:
 
     def close(self) -> None:
         """Stop every process (sentinels first, so none starts a failover meanwhile)."""
-        errors = []
-        for server in [*self.sentinels, self.replica, self.master]:
-            if server is None:
-                continue
-            try:
-                server.close()
-            except Exception as exc:  # close every process even if one fails
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        close_all([*self.sentinels, self.replica, self.master])
 
     def __enter__(self) -> SentinelGroup:
         return self.start()

@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -731,6 +731,21 @@ def _cleanup_all() -> None:
 
 atexit.register(_cleanup_all)
 
+
+def close_all(servers: Iterable[RedisServer | None]) -> None:
+    """Close every server (skipping None), even if one fails; then raise the first error."""
+    errors = []
+    for server in servers:
+        if server is None:
+            continue
+        try:
+            server.close()
+        except Exception as exc:  # close every process even if one fails
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 __all__ = [
     "ENV_VAR",
     "HOST",
@@ -740,6 +755,7 @@ __all__ = [
     "RedisServer",
     "WaitTimeout",
     "binary_summary",
+    "close_all",
     "find_redis_server",
     "free_port",
     "make_client",
