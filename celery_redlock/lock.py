@@ -23,11 +23,32 @@ the same task id, and must not be able to renew or release each other's lock::
     worker A: acquire(token=a)  ... body runs ...              release(a): -1, left alone
     worker B:         (redelivered, same task id) acquire(b): busy
 
-Reentrancy is counted on the object, for the thread that holds it: that thread
-acquiring again increments a counter, and only the matching number of releases
-frees the lock. Another thread using the same object contends like any other owner
-(as with redis-py's thread-local tokens), so a module-level ``Redlock`` still
-excludes the threads of one process from each other.
+Ownership: a hold belongs to the thread (greenlet, under gevent) that acquired it,
+as in Redisson and redis-py's ``thread_local`` locks. Each thread using one
+``Redlock`` object has its own acquisition, token and fence; another thread using
+the same object contends like any other owner, and can never release, extend or
+renew a hold that is not its own. Without that, a late release by one thread
+deletes another thread's lock::
+
+    thread A: acquire(token=a) ... paused past the lease ...
+    thread B:                          acquire(token=b): granted
+    thread A:                                      release(): must not delete b
+
+Reentrancy is counted per thread on a lease that is still valid by the local
+deadline: the holding thread acquiring again increments a counter, and only the
+matching number of releases frees the lock. A hold whose lease has run out (not
+renewed, or lost) is not re-entered: acquiring again is a new acquisition with a new
+token and a larger fence, and releases of the old hold raise
+:class:`~celery_redlock.LockNotOwned`.
+
+Asynchronous exceptions (a soft time limit, ``KeyboardInterrupt``, this library's
+own abort) can land anywhere in ``acquire``. Whatever the nodes granted to an
+acquisition that does not return ``True`` is released on the way out, and the
+renewer never shares a lock with the threads that call into the lock.
+
+A held ``Redlock`` that is garbage-collected (the program dropped the last
+reference without releasing) is released with a ``ResourceWarning`` when it
+renews automatically; with ``auto_renew=False`` its lease just runs out.
 """
 
 from __future__ import annotations
@@ -39,7 +60,10 @@ import secrets
 import socket
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -176,10 +200,11 @@ class Redlock:
         self.min_replicas = min_replicas
         self.task_id = task_id
         self.task_name = task_name
-        self._lease: Lease | None = None
-        self._count = 0
-        self._holder_thread: int | None = None
-        self._mutex = threading.RLock()
+        # thread ident -> that thread's hold (or its last one, kept for ``fence``).
+        # Each thread reads and writes its own entry only; the dict operations are
+        # atomic, so no lock is held that an asynchronous exception could leave taken.
+        self._holds: dict[int, _Hold] = {}
+        self._finalizer: weakref.finalize | None = None
 
     def __repr__(self) -> str:
         kind = "" if self.mode == "exclusive" else f" {self.mode}"
@@ -208,12 +233,12 @@ class Redlock:
         give_up = None if timeout is None or not blocking else started + timeout
         waiter = _Waiter(blocking, self.fair, len(self.nodeset))
         subscription: Subscription | None = None
-        acquired = False
+        acquired = settled = False
         try:
             while True:
                 attempt = self._attempt(waiter)
                 if attempt is None:
-                    acquired = True
+                    acquired = settled = True
                     if metrics.enabled:
                         metrics.acquired(self.task_name, clock() - started)
                     if subscription is not None and self.mode == "shared":
@@ -222,8 +247,10 @@ class Redlock:
                 if len(attempt.errors) > len(self.nodeset) - self.quorum:
                     # Too many nodes failed for any quorum: waiting would hide a
                     # Redis outage behind a lock that looks busy.
+                    settled = True  # the attempt undid its part
                     raise NodeUnavailable(self.keys.lock, attempt.errors)
                 if not blocking or (give_up is not None and clock() >= give_up):
+                    settled = True
                     if metrics.enabled:
                         metrics.busy(self.task_name)
                     return False
@@ -258,6 +285,11 @@ class Redlock:
                     pause = random.uniform(0, RETRY_DELAY)
                     time.sleep(pause if left is None else min(pause, left))
         finally:
+            if not settled:
+                # Left by an exception (maybe asynchronous: a soft time limit, our own
+                # abort) at any point after the first request went out: whatever the
+                # nodes granted must not outlive this call.
+                self._abandon(waiter)
             if subscription is not None:
                 subscription.close()
             if self.fair and blocking and not acquired:
@@ -268,7 +300,14 @@ class Redlock:
         if self._reenter():
             return
         started = clock()
-        attempt = self._attempt(_Waiter(False, self.fair, len(self.nodeset)))
+        waiter = _Waiter(False, self.fair, len(self.nodeset))
+        settled = False
+        try:
+            attempt = self._attempt(waiter)
+            settled = True
+        finally:
+            if not settled:
+                self._abandon(waiter)
         if attempt is None:
             if metrics.enabled:
                 metrics.acquired(self.task_name, clock() - started)
@@ -306,6 +345,24 @@ class Redlock:
         keys = (self.keys.lock, self.keys.queue, self.keys.waiting)
         self.nodeset.call([Call(FAIR_LEAVE, keys, (token,))])
 
+    def _abandon(self, waiter: _Waiter) -> None:
+        """Undo an acquisition interrupted by an exception, wherever it stopped."""
+        hold = self._holds.get(threading.get_ident())
+        if hold is not None and hold.lease.token == waiter.token:
+            hold.lease.released = True  # first: the renewer must stop renewing it
+            hold.count = 0
+        if not waiter.sent:
+            return
+        try:
+            self._unlock(waiter.token)
+        except Exception:  # the original exception matters more; the lease ends by itself
+            logger.warning(
+                "Lock(%r): could not undo an interrupted acquisition; it expires within %.1fs",
+                self.keys.lock,
+                self.timing.ttl,
+                exc_info=True,
+            )
+
     def _attempt(self, waiter: _Waiter) -> _Attempt | None:
         """One acquisition attempt; None when it succeeded."""
         token = waiter.token
@@ -331,6 +388,7 @@ class Redlock:
             return yes >= quorum or no > n - quorum
 
         sent_at = clock()
+        waiter.sent = True
         replies = nodeset.call(calls, timeout=self._budget(), decided=decided if n > 1 else None)
         elapsed = clock() - sent_at
         for i, reply in enumerate(replies):
@@ -350,8 +408,9 @@ class Redlock:
             # Per resource, the largest fence among the granting nodes.
             fences = tuple(max(column) for column in zip(*attempt.fences, strict=True))
             agreed = sum(1 for node_fences in attempt.fences if node_fences == fences)
-            if agreed >= quorum or self._sync_fence(token, fences, attempt):
-                self._won(token, fences, sent_at, len(attempt.granted))
+            if (
+                agreed >= quorum or self._sync_fence(token, fences, attempt)
+            ) and self._won(token, fences, sent_at, len(attempt.granted)):
                 return None
         if not all(_is_busy(reply) for reply in replies):
             # Undo everywhere, including nodes that did not answer (they may have
@@ -427,7 +486,8 @@ class Redlock:
             return f"{self.task_name or 'task'}[{self.task_id}]"
         return self.task_name or "-"
 
-    def _won(self, token: str, fences: tuple[int, ...], sent_at: float, granted: int) -> None:
+    def _won(self, token: str, fences: tuple[int, ...], sent_at: float, granted: int) -> bool:
+        """Record the hold; False if the lease ran out before it could be recorded."""
         callbacks = [self.on_lost] if self.on_lost is not None else []
         lease = Lease(
             self.keys,
@@ -443,11 +503,22 @@ class Redlock:
             fences=fences,
             quorum=self.quorum,
         )
-        with self._mutex:
-            self._lease = lease
-            self._count = 1
-            self._holder_thread = threading.get_ident()
+        if clock() >= lease.give_up_at:
+            # Paused (or slowed) between the vote and here, e.g. by the fence sync:
+            # a lease that is over by the local clock is not a hold.
+            return False
+        me = threading.get_ident()
+        self._forget_dead_holds(me)
+        self._holds[me] = _Hold(lease)
         if self.auto_renew:
+            if self._finalizer is None:
+                self._finalizer = weakref.finalize(
+                    self,
+                    _finalize,
+                    self._holds,
+                    self.keys.lock,
+                    partial(_release_call, self.mode, self.fair, self.resources),
+                )
             get_renewer().add(lease)
         logger.debug(
             "Lock(%r) acquired by %s: fence %s, %d of %d nodes",
@@ -457,6 +528,15 @@ class Redlock:
             granted,
             len(self.nodeset),
         )
+        return True
+
+    def _forget_dead_holds(self, me: int) -> None:
+        """Drop other threads' finished holds, so a long-lived object does not grow."""
+        holds = self._holds
+        if len(holds) > _KEEP_HOLDS:
+            for ident, hold in list(holds.items()):
+                if ident != me and (hold.count == 0 or hold.lease.released):
+                    holds.pop(ident, None)
 
     def _entries(self) -> tuple[tuple[str, str], ...]:
         """What renewal extends for a hold: (key, kind) pairs, as renew_many.lua takes."""
@@ -465,13 +545,7 @@ class Redlock:
         return tuple((resource.lock, "x") for resource in self.resources)
 
     def _release_call(self, token: str) -> Call:
-        if self.mode == "shared":
-            keys = (self.keys.lock, self.keys.shared, self.keys.holders)
-            return Call(RELEASE_SHARED, keys, (token,))
-        if self.fair:
-            keys = (self.keys.lock, self.keys.queue, self.keys.waiting)
-            return Call(RELEASE, keys, (token, "fair"))
-        return Call(RELEASE, tuple(resource.lock for resource in self.resources), (token,))
+        return _release_call(self.mode, self.fair, self.resources, token)
 
     def _unlock(self, token: str, wait_for: Sequence[int] | None = None) -> list[Reply | None]:
         """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all)."""
@@ -486,70 +560,164 @@ class Redlock:
 
     # -- holding -----------------------------------------------------------------
 
+    def _hold(self) -> _Hold | None:
+        """The calling thread's hold, if it has one in this process."""
+        hold = self._holds.get(threading.get_ident())
+        if hold is None or hold.count == 0 or hold.lease.released:
+            return None
+        return hold if hold.lease.pid == os.getpid() else None
+
     def _reenter(self) -> bool:
-        """Count one more hold if this thread holds the lock already."""
-        with self._mutex:
-            if self._held() and self._holder_thread == threading.get_ident():
-                self._count += 1
-                return True
+        """Count one more hold if this thread holds the lock on a lease still valid.
+
+        A hold whose lease has run out by the local deadline (not renewed, or lost)
+        is dropped instead: the caller then makes a real acquisition.
+        """
+        hold = self._hold()
+        if hold is None:
             return False
+        lease = hold.lease
+        if lease.lost is None and clock() < lease.give_up_at:
+            hold.count += 1
+            return True
+        # Over: stop renewing it and free whatever may be left of it on the nodes
+        # (within the drift allowance it can still be there, under our old token).
+        lease.released = True
+        hold.count = 0
+        self._unlock(lease.token)
+        return False
 
-    def _held(self) -> bool:
-        lease = self._lease
-        return (
-            lease is not None
-            and lease.pid == os.getpid()
-            and lease.lost is None
-            and not lease.released
-            and self._count > 0
-        )
+    @property
+    def lease(self) -> Lease | None:
+        """The calling thread's current (or last) lease on this lock.
 
-    def _own_lease(self, action: str) -> Lease:
-        lease = self._lease
-        if lease is None or lease.released or self._count == 0:
-            raise LockNotOwned(self.keys.lock, f"cannot {action} a lock this object does not hold")
-        if lease.pid != os.getpid():
+        From a thread that never acquired this object (a callback, a helper thread),
+        the lease of the only thread that did; ``None`` if several did.
+        """
+        hold = self._holds.get(threading.get_ident())
+        if hold is None:
+            holds = list(self._holds.values())
+            hold = holds[0] if len(holds) == 1 else None
+        return None if hold is None else hold.lease
+
+    #: Compatibility name of :attr:`lease` for the package's own modules and tests.
+    _lease = lease
+
+    def _own_hold(self, action: str) -> _Hold:
+        hold = self._holds.get(threading.get_ident())
+        if hold is None or hold.count == 0 or hold.lease.released:
+            others = any(
+                h.count and not h.lease.released
+                for ident, h in list(self._holds.items())
+                if ident != threading.get_ident()
+            )
+            why = (
+                "held by another thread of this process; a hold belongs to the thread that "
+                "acquired it"
+                if others
+                else "this thread does not hold it"
+            )
+            raise LockNotOwned(self.keys.lock, f"cannot {action}: {why}")
+        if hold.lease.pid != os.getpid():
             raise LockNotOwned(
                 self.keys.lock,
-                f"cannot {action}: acquired by process {lease.pid}, and a forked child "
+                f"cannot {action}: acquired by process {hold.lease.pid}, and a forked child "
                 "does not hold its parent's locks",
             )
-        return lease
+        return hold
 
     def release(self) -> None:
-        """Release the lock (the outermost release of a reentrant hold frees it).
+        """Release the calling thread's hold (its outermost release frees the lock).
 
         Only this acquisition's token is deleted; if the lease was lost and someone
         else holds the lock now, their lock is left alone. Raises
-        :class:`LockNotOwned` if this object does not hold the lock.
+        :class:`LockNotOwned` if the calling thread does not hold the lock. A release
+        interrupted by an exception (a soft time limit, an abort) still ends the hold:
+        the exception propagates, and the lock is not renewed any more.
         """
-        with self._mutex:
-            lease = self._own_lease("release")
-            self._count -= 1
-            if self._count:
+        hold: _Hold | None = None
+        counted = done = False
+        try:
+            hold = self._own_hold("release")
+            hold.count -= 1
+            counted = True
+            if hold.count:
+                done = True
                 return
+            lease = hold.lease
             lease.released = True
-        replies = self._unlock(lease.token)
+            replies = self._unlock(lease.token)
+            done = True
+        finally:
+            if not done:
+                self._end_interrupted_release(hold, counted)
         if metrics.enabled and lease.lost is None:
             metrics.released(self.task_name, clock() - lease.sent_at)
         codes = [r.values[0] for r in replies if r is not None and r.ok]
-        expired = clock() >= lease.deadline
-        if lease.lost is None and not expired and codes.count(RELEASED) < self.quorum:
-            logger.warning(
-                "Lock(%r) release confirmed by %d of %d nodes; the rest expire within %.1fs",
-                self.keys.lock,
-                codes.count(RELEASED),
-                len(self.nodeset),
-                self.timing.ttl,
-            )
+        released = codes.count(RELEASED)
+        if lease.lost is None and released < self.quorum:
+            self._warn_release(lease, codes)
         logger.debug(
             "Lock(%r) released by %s: fence %s, %d of %d nodes",
             self.keys.lock,
             self.owner,
             lease.fence,
-            codes.count(RELEASED),
+            released,
             len(self.nodeset),
         )
+
+    def _end_interrupted_release(self, hold: _Hold | None, counted: bool) -> None:
+        """Finish a release that an exception cut short, wherever it stopped."""
+        if hold is None:  # stopped before it found the hold (or there was none)
+            hold = self._holds.get(threading.get_ident())
+            if hold is None or hold.count == 0 or hold.lease.released:
+                return
+            if hold.lease.pid != os.getpid():
+                return
+        if not counted:
+            hold.count -= 1
+        if hold.count > 0:
+            return
+        lease = hold.lease
+        lease.released = True
+        try:
+            self._unlock(lease.token)
+        except Exception:  # the original exception matters more; the lease ends by itself
+            logger.warning(
+                "Lock(%r): an interrupted release could not reach the nodes; "
+                "the lock expires within %.1fs",
+                self.keys.lock,
+                max(0.0, lease.deadline - clock()),
+                exc_info=True,
+            )
+
+    def _warn_release(self, lease: Lease, codes: list[Any]) -> None:
+        """Say why a release was not confirmed by a quorum, and what follows."""
+        left = max(0.0, lease.deadline - clock())
+        unanswered = len(self.nodeset) - len(codes)
+        if codes.count(TAKEN) or codes.count(GONE):
+            if left <= 0:
+                return  # the lease had simply run out
+            logger.error(
+                "Lock(%r) was no longer held by %s at release (fence %s): gone on %d and "
+                "held by another owner on %d of %d nodes, %.1fs before its local deadline; "
+                "the other owner's lock was left alone",
+                self.keys.lock,
+                self.owner,
+                lease.fence,
+                codes.count(GONE),
+                codes.count(TAKEN),
+                len(self.nodeset),
+                left,
+            )
+        if unanswered and left > 0:
+            logger.warning(
+                "Lock(%r) release not confirmed by %d of %d nodes; there it expires within %.1fs",
+                self.keys.lock,
+                unanswered,
+                len(self.nodeset),
+                left,
+            )
 
     def extend(self) -> float:
         """Renew the lease now, as the watchdog would.
@@ -558,7 +726,7 @@ class Redlock:
         object does not hold the lock, :class:`LockLost` if Redis says it is gone,
         and :class:`NodeUnavailable` if too few nodes answered.
         """
-        lease = self._own_lease("extend")
+        lease = self._own_hold("extend").lease
         lease.check()
         sent_at = clock()
         replies = self.nodeset.call([renew_call([lease])])
@@ -566,7 +734,8 @@ class Redlock:
         renewed = sum(1 for code, _ in verdicts if code == RENEWED)
         refused = sum(1 for code, _ in verdicts if code is not None and code != RENEWED)
         if renewed >= self.quorum:
-            lease.deadline = sent_at + lease.timing.ttl - lease.timing.drift
+            lease.renewed(sent_at, clock())
+            lease.check()
             return lease.remaining()
         if refused > len(self.nodeset) - self.quorum:
             lease.mark_lost("the key expired, was deleted or is held by another owner")
@@ -579,16 +748,17 @@ class Redlock:
         Local and immediate (no round trip): the lease is in doubt once the local
         deadline minus the safety margin has passed without a confirmed renewal.
         """
-        lease = self._lease
+        lease = self.lease
         if lease is None:
             raise LockLost(self.keys.lock, "never acquired", None)
         lease.check()
 
     def owned(self) -> bool:
         """True if this object holds the lock: a quorum of nodes has its token."""
-        lease = self._lease
-        if not self._held() or lease is None:
+        hold = self._hold()
+        if hold is None:
             return False
+        lease = hold.lease
         if self.mode == "shared":
             calls = [Call.command("ZSCORE", self.keys.shared, lease.token)]
         else:
@@ -656,21 +826,21 @@ class Redlock:
         For a lock on several resources, the fence of the first one; use
         :attr:`fences` to guard writes to the others.
         """
-        lease = self._lease
+        lease = self.lease
         return None if lease is None else lease.fence
 
     @property
     def fences(self) -> dict[str, int]:
         """Each resource's fencing token for the current acquisition, by name."""
-        lease = self._lease
+        lease = self.lease
         if lease is None:
             return {}
         return dict(zip(self.names, lease.fences, strict=True))
 
     def remaining(self) -> float:
         """Seconds of lease left by the local deadline; 0 when not held."""
-        lease = self._lease
-        return 0.0 if lease is None or not self._held() else lease.remaining()
+        hold = self._hold()
+        return 0.0 if hold is None else hold.lease.remaining()
 
     def __enter__(self) -> Redlock:
         self.acquire()
@@ -694,14 +864,52 @@ def _fields(flat: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
+class _Hold:
+    """One thread's acquisition of a lock: its lease and its reentry count."""
+
+    __slots__ = ("count", "lease")
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.count = 1
+
+
+#: Finished holds of other threads kept per lock object before they are pruned.
+_KEEP_HOLDS = 32
+
+
+def _finalize(
+    holds: dict[int, _Hold], name: str, release_call: Callable[[str], Call]
+) -> None:
+    """A held lock object was garbage-collected: stop renewing it and release it.
+
+    Runs in whatever thread the collector ran in, maybe inside another lock's call:
+    it only marks the leases released and hands the network work to the renewer.
+    """
+    for hold in list(holds.values()):
+        lease = hold.lease
+        if hold.count and lease.lost is None and not lease.released and lease.pid == os.getpid():
+            if not lease.renewing:
+                continue  # auto_renew=False: the lease runs out by itself
+            lease.released = True
+            get_renewer().release_later(lease.nodeset, release_call(lease.token))
+            warnings.warn(
+                f"Lock({name}) was garbage-collected while held by {lease.owner}: released. "
+                "Release locks explicitly (a with block), or keep a reference while held.",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+
 class _Waiter:
     """One acquire call's identity across its attempts (a fair waiter keeps its place)."""
 
-    __slots__ = ("arrival", "blocking", "token")
+    __slots__ = ("arrival", "blocking", "sent", "token")
 
     def __init__(self, blocking: bool, fair: bool, nodes: int) -> None:
         self.token = secrets.token_hex(16)
         self.blocking = blocking
+        self.sent = False  # a request with this token went out
         # One node numbers arrivals itself; several must agree on the order, so the
         # waiter stamps its arrival (clocks of different hosts order it roughly).
         self.arrival = f"{time.time() * 1000:.3f}" if fair and nodes > 1 else ""
@@ -738,6 +946,16 @@ def _quorum(nodes: int, limit: int | None) -> int:
     if not limit or limit == 1:
         return nodes // 2 + 1
     return limit * nodes // (limit + 1) + 1
+
+
+def _release_call(mode: str, fair: bool, resources: Sequence[LockKeys], token: str) -> Call:
+    """The script call that releases ``token``'s hold (a function: finalizers use it)."""
+    keys = resources[0]
+    if mode == "shared":
+        return Call(RELEASE_SHARED, (keys.lock, keys.shared, keys.holders), (token,))
+    if fair:
+        return Call(RELEASE, (keys.lock, keys.queue, keys.waiting), (token, "fair"))
+    return Call(RELEASE, tuple(resource.lock for resource in resources), (token,))
 
 
 def _fence_keys(keys: LockKeys) -> tuple[str, str, str]:

@@ -422,7 +422,8 @@ class Node:
         """Read replies owed on returned connections, without waiting for any."""
         now = time.monotonic()
         still = []
-        for item in self._draining:
+        draining, self._draining = self._draining, []
+        for item in draining:
             conn, owed, give_up_at, _ = item
             try:
                 while owed and conn.can_read(0):
@@ -432,6 +433,12 @@ class Node:
             except (RedisError, OSError):
                 conn.disconnect()
                 continue
+            except BaseException:
+                # Interrupted mid-reply: the connection is out of step, close it; the
+                # others stay owed.
+                conn.disconnect()
+                self._draining = still + [i for i in draining if i is not item and i not in still]
+                raise
             if not owed:
                 if len(self._idle) < MAX_IDLE:
                     self._idle.append(conn)
@@ -447,6 +454,18 @@ class Node:
     def discard(self, conn: AbstractConnection) -> None:
         """Close a connection that failed or cannot be trusted to be in sync."""
         self.failed_at = time.monotonic()
+        conn.disconnect()
+
+    def forget(self, conn: AbstractConnection) -> None:
+        """Close a connection whose request was interrupted, wherever it is now.
+
+        An exception raised asynchronously in the caller (a soft time limit, an
+        abort, Ctrl-C) may leave a reply half read: the connection must never carry
+        another request, whether or not it was already returned to the pool.
+        """
+        with self._lock:
+            self._idle = [c for c in self._idle if c is not conn]
+            self._draining = [item for item in self._draining if item[0] is not conn]
         conn.disconnect()
 
     # The routing interface :func:`fan_out` uses; a cluster node routes per master.
@@ -633,6 +652,8 @@ class _FanOut:
         self.replies: list[Reply | None] = [None] * len(nodes)
         self.gathers: dict[int, _Gather] = {}
         self.inflight: list[_InFlight] = []
+        #: Every connection this fan-out checked out, to close if it is interrupted.
+        self.used: list[tuple[Node, AbstractConnection]] = []
 
     def start(self, index: int, leg: Leg, share: int = 1) -> None:
         """Check out a connection of the leg's server and send the leg.
@@ -647,6 +668,7 @@ class _FanOut:
         conn = None
         try:
             conn, fresh, stale = leg.node.checkout(connect_timeout=remaining / share)
+            self.used.append((leg.node, conn))
             flight = _InFlight(index, leg, conn, stale)
             # A new connection may face a server that never saw our scripts (it was
             # restarted, or is new): load them in the same write instead of paying a
@@ -746,16 +768,22 @@ def fan_out(
         ((not leg.node.has_idle(), leg.node.failed_at, i, leg) for i, leg in legs),
         key=lambda item: item[:2],
     )
-    connects = sum(needs_connect for needs_connect, *_ in ordered)
-    for needs_connect, _, i, leg in ordered:
-        state.start(i, leg, share=connects if needs_connect else 1)
-        connects -= needs_connect
-    for i in state.gathers:
-        state.settle(i)
-
     try:
+        connects = sum(needs_connect for needs_connect, *_ in ordered)
+        for needs_connect, _, i, leg in ordered:
+            state.start(i, leg, share=connects if needs_connect else 1)
+            connects -= needs_connect
+        for i in state.gathers:
+            state.settle(i)
         _collect(state, decided)
-    finally:
+    except BaseException:
+        # Only an exception from outside (raised asynchronously, or a bug) gets here:
+        # node errors become replies. Replies may be half read: close every
+        # connection this request used, pooled again or not.
+        for node, conn in state.used:
+            node.forget(conn)
+        raise
+    else:
         now = time.monotonic()
         for flight in state.inflight:
             # (A leg in flight means its node has no reply yet.)
@@ -789,6 +817,8 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
                 continue
             if complete:
                 state.inflight.remove(flight)
+                # Back in the pool, another thread may use it: no longer ours to close.
+                state.used.remove((flight.leg.node, flight.conn))
                 flight.leg.node.checkin(flight.conn)
                 state.complete(flight)
                 state.settle(flight.index)

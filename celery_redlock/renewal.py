@@ -23,12 +23,15 @@ use). It cannot renew its parent's leases, which stay the parent's responsibilit
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import os
+import select
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +41,7 @@ from . import metrics
 from .exceptions import LockLost
 from .nodes import Call
 from .scripts import RENEW_MANY
+from .threads import START_GRACE, start_daemon
 
 if TYPE_CHECKING:
     from .keys import LockKeys
@@ -94,6 +98,7 @@ class Lease:
         "pid",
         "quorum",
         "released",
+        "renewing",
         "sent_at",
         "task_name",
         "timing",
@@ -134,6 +139,8 @@ class Lease:
         self.on_lost = list(on_lost or ())
         self.lost: LockLost | None = None
         self.released = False
+        #: Handed to the renewer (``auto_renew``).
+        self.renewing = False
         self.pid = os.getpid()
         self._lock = threading.Lock()
 
@@ -151,9 +158,24 @@ class Lease:
             return 0.0
         return max(0.0, self.deadline - clock())
 
-    def renewed(self, sent_at: float) -> None:
-        """A quorum confirmed a renewal sent at ``sent_at``."""
-        self.deadline = max(self.deadline, sent_at + self.timing.ttl - self.timing.drift)
+    def renewed(self, sent_at: float, read_at: float) -> bool:
+        """A quorum confirmed, at ``read_at``, a renewal sent at ``sent_at``.
+
+        The confirmation is judged when it is read. If the holder was paused between
+        sending and reading (SIGSTOP, a VM pause, a stop-the-world GC), the renewed
+        lease may already have run out by the local clock: someone else may hold the
+        lock by now, so the lease is lost at once rather than at the next renewal.
+        Returns True if the lease is still held.
+        """
+        deadline = max(self.deadline, sent_at + self.timing.ttl - self.timing.drift)
+        if read_at >= deadline - self.timing.margin:
+            self.mark_lost(
+                f"renewal confirmed {read_at - sent_at:.3f}s after it was sent, "
+                "too late: the lease may have ended meanwhile"
+            )
+            return False
+        self.deadline = deadline
+        return True
 
     def check(self) -> None:
         """Raise :class:`LockLost` unless the lease is held and not in doubt."""
@@ -195,13 +217,37 @@ class Lease:
 
 
 class Renewer:
-    """Renews the leases of one process in batches, from one background thread."""
+    """Renews the leases of one process in batches, from one background thread.
+
+    Only the renewer thread touches its heap. Other threads hand it leases through
+    a deque and wake it through a pipe, both single C calls: nothing they do can
+    leave a lock or condition held that the renewer needs. Task threads receive
+    asynchronous exceptions (a soft time limit, our own abort, Ctrl-C) at arbitrary
+    points; with a ``threading.Condition`` shared with them, one landing inside
+    ``notify()`` or ``Condition.__enter__`` left the renewer blocked for ever and
+    every lease of the process expired without a word (issue 12, item 4).
+    """
+
+    #: Longest sleep of the renewer thread: a wake-up lost to an exception raised
+    #: between queueing a lease and writing the pipe costs at most this much.
+    MAX_SLEEP = 1.0
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Lease]] = []
-        self._cond = threading.Condition()
+        self._inbox: deque[tuple[float, Lease]] = deque()
+        self._releases: deque[tuple[NodeSet, Call]] = deque()
         self._seq = itertools.count()
+        #: The thread running the loop, once it runs (it sets this itself).
         self._thread: threading.Thread | None = None
+        self._ident: int | None = None
+        self._start_lock = threading.Lock()
+        self._started_at = -START_GRACE
+        # Held for ever by the one thread that runs the loop: a second thread started
+        # by a racing start() finds it taken and exits at once.
+        self._run_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.pid = os.getpid()
         #: Ticks run and script calls sent, for tests and metrics.
         self.ticks = 0
@@ -209,58 +255,116 @@ class Renewer:
 
     def add(self, lease: Lease) -> None:
         """Start renewing ``lease``; stop by setting ``released`` or on loss."""
+        lease.renewing = True
         self._schedule(lease, clock() + lease.timing.renew_interval)
         self.start()
 
+    def release_later(self, nodeset: NodeSet, call: Call) -> None:
+        """Send ``call`` (a release) from the renewer thread, best effort.
+
+        For finalizers, which may run inside another call to the same nodes.
+        """
+        try:
+            self._releases.append((nodeset, call))
+        finally:
+            self._wake()
+        self.start()
+
+    def _send_releases(self) -> None:
+        while self._releases:
+            nodeset, call = self._releases.popleft()
+            try:
+                nodeset.call([call])
+            except Exception:
+                logger.warning("releasing a garbage-collected lock failed", exc_info=True)
+
     def start(self) -> None:
-        """Start the renewer thread, if it is not running yet."""
-        if self._thread is None:
-            with self._cond:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run, name="celery_redlock-renewer", daemon=True
-                    )
-                    self._thread.start()
+        """Start the renewer thread, if it is not running (or starting) yet."""
+        if self._run_lock.locked():
+            return
+        with self._start_lock:
+            now = clock()
+            if self._run_lock.locked() or now < self._started_at + START_GRACE:
+                return
+            self._started_at = now
+            start_daemon(self._run, "celery_redlock-renewer")
 
     def __len__(self) -> int:
-        return sum(1 for _, _, lease in self._heap if _alive(lease))
+        held = list(self._heap) + [(0.0, 0, lease) for _, lease in list(self._inbox)]
+        return len({id(lease) for _, _, lease in held if _alive(lease)})
 
     def _schedule(self, lease: Lease, due: float) -> None:
-        with self._cond:
-            heapq.heappush(self._heap, (due, next(self._seq), lease))
-            if self._heap[0][2] is lease:
-                self._cond.notify()
+        """Renew ``lease`` at ``due`` (any thread)."""
+        try:
+            self._inbox.append((due, lease))
+        finally:
+            self._wake()
+
+    def _schedule_many(self, items: list[tuple[float, Lease]]) -> None:
+        if not items:
+            return
+        if self._ident == threading.get_ident():
+            for due, lease in items:
+                heapq.heappush(self._heap, (due, next(self._seq), lease))
+            return
+        try:
+            self._inbox.extend(items)
+        finally:
+            self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    def _take_inbox(self) -> None:
+        inbox, heap = self._inbox, self._heap
+        while inbox:
+            due, lease = inbox.popleft()
+            heapq.heappush(heap, (due, next(self._seq), lease))
+
+    def _sleep(self, timeout: float) -> None:
+        select.select([self._wake_r], [], [], max(0.0, min(timeout, self.MAX_SLEEP)))
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, 4096):
+                pass
 
     def _take_due(self) -> tuple[list[Lease], float]:
         """Wait for due leases; return them and when the first of them was due."""
-        with self._cond:
-            while True:
-                while self._heap and not _alive(self._heap[0][2]):
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._cond.wait()
-                    continue
-                due, _, lease = self._heap[0]
-                wait = due - clock()
-                if wait > 0:
-                    self._cond.wait(wait)
-                    continue
-                now, first_due = clock(), due
-                taken = []
-                while self._heap:
-                    due, _, lease = self._heap[0]
-                    if due > now + COALESCE * lease.timing.renew_interval:
-                        break
-                    heapq.heappop(self._heap)
-                    if _alive(lease):
-                        taken.append(lease)
-                if taken:
-                    return taken, first_due
+        heap = self._heap
+        while True:
+            self._send_releases()
+            self._take_inbox()
+            while heap and not _alive(heap[0][2]):
+                heapq.heappop(heap)
+            if not heap:
+                self._sleep(self.MAX_SLEEP)
+                continue
+            due, _, lease = heap[0]
+            wait = due - clock()
+            if wait > 0:
+                self._sleep(wait)
+                continue
+            now, first_due = clock(), due
+            taken = []
+            while heap:
+                due, _, lease = heap[0]
+                if due > now + COALESCE * lease.timing.renew_interval:
+                    break
+                heapq.heappop(heap)
+                if _alive(lease):
+                    taken.append(lease)
+            if taken:
+                return taken, first_due
 
     def _run(self) -> None:
+        if not self._run_lock.acquire(blocking=False):
+            return  # another thread runs this renewer already
+        self._ident = threading.get_ident()
+        self._thread = threading.current_thread()
         while True:
-            leases, due = self._take_due()
+            leases: list[Lease] = []
             try:
+                leases, due = self._take_due()
                 self.renew(leases, due)
             except Exception as exc:  # never let the watchdog die; retry these leases soon
                 logger.exception("renewer tick failed")
@@ -291,9 +395,12 @@ class Renewer:
         # 50,000-lock tick timed out every time).
         replies = nodeset.call(calls, timeout=nodeset.timeout + CHUNK_BUDGET * (len(calls) - 1))
         self.calls += len(calls) * sum(1 for r in replies if r is not None)
+        # Judged now, when the replies are read: a pause between sending and reading
+        # (SIGSTOP, a VM pause, a long GC) may have let the lease run out meanwhile.
         now = clock()
         n = len(nodeset)
         retried: list[str] = []
+        again: list[tuple[float, Lease]] = []
         offset = 0
         for lease in leases:
             quorum = lease.quorum
@@ -311,8 +418,8 @@ class Renewer:
             if lease.released:
                 continue
             if renewed >= quorum:
-                lease.renewed(sent_at)
-                self._schedule(lease, now + lease.timing.renew_interval)
+                if lease.renewed(sent_at, now):
+                    again.append((now + lease.timing.renew_interval, lease))
             elif refused > n - quorum:
                 lease.mark_lost(
                     "the key expired, was deleted or is held by another owner"
@@ -321,10 +428,13 @@ class Renewer:
                 )
             else:
                 why = "; ".join(errors) or "no quorum"
-                if self._retry_or_lose(lease, now, why):
+                retry_at = self._retry_at(lease, now, why)
+                if retry_at is not None:
+                    again.append((retry_at, lease))
                     retried.append(why)
                     if metrics.enabled:
                         metrics.renew_failed(lease.task_name)
+        self._schedule_many(again)
         if retried:
             # One line per tick, not per lock: 10,000 locks on a dead node are one event.
             logger.warning(
@@ -333,13 +443,26 @@ class Renewer:
                 retried[0],
             )
 
-    def _retry_or_lose(self, lease: Lease, now: float, why: str) -> bool:
-        """Schedule a prompt retry, or declare the loss once past the give-up time."""
+    def _retry_at(self, lease: Lease, now: float, why: str) -> float | None:
+        """When to retry a renewal, or None once past the give-up time (then lost)."""
         if now >= lease.give_up_at:
             lease.mark_lost(f"renewal not confirmed before the lease deadline ({why})")
+            return None
+        return min(now + lease.timing.renew_interval / 4, lease.give_up_at)
+
+    def _retry_or_lose(self, lease: Lease, now: float, why: str) -> bool:
+        """Schedule a prompt retry, or declare the loss once past the give-up time."""
+        retry_at = self._retry_at(lease, now, why)
+        if retry_at is None:
             return False
-        self._schedule(lease, min(now + lease.timing.renew_interval / 4, lease.give_up_at))
+        self._schedule_many([(retry_at, lease)])
         return True
+
+    def close(self) -> None:
+        """Close the wake-up pipe (a forked child's copy of its parent's renewer)."""
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _alive(lease: Lease) -> bool:
@@ -414,6 +537,8 @@ def _after_fork_in_child() -> None:
     global _renewer, _renewer_lock  # noqa: PLW0603
     # The parent's renewer thread does not exist here, and its locks may be held
     # by the parent's other threads at fork time: start from nothing.
+    if _renewer is not None:
+        _renewer.close()
     _renewer = None
     _renewer_lock = threading.Lock()
 

@@ -11,6 +11,12 @@ after the release.
 A lock that *expires* publishes nothing, and a notification can be lost with a
 dropped connection; waiters therefore never wait longer than the holder's
 remaining lease (the "TTL fallback") before trying again.
+
+Waiters are woken through a :class:`Wakeup`, not a ``threading.Event``: an
+``Event`` guards its flag with a ``Condition`` whose lock is taken in Python code,
+and an exception raised asynchronously in a waiting task thread (a soft time limit,
+an abort) can leave that lock held; the listener thread setting the event then
+blocks for ever, and with it every waiter of the process.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from collections import deque
 from redis.exceptions import RedisError
 
 from .nodes import Node
+from .threads import START_GRACE, start_daemon
 
-__all__ = ["Subscription", "get_listener"]
+__all__ = ["Subscription", "Wakeup", "get_listener"]
 
 logger = logging.getLogger("celery_redlock.waiting")
 
@@ -36,24 +43,67 @@ logger = logging.getLogger("celery_redlock.waiting")
 MAX_BACKOFF = 1.0
 
 
-class _Listener(threading.Thread):
+class Wakeup:
+    """A wake-up that the waker can always deliver without blocking.
+
+    Built on one ``threading.Lock`` used as a binary semaphore: the lock is *taken*
+    while no wake-up is pending. ``set`` releases it and ``wait`` takes it back (so
+    a wait consumes the wake-up). Every operation is one C call: an exception
+    raised asynchronously in the waiter can land only between them, never with an
+    internal lock held that the waker needs.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        """Deliver a wake-up (idempotent while one is pending)."""
+        with contextlib.suppress(RuntimeError):  # one is pending already
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        """Whether a wake-up is pending."""
+        return not self._lock.locked()
+
+    def clear(self) -> None:
+        """Drop a pending wake-up, if any."""
+        self._lock.acquire(blocking=False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a wake-up and consume it; False if ``timeout`` passed first."""
+        if timeout is None:
+            return self._lock.acquire()
+        return self._lock.acquire(timeout=max(0.0, timeout))
+
+
+class _Listener:
     """Owns the pub/sub connection to one node and wakes waiters on releases."""
 
     def __init__(self, node: Node) -> None:
-        super().__init__(name=f"celery_redlock-listener {node.safe_url}", daemon=True)
+        self.name = f"celery_redlock-listener {node.safe_url}"
         self.node = node
         self._mutex = threading.Lock()
         # channel -> waiters in arrival order, each with its fair-waiting token (or None)
-        self._waiters: dict[str, dict[threading.Event, str | None]] = {}
-        self._confirmed: dict[str, threading.Event] = {}
+        self._waiters: dict[str, dict[Wakeup, str | None]] = {}
+        self._confirmed: dict[str, Wakeup] = {}
         self._requests: deque[tuple[str, str]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._conn = None
+        self._run_lock = threading.Lock()
+        self._started_at = -START_GRACE
 
-    def add(
-        self, channel: str, event: threading.Event, token: str | None = None
-    ) -> threading.Event:
+    def start(self) -> None:
+        """Start the listener thread unless it runs, or was started just now."""
+        if self._run_lock.locked() or time.monotonic() < self._started_at + START_GRACE:
+            return
+        self._started_at = time.monotonic()
+        start_daemon(self.run, self.name)
+
+    def add(self, channel: str, event: Wakeup, token: str | None = None) -> Wakeup:
         """Register ``event`` for ``channel``; returns an event set once subscribed.
 
         A fair waiter gives its ``token``: an announcement naming a token wakes only
@@ -63,14 +113,14 @@ class _Listener(threading.Thread):
             waiters = self._waiters.setdefault(channel, {})
             first = not waiters
             waiters[event] = token
-            confirmed = self._confirmed.setdefault(channel, threading.Event())
+            confirmed = self._confirmed.setdefault(channel, Wakeup())
             if first:
                 self._requests.append(("SUBSCRIBE", channel))
         if first:
             self._poke()
         return confirmed
 
-    def remove(self, channel: str, event: threading.Event) -> None:
+    def remove(self, channel: str, event: Wakeup) -> None:
         """Unregister ``event``; the channel is unsubscribed when no waiter is left."""
         with self._mutex:
             waiters = self._waiters.get(channel)
@@ -88,14 +138,14 @@ class _Listener(threading.Thread):
             self._requests.append(("UNSUBSCRIBE", channel))
         self._poke()
 
-    def pass_on(self, channel: str, event: threading.Event) -> None:
+    def pass_on(self, channel: str, event: Wakeup) -> None:
         """Wake the next waiter for ``channel`` (after a share was taken: it may fit too)."""
         with self._mutex:
             waiters = self._waiters.get(channel, {})
             self._wake_one({w: t for w, t in waiters.items() if w is not event})
 
     @staticmethod
-    def _wake_one(waiters: dict[threading.Event, str | None]) -> None:
+    def _wake_one(waiters: dict[Wakeup, str | None]) -> None:
         """Wake the longest-waiting waiter not already woken.
 
         One release lets one holder in: waking every waiter would send all of them to
@@ -119,6 +169,9 @@ class _Listener(threading.Thread):
                     event.set()
 
     def run(self) -> None:
+        """Serve the node's pub/sub connection for ever, reconnecting after failures."""
+        if not self._run_lock.acquire(blocking=False):
+            return  # another thread serves this node already
         backoff = 0.05
         while True:
             try:
@@ -212,22 +265,25 @@ class Subscription:
         token: str | None = None,
     ) -> None:
         self.channel = channel
-        self.event = threading.Event()
-        self._listeners = [get_listener(node) for node in nodes]
-        confirmations = [listener.add(channel, self.event, token) for listener in self._listeners]
+        self.event = Wakeup()
+        self._listeners: list[_Listener] = []
+        confirmations = []
+        for node in nodes:
+            listener = get_listener(node)
+            confirmations.append(listener.add(channel, self.event, token))
+            self._listeners.append(listener)  # after add: close() removes only what was added
         # Wait until subscribed on at least one node before the caller retries, so
         # a release between that retry and the wait cannot go unnoticed. If no node
         # confirms in time the caller still has the TTL fallback.
         deadline = time.monotonic() + confirm_timeout
         for confirmed in confirmations:
-            if confirmed.wait(max(0.0, deadline - time.monotonic())):
+            if confirmed.is_set() or confirmed.wait(max(0.0, deadline - time.monotonic())):
+                confirmed.set()  # a confirmation stands for every waiter of the channel
                 break
 
     def wait(self, timeout: float) -> bool:
         """Block until a release is announced or ``timeout`` passes; True if announced."""
-        woken = self.event.wait(max(0.0, timeout))
-        self.event.clear()
-        return woken
+        return self.event.wait(max(0.0, timeout))
 
     def pass_on(self) -> None:
         """Wake this process's next waiter for the lock (this one no longer waits)."""
@@ -258,7 +314,7 @@ def get_listener(node: Node) -> _Listener:
             listener = _listeners.get(node.url)
             if listener is None:
                 listener = _listeners[node.url] = _Listener(node)
-                listener.start()
+    listener.start()  # also restarts one that died before it ran
     return listener
 
 

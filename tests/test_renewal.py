@@ -47,6 +47,7 @@ def check_one_tick(renewer, servers, locks):
     for lock in locks:
         renewer._schedule(lock._lease, due)
     renewer.start()
+    wait_for(lambda: renewer._thread is not None, timeout=5)  # start() does not wait for it
     assert ours(threads_before) == [renewer._thread], "one renewer thread for all"
     deadlines = [lock._lease.deadline for lock in locks]
     wait_for(
