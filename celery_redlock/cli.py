@@ -658,7 +658,9 @@ def _share_inventory(
     keys, errors = scan_lock_keys(
         session.nodeset, session.prefix, timeout=timeout, suffix=":shared", key_type="zset"
     )
-    shares = read_shares(session.nodeset, keys, session.prefix, timeout=timeout)
+    shares, read_errors = read_shares(session.nodeset, keys, session.prefix, timeout=timeout)
+    for node, error in read_errors.items():
+        errors.setdefault(node, error)
     if task is not None:
         shares = [s for s in shares if fnmatch.fnmatchcase(s.task_name or "", task)]
     return shares, errors

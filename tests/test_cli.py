@@ -35,6 +35,7 @@ from celery_redlock.cli import (
     resolve_key,
 )
 from celery_redlock.nodes import NodeSet
+from celery_redlock.shares import read_shares
 from tests.apps.cli_app import CONF_ENV
 from tests.apps.locked import create_app
 from tests.harness import APP_URL_ENV, lock_keys, wait_for
@@ -731,3 +732,16 @@ def test_ls_stale_without_workers_does_not_say_no_stale_locks(redis_node, cli):
     assert "1 lock(s) could not be classified" in listed.stderr
     assert "redlock:{orphan}" in listed.stderr
     lock.release()
+
+
+def test_read_shares_reports_a_node_it_could_not_read(redis_factory):
+    """A node that fails the share read (after answering SCAN) is an error, not "none"."""
+    (server,) = redis_factory(1)
+    nodeset = NodeSet([server.url], timeout=0.2)
+    server.kill()
+    try:
+        shares, errors = read_shares(nodeset, ["redlock:{r}:shared"], "redlock:", timeout=0.2)
+    finally:
+        nodeset.nodes[0].close()
+    assert shares == []
+    assert set(errors) == {server.url}
