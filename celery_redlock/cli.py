@@ -1183,13 +1183,14 @@ def _release_stale(
     # Ask the workers after reading the locks: a task that took its lock before the
     # SCAN is in its worker's active list by the time it is asked.
     workers = ask_workers(ctx.obj.app, timeout)
+    error = None
     if workers is None:
-        ctx.obj.error(
+        error = (
             f"no worker answered within {timeout}s: only locks whose holder's process is "
             "gone on this host are proven stale (raise --timeout, or check the workers "
-            "and the broker)",
-            fg="red",
+            "and the broker)"
         )
+        ctx.obj.error(error, fg="red")
     states = {lock.key: classify(lock, workers) for lock in locks}
     stale = [lock for lock in locks if states[lock.key][0] == STALE]
     # In doubt, a lock is listed and refused, never released.
@@ -1199,10 +1200,11 @@ def _release_stale(
         if states[lock.key][0] == UNKNOWN
     ]
     code = (EX_UNAVAILABLE if workers is None else 1) if refused else 0
+    error = error if refused else None
     if not stale:
         if not refused:
             ctx.obj.error("No stale locks.")
-        _report_release(ctx, as_json, [], refused, code)
+        _report_release(ctx, as_json, [], refused, code, error)
     now = time.time()
     say = ctx.obj.error if as_json else ctx.obj.echo
     for lock in stale:
@@ -1210,7 +1212,7 @@ def _release_stale(
     if not yes:
         click.confirm(f"Release these {len(stale)} stale lock(s)?", err=True, abort=True)
     released = _release_many(ctx, session, stale, node_timeout)
-    _report_release(ctx, as_json, released, refused, code)
+    _report_release(ctx, as_json, released, refused, code, error)
 
 
 def _quorum_error(nodeset: NodeSet, errors: dict[str, str]) -> str:

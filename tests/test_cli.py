@@ -667,6 +667,7 @@ def test_release_stale_releases_a_lock_whose_holder_pid_is_gone_on_this_host(red
     (refused,) = data["refused"]
     assert (refused["key"], refused["state"]) == ("redlock:{alive}", "unknown")
     assert released.exit_code == 69, "no worker answered about the live holder's task"
+    assert "no worker answered" in data["error"]
     assert alive.locked()
     alive.release()
     _dead_holder_lock(db0, "orphan2", "gone-3")
