@@ -5,11 +5,20 @@
     celery -A proj beat -S celery_redlock.beat:LeaderScheduler
 
 Every beat competes for one leader lock (``redlock:{beat:<redlock_beat_name>}``, lease
-``redlock_beat_ttl``). The leader's lease is renewed in the background by the process's
-watchdog, not only when beat ticks. Standbys keep ticking without sending anything and
-try again each time the leader's lease could have ended, so a standby takes over within
-one lease of the leader dying (SIGKILL) or hanging (SIGSTOP), without a restart. A
-leader that loses its lease steps down and keeps competing; it never exits for it.
+``redlock_beat_ttl``). The default name is ``<main>@<digest>``: the app's main name and
+12 hex digits of SHA-256 over the broker's address without its password
+(:func:`broker_identity`), so two projects that share a lock Redis but not a broker
+never elect one leader between them even when both are ``Celery("proj")``. Set
+``redlock_beat_name`` when the beats of one project reach the broker by different
+addresses (``localhost`` here, a host name there): they would otherwise each lead.
+A standby logs at INFO which beat leads (app, host, pid, broker), and at WARNING when
+that beat belongs to another project (another broker).
+
+The leader's lease is renewed in the background by the process's watchdog, not only
+when beat ticks. Standbys keep ticking without sending anything and try again each
+time the leader's lease could have ended, so a standby takes over within one lease of
+the leader dying (SIGKILL) or hanging (SIGSTOP), without a restart. A leader that loses
+its lease steps down and keeps competing; it never exits for it.
 
 **No run is sent twice.** Before sending, the leader *claims* the run with one script
 (``beat_claim.lua``) that checks, on Redis, both that it still holds the leader lock
@@ -39,23 +48,34 @@ and which dispatches through ``apply_entry``, e.g.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import socket
 import time
 from datetime import datetime, timezone
 from typing import Any
 
 from celery.beat import PersistentScheduler
+from kombu.utils.url import url_to_parts
 from redis.exceptions import ResponseError
 
-from .exceptions import LockBusy, LockLost, NodeUnavailable
+from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .lock import Redlock
 from .nodes import Call
 from .scripts import BEAT_CLAIM
 from .task import app_settings
 
-__all__ = ["LeaderMixin", "LeaderScheduler"]
+__all__ = [
+    "LeaderMixin",
+    "LeaderScheduler",
+    "beat_holder",
+    "broker_identity",
+    "default_beat_name",
+    "leader_name",
+    "parse_beat_holder",
+]
 
 logger = logging.getLogger("celery.beat")
 
@@ -63,6 +83,76 @@ CLAIMED, TAKEN, NOT_LEADER = 1, 0, -1
 
 #: Message header carrying the claimed run time of a periodic run.
 RUN_HEADER = "redlock_beat_run"
+
+
+#: What a leader records as its ``task_name``: who it is and which broker it sends to.
+_HOLDER = re.compile(
+    r"^celery beat (?P<app>\S+) (?P<host>\S+):(?P<pid>\d+) broker (?P<broker>\S+)$"
+)
+
+
+def broker_identity(app: Any) -> str:
+    """The broker ``app`` sends to, without its password: ``transport://user@host:port/vhost``.
+
+    Spellings of one address that kombu resolves alike compare equal (``redis://h`` and
+    ``redis://h:6379/0``); the first URL of a failover list counts; a Redis
+    ``global_keyprefix`` is part of it (it separates projects on one database).
+
+    Raises:
+        ConfigurationError: the broker URL cannot be read (naming ``redlock_beat_name``).
+    """
+    try:
+        with app.connection_for_write() as conn:
+            # as_uri() fills in the transport's default port; its password is masked.
+            parts = url_to_parts(conn.as_uri())
+    except Exception as exc:
+        raise ConfigurationError(
+            f"redlock_beat_name is not set and the broker URL cannot be read to derive it "
+            f"({type(exc).__name__}: {exc}); set redlock_beat_name"
+        ) from exc
+    vhost = (parts.path or "").strip("/")
+    if parts.scheme in ("redis", "rediss") and not vhost:
+        vhost = "0"
+    address = f"{parts.username or ''}@{parts.hostname or ''}:{parts.port or ''}"
+    identity = f"{parts.scheme}://{address}/{vhost or '/'}"
+    options = app.conf.get("broker_transport_options") or {}
+    prefix = options.get("global_keyprefix") if isinstance(options, dict) else None
+    return f"{identity}?global_keyprefix={prefix}" if prefix else identity
+
+
+def default_beat_name(app: Any) -> str:
+    """``<main>@<12 hex digits of SHA-256 of broker_identity(app)>``.
+
+    The digest, not the address, goes into the key: names stay short, and nothing of
+    the broker's credentials is in Redis (the identity has no password to begin with).
+    """
+    main = re.sub(r"[{}\s]", "_", app.main or "celery")
+    digest = hashlib.sha256(broker_identity(app).encode()).hexdigest()[:12]
+    return f"{main}@{digest}"
+
+
+def leader_name(app: Any, beat_name: str | None) -> str:
+    """The leader lock's name: ``beat:`` and ``redlock_beat_name`` or the default."""
+    return f"beat:{beat_name or default_beat_name(app)}"
+
+
+def beat_holder(app: Any) -> str:
+    """What this beat records as the leader lock's ``task_name``.
+
+    App, host, pid and broker identity, parsed back by :func:`parse_beat_holder`.
+    """
+    main = re.sub(r"\s", "_", app.main or "celery")
+    where = f"{socket.gethostname()}:{os.getpid()}"
+    return f"celery beat {main} {where} broker {broker_identity(app)}"
+
+
+def parse_beat_holder(task_name: str | None) -> dict[str, str] | None:
+    """``{"app", "host", "pid", "broker"}`` of a leader's ``task_name``.
+
+    None if it is not one this version writes (an older beat, or not a beat).
+    """
+    match = _HOLDER.match(task_name or "")
+    return match.groupdict() if match else None
 
 
 class LeaderMixin:
@@ -75,20 +165,22 @@ class LeaderMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         settings = app_settings(self.app)  # ConfigurationError stops beat at start
-        name = settings.beat_name or self.app.main or "celery"
+        self.broker_identity = broker_identity(self.app)
         self.leader_lock = Redlock(
-            f"beat:{name}",
+            leader_name(self.app, settings.beat_name),
             nodes=settings.node_urls(),
             ttl=settings.beat_ttl,
             node_timeout=settings.node_timeout,
             drift_factor=settings.drift_factor,
             key_prefix=settings.key_prefix,
-            task_name=f"celery beat {socket.gethostname()}:{os.getpid()}",
+            task_name=beat_holder(self.app),
             on_lost=self._on_leader_lost,
         )
         self.leading = False
         #: When to ask for the lease again while standing by (monotonic).
         self._next_try = 0.0
+        #: The leader this standby last named in its log (so it says so once per leader).
+        self._seen_leader: str | None = None
 
     # -- leadership ----------------------------------------------------------------
 
@@ -119,6 +211,7 @@ class LeaderMixin:
             # Ask again when the holder's lease would end if it stopped renewing.
             wait = max(0.05, (busy.ttl or self.leader_lock.timing.ttl) + 0.01)
             self._next_try = time.monotonic() + wait
+            self._name_leader()
             return wait
         except NodeUnavailable as exc:
             logger.warning("beat: cannot reach Redis to compete for leadership: %s", exc)
@@ -128,6 +221,37 @@ class LeaderMixin:
         self._adopt_schedule_state()
         logger.info("beat: elected leader (fence %s)", self.leader_lock.fence)
         return None
+
+    def _name_leader(self) -> None:
+        """Say once per leader which beat leads; warn if it is another project's."""
+        try:
+            views = self.leader_lock.inspect()
+        except Exception as exc:  # naming the leader is a courtesy: never stop beat
+            logger.debug("beat: could not read the leader lock: %s", exc)
+            return
+        names = [v.get("task_name") for v in views if v.get("task_name")]
+        if not names or names[0] == self._seen_leader:
+            return
+        holder = max(set(names), key=names.count)
+        self._seen_leader = holder
+        key = self.leader_lock.key
+        leader = parse_beat_holder(holder)
+        if leader is not None and leader["broker"] != self.broker_identity:
+            logger.warning(
+                "beat: standing by, but the leader lock %s is held by a beat of another "
+                "project (app %s on %s:%s, broker %s; this beat's broker is %s): this "
+                "project's periodic tasks are not sent while it leads. Give each project "
+                "its own redlock_beat_name.",
+                key, leader["app"], leader["host"], leader["pid"], leader["broker"],
+                self.broker_identity,
+            )  # fmt: skip
+        elif leader is not None:
+            logger.info(
+                "beat: standing by; the leader is app %s on %s:%s (lock %s)",
+                leader["app"], leader["host"], leader["pid"], key,
+            )  # fmt: skip
+        else:
+            logger.info("beat: standing by; the leader is %r (lock %s)", holder, key)
 
     def _adopt_schedule_state(self) -> None:
         """Continue the schedule where the previous leader left it."""

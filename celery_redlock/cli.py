@@ -16,21 +16,32 @@ blocks a server for as long as it takes to walk every key), read with the
 was read, so a lock re-acquired in the meantime is left alone. Every call has the
 node timeout as its budget and no retries: a dead node costs one budget per round.
 
-Whether a holder still runs is asked of the workers (``inspect().active()``). A lock
-is **stale** only with positive evidence: it names a task id, some worker answered,
-one of the answering workers runs on the holder's host, and no answering worker has
-that task id active. Anything less is **unknown**, and never released without
-``--force``. A lock with no task id (a lock taken with ``Redlock`` in code, the beat
-leader lock) is never stale.
+Whether a holder still runs is asked of the workers (``inspect().active()``, then
+``stats()`` of those that answered, for their pids). A lock is **stale** only when it
+names a task id and its holder is proven dead: the holder's process (the host and pid
+the lock records) is gone on this host; or the holder's own worker (the answering
+worker on that host whose main or pool process has that pid) does not have the task
+active and runs no task in that process. Anything less is **unknown**: listed, never
+released by ``--stale``, and released by ``release KEY`` only with ``--force``. A busy
+solo worker cannot answer, and another worker on the same host says nothing about it.
+A lock with no task id (a lock taken with ``Redlock`` in code, the beat leader lock)
+is never stale.
+
+A node that does not answer is never reported as holding no locks: with fewer than a
+quorum answering, ``ls`` prints no "No locks held" (``--json``: ``"complete": false``
+and ``"locks": null``), ``inspect`` says "unknown" (``"held": null``), and ``release``
+releases nothing (``"error"``), all with exit status 69.
 
 Exit status:
 
 * 0: done (for ``doctor``: no error-level finding).
-* 1: ``release`` refused (the holder runs, or whether it runs is unknown) or was not
-  confirmed; ``doctor`` found an error; the ``redlock_*`` settings do not validate.
+* 1: ``release`` refused (the holder runs, or whether it runs is unknown; for
+  ``--stale``: some lock could not be classified) or was not confirmed; ``doctor``
+  found an error; the ``redlock_*`` settings do not validate.
 * 2: wrong usage (click).
 * 69 (``EX_UNAVAILABLE``): fewer than a quorum of lock nodes answered; or workers had
-  to be asked and none answered, or the broker could not be reached; for ``doctor``,
+  to be asked and none answered (for ``release --stale``: and some lock was refused
+  for it), or the broker could not be reached; for ``doctor``,
   a node could not be asked at all.
 """
 
@@ -38,24 +49,21 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NoReturn
 
 import click
-from celery.bin.base import (
-    CeleryCommand,
-    CeleryOption,
-    handle_preload_options,
-    handle_remote_command_error,
-)
+from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 from click_didyoumean import DYMGroup
+from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError, ResponseError
 
 from . import doctor as doctor_module
@@ -421,63 +429,160 @@ def release_lock(
 
 @dataclass(frozen=True)
 class Workers:
-    """What the workers answered to ``inspect().active()``."""
+    """What the workers answered to ``inspect().active()`` and ``inspect().stats()``.
+
+    ``pids`` maps each worker to its main pid followed by its pool's processes (prefork
+    children; solo lists the main pid again); ``busy`` to the pids running its active
+    tasks (``None`` for a task whose process is not known yet). A worker missing from
+    ``pids`` answered ``active`` but not ``stats``: it cannot be named as a holder's.
+    """
 
     answered: tuple[str, ...]
     active: dict[str, str]  # task id -> worker node name
+    pids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    busy: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
 
-    @property
-    def hosts(self) -> set[str]:
-        """Host names of the answering workers (the part after ``@``), full and short."""
-        hosts: set[str] = set()
-        for name in self.answered:
-            host = name.split("@", 1)[-1]
-            hosts.update((host, host.split(".")[0]))
-        return hosts
+    def holders_worker(self, host: str, pid: int | None) -> str | None:
+        """The answering worker whose process ``pid`` on ``host`` is, if any.
+
+        The host is the one the lock recorded (``socket.gethostname()`` of the holder)
+        against the host part of the worker's node name (full or short).
+        """
+        if pid is None or not host:
+            return None
+        hosts = {host, host.split(".", 1)[0]}
+        for name, pids in self.pids.items():
+            node_host = name.split("@", 1)[-1]
+            if {node_host, node_host.split(".", 1)[0]} & hosts and pid in pids:
+                return name
+        return None
+
+    def runs_tasks_in(self, name: str, pid: int) -> bool:
+        """Whether worker ``name`` runs any task in process ``pid`` (or may: unknown pid).
+
+        A holder in the worker's main process (solo, threads, gevent) shares it with
+        every task of that worker, so any active task counts.
+        """
+        busy = self.busy.get(name, ())
+        if self.pids.get(name, (None,))[0] == pid:
+            return bool(busy)
+        return any(p is None or p == pid for p in busy)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form: answered, active task ids."""
-        return {"answered": list(self.answered), "active": sorted(self.active)}
+        """JSON-ready form: answered, active task ids, pids per worker."""
+        return {
+            "answered": list(self.answered),
+            "active": sorted(self.active),
+            "pids": {name: list(pids) for name, pids in sorted(self.pids.items())},
+        }
+
+
+def _remote_error(command: str, exc: Exception) -> NoReturn:
+    """Raise the CLI error for a failed remote-control call (exit ``EX_UNAVAILABLE``).
+
+    The same as ``celery.bin.base.handle_remote_command_error``, which exists only
+    from Celery 5.6: importing it kept this command from loading on 5.3 to 5.5.
+    """
+    if isinstance(exc, click.ClickException):
+        raise exc
+    if isinstance(exc, OperationalError):
+        message = (
+            "Could not connect to the message broker. Please make sure your broker "
+            "(e.g., RabbitMQ or Redis) is running and the connection settings are "
+            f"correct. Reason: {exc}"
+        )
+    else:
+        message = f"Unable to run the `{command}` command. Reason: {exc}"
+    raise CeleryCommandException(message=message, exit_code=EX_UNAVAILABLE) from exc
 
 
 def ask_workers(app: Any, timeout: float) -> Workers | None:
-    """Ask every worker for its active tasks; None when no worker answered.
+    """Ask every worker for its active tasks, then those that answered for their pids.
+
+    Returns None when no worker answered. ``stats`` goes only to the workers that
+    answered ``active`` and returns as soon as they all have, so it costs one round
+    trip rather than another ``timeout``.
 
     Raises:
         CeleryCommandException: the broker cannot be reached (exit ``EX_UNAVAILABLE``).
     """
     try:
         replies = app.control.inspect(timeout=timeout).active()
+        if not replies:
+            return None
+        names = sorted(replies)
+        stats = app.control.inspect(names, timeout=timeout, limit=len(names)).stats() or {}
     except Exception as exc:
-        handle_remote_command_error("redlock", exc)
-    if not replies:
-        return None
-    active = {}
+        _remote_error("redlock", exc)
+    active: dict[str, str] = {}
+    busy: dict[str, tuple[int | None, ...]] = {}
     for name, requests in replies.items():
-        for request in requests or ():
-            if isinstance(request, dict) and request.get("id"):
-                active[request["id"]] = name
-    return Workers(tuple(sorted(replies)), active)
+        running = [r for r in requests or () if isinstance(r, dict) and r.get("id")]
+        for request in running:
+            active[request["id"]] = name
+        busy[name] = tuple(_int(r.get("worker_pid")) for r in running)
+    pids: dict[str, tuple[int, ...]] = {}
+    for name, info in stats.items():
+        main = _int(info.get("pid")) if isinstance(info, dict) else None
+        if name not in replies or main is None:
+            continue
+        pool = info.get("pool") if isinstance(info.get("pool"), dict) else {}
+        children = [p for p in map(_int, pool.get("processes") or ()) if p is not None]
+        pids[name] = (main, *children)
+    return Workers(tuple(names), active, pids, busy)
+
+
+def pid_gone(host: str, pid: int | None) -> bool:
+    """Whether process ``pid`` of ``host`` is known not to exist.
+
+    That is: ``host`` is this host and no process has that pid (a live process of
+    another user still counts as alive).
+
+    Note:
+        A pid namespace (a container) that shares this host's name but not its
+        processes would look gone from here: run the command where the workers run.
+    """
+    if pid is None or pid <= 0 or host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists
+        return False
+    return False
 
 
 def classify(lock: LockView, workers: Workers | None) -> tuple[str, str]:
     """``(state, reason)`` of a lock's holder: active, stale, unknown or no-task.
 
-    Stale needs positive evidence (see the module docs): a worker on the holder's
-    host answered and no answering worker runs the task. A busy solo-pool worker
-    cannot answer; a worker on another host says nothing about this one.
+    Stale needs proof that no body runs under the lock: the holder's process (its
+    host and pid) is gone on this host; or the holder's own worker answered, does not
+    have the task active and runs no task in the holder's process. Anything less is
+    unknown: a busy solo worker cannot answer, and another worker on the same host
+    says nothing about it.
     """
     task_id = lock.task_id
     if task_id is None:
         return NO_TASK, "the holder is not a task"
-    if workers is None:
-        return UNKNOWN, "no worker answered"
-    if task_id in workers.active:
+    if workers is not None and task_id in workers.active:
         return ACTIVE, f"task {task_id} is running on {workers.active[task_id]}"
     host = lock.fields.get("host") or ""
-    if host not in workers.hosts and host.split(".")[0] not in workers.hosts:
-        return UNKNOWN, f"no worker on the holder's host {host or '?'} answered"
-    return STALE, f"task {task_id} is not active on any of {len(workers.answered)} worker(s)"
+    pid = _int(lock.fields.get("pid"))
+    where = f"pid {pid if pid is not None else '?'} on {host or '?'}"
+    if pid_gone(host, pid):
+        return STALE, f"the holder's process ({where}) is gone"
+    if workers is None:
+        return UNKNOWN, f"no worker answered, and the holder's process ({where}) is not gone"
+    worker = workers.holders_worker(host, pid)
+    if worker is None:
+        return UNKNOWN, f"the holder's worker ({where}) did not answer"
+    if workers.runs_tasks_in(worker, pid):  # type: ignore[arg-type]
+        return UNKNOWN, (
+            f"the holder's worker {worker} ({where}) runs other tasks in that process, "
+            "one of which may hold it"
+        )
+    return STALE, f"task {task_id} is not active on the holder's worker {worker} ({where})"
 
 
 # -- command plumbing --------------------------------------------------------------
@@ -526,13 +631,8 @@ def _check_quorum(ctx: click.Context, nodeset: NodeSet, errors: dict[str, str]) 
     """Warn about failed nodes; EX_UNAVAILABLE when fewer than a quorum answered."""
     for node, error in errors.items():
         _warn(ctx, f"node {node} did not answer: {error}")
-    answered = len(nodeset) - len(errors)
-    if answered < nodeset.quorum:
-        ctx.obj.error(
-            f"only {answered} of {len(nodeset)} lock node(s) answered, fewer than the "
-            f"{nodeset.quorum} needed to tell who holds a lock",
-            fg="red",
-        )
+    if len(nodeset) - len(errors) < nodeset.quorum:
+        ctx.obj.error(_quorum_error(nodeset, errors), fg="red")
         return EX_UNAVAILABLE
     return 0
 
@@ -558,7 +658,9 @@ def _share_inventory(
     keys, errors = scan_lock_keys(
         session.nodeset, session.prefix, timeout=timeout, suffix=":shared", key_type="zset"
     )
-    shares = read_shares(session.nodeset, keys, session.prefix, timeout=timeout)
+    shares, read_errors = read_shares(session.nodeset, keys, session.prefix, timeout=timeout)
+    for node, error in read_errors.items():
+        errors.setdefault(node, error)
     if task is not None:
         shares = [s for s in shares if fnmatch.fnmatchcase(s.task_name or "", task)]
     return shares, errors
@@ -729,7 +831,8 @@ def redlock(ctx: click.Context, **kwargs: Any) -> None:
     cls=CeleryOption,
     is_flag=True,
     help_group="Filter Options",
-    help="Only locks whose holder task is not active on any answering worker.",
+    help="Only locks whose holder is proven dead (its process is gone on this host, or "
+    "its own worker answered and does not run the task); the others are named on stderr.",
 )
 @_common(workers=True)
 @click.pass_context
@@ -759,34 +862,39 @@ def ls(
     finally:
         session.close()
     code = _check_quorum(ctx, session.nodeset, errors)
+    # Fewer than a quorum answered: nobody can tell which locks are held. The locks
+    # seen are still shown (each with its NO QUORUM), but never "No locks held".
+    complete = not code
     now = time.time()
     states: dict[str, tuple[str, str]] | None = None
     workers: Workers | None = None
-    if stale:
+    unknown: list[LockView] = []
+    if stale and not complete:
+        locks = []  # no holder can be judged without its lock's quorum
+    elif stale:
         workers = ask_workers(ctx.obj.app, timeout)
         states = {lock.key: classify(lock, workers) for lock in locks}
         if workers is None:
             ctx.obj.error(
-                f"no worker answered within {timeout}s: no lock is treated as stale "
-                "(raise --timeout, or check the workers and the broker)",
+                f"no worker answered within {timeout}s: only locks whose holder's process "
+                "is gone on this host are proven stale (raise --timeout, or check the "
+                "workers and the broker)",
                 fg="red",
             )
             code = code or EX_UNAVAILABLE
+        unknown = [lock for lock in locks if states[lock.key][0] == UNKNOWN]
         locks = [lock for lock in locks if states[lock.key][0] == STALE]
+        _report_unknown(ctx, unknown, states)
     if as_json:
-        items = []
-        for lock in locks:
-            item = lock.as_dict(now)
-            if states is not None:
-                item["state"], item["reason"] = states[lock.key]
-            items.append(item)
         _echo_json(
             ctx,
             {
                 "nodes": _nodes_status(session.nodeset, errors),
                 "quorum": session.nodeset.quorum,
-                "locks": items,
-                "shares": [share.as_dict(now) for share in shares],
+                "complete": complete,
+                "locks": _lock_items(locks, now, states) if complete else None,
+                "shares": [share.as_dict(now) for share in shares] if complete else None,
+                "unknown": _lock_items(unknown, now, states) if stale else None,
                 "workers": None if not stale else (workers.as_dict() if workers else None),
             },
         )
@@ -795,9 +903,34 @@ def ls(
             ctx.obj.echo(_table(_lock_rows(locks, now, states)))
         if shares:
             ctx.obj.echo(("\n" if locks else "") + _table(_share_rows(shares, now)))
-    else:
-        ctx.obj.echo("No stale locks." if stale else "No locks held.")
+    elif complete and not unknown:
+        answered = len(session.nodeset) - len(errors)
+        partial = f" ({answered} of {len(session.nodeset)} nodes answered)" if errors else ""
+        ctx.obj.echo(("No stale locks" if stale else "No locks held") + partial + ".")
     ctx.exit(code)
+
+
+def _lock_items(
+    locks: Sequence[LockView], now: float, states: dict[str, tuple[str, str]] | None
+) -> list[dict[str, Any]]:
+    items = []
+    for lock in locks:
+        item = lock.as_dict(now)
+        if states is not None:
+            item["state"], item["reason"] = states[lock.key]
+        items.append(item)
+    return items
+
+
+def _report_unknown(
+    ctx: click.Context, unknown: Sequence[LockView], states: dict[str, tuple[str, str]]
+) -> None:
+    """Say on stderr which locks could be neither proven stale nor seen running."""
+    if not unknown:
+        return
+    _warn(ctx, f"{len(unknown)} lock(s) could not be classified (not released by --stale):")
+    for lock in unknown:
+        _warn(ctx, f"  {lock.key}: {states[lock.key][1]}")
 
 
 @redlock.command(cls=CeleryCommand)
@@ -820,6 +953,15 @@ def inspect(
     errors = {v.node: v.error for v in lock.views if v.error is not None}
     code = _check_quorum(ctx, session.nodeset, errors)
     now = time.time()
+    # What the nodes that did not answer hold is unknown: "not held" and "no quorum"
+    # are only said when the answers decide them.
+    held = True if lock.held else (None if code else False)
+    if lock.has_quorum:
+        quorum: bool | None = True
+    elif lock.held_on + len(errors) < lock.quorum_size:
+        quorum = False
+    else:
+        quorum = None
     if as_json:
         summary = lock.as_dict(now) if lock.held else None
         _echo_json(
@@ -827,9 +969,9 @@ def inspect(
             {
                 "key": lock.key,
                 "name": lock.name,
-                "held": lock.held,
+                "held": held,
                 "held_on": lock.held_on,
-                "quorum": lock.has_quorum,
+                "quorum": quorum,
                 "quorum_size": lock.quorum_size,
                 "holder": summary,
                 "nodes": [view.as_dict() for view in lock.views],
@@ -838,15 +980,18 @@ def inspect(
         ctx.exit(code)
     ctx.obj.echo(f"{lock.key}  (lock name {lock.name!r})")
     if lock.held:
-        held = f"held on {lock.held_on} of {len(lock.views)} node(s)"
+        where = f"held on {lock.held_on} of {len(lock.views)} node(s)"
         if len(lock.views) > 1:
-            held += f", quorum {lock.quorum_size}: {'yes' if lock.has_quorum else 'NO'}"
+            verdict = {True: "yes", False: "NO", None: "unknown (nodes did not answer)"}
+            where += f", quorum {lock.quorum_size}: {verdict[quorum]}"
         age = lock.age(now)
         ctx.obj.echo(
-            f"{held}; task {lock.task_name or '-'} [{lock.task_id or '-'}] on {_holder(lock)}, "
+            f"{where}; task {lock.task_name or '-'} [{lock.task_id or '-'}] on {_holder(lock)}, "
             f"age {_duration(None if age is None else max(age, 0.0))}, TTL {_duration(lock.ttl)}, "
             f"fence {lock.fence}"
         )
+    elif held is None:
+        ctx.obj.echo(f"unknown: too few of the {len(lock.views)} node(s) answered to tell")
     else:
         ctx.obj.echo("not held on any node that answered")
     for view in lock.views:
@@ -888,9 +1033,15 @@ def _report_release(
     released: list[dict[str, Any]],
     refused: list[dict[str, Any]],
     code: int,
-) -> None:
+    error: str | None = None,
+) -> NoReturn:
+    """Print what was released and refused, and exit with ``code``.
+
+    ``error`` says why nothing could be decided (JSON ``error``; the text form has
+    already said it on stderr).
+    """
     if as_json:
-        _echo_json(ctx, {"released": released, "refused": refused})
+        _echo_json(ctx, {"released": released, "refused": refused, "error": error})
         ctx.exit(code)
     for item in refused:
         ctx.obj.error(f"refused {item['key']}: {item['reason']}", fg="red")
@@ -995,7 +1146,7 @@ def _release_key(
     errors = {v.node: v.error for v in lock.views if v.error is not None}
     code = _check_quorum(ctx, session.nodeset, errors)
     if code:
-        _report_release(ctx, as_json, [], [], code)
+        _report_release(ctx, as_json, [], [], code, _quorum_error(session.nodeset, errors))
     if not lock.held:
         ctx.obj.error(f"{key} is not held on any node that answered: nothing to release")
         _report_release(ctx, as_json, [], [], 0)
@@ -1028,28 +1179,48 @@ def _release_stale(
     locks, errors = _inventory(session, task, node_timeout)
     code = _check_quorum(ctx, session.nodeset, errors)
     if code:
-        _report_release(ctx, as_json, [], [], code)
+        _report_release(ctx, as_json, [], [], code, _quorum_error(session.nodeset, errors))
     # Ask the workers after reading the locks: a task that took its lock before the
-    # SCAN is in every worker's active list by the time it is asked.
+    # SCAN is in its worker's active list by the time it is asked.
     workers = ask_workers(ctx.obj.app, timeout)
+    error = None
     if workers is None:
-        ctx.obj.error(
-            f"no worker answered within {timeout}s: no lock is treated as stale, nothing "
-            "released (raise --timeout, or check the workers and the broker)",
-            fg="red",
+        error = (
+            f"no worker answered within {timeout}s: only locks whose holder's process is "
+            "gone on this host are proven stale (raise --timeout, or check the workers "
+            "and the broker)"
         )
-        _report_release(ctx, as_json, [], [], EX_UNAVAILABLE)
-    stale = [lock for lock in locks if classify(lock, workers)[0] == STALE]
+        ctx.obj.error(error, fg="red")
+    states = {lock.key: classify(lock, workers) for lock in locks}
+    stale = [lock for lock in locks if states[lock.key][0] == STALE]
+    # In doubt, a lock is listed and refused, never released.
+    refused = [
+        {"key": lock.key, "task_id": lock.task_id, "state": UNKNOWN, "reason": states[lock.key][1]}
+        for lock in locks
+        if states[lock.key][0] == UNKNOWN
+    ]
+    code = (EX_UNAVAILABLE if workers is None else 1) if refused else 0
+    error = error if refused else None
     if not stale:
-        ctx.obj.error("No stale locks.")
-        _report_release(ctx, as_json, [], [], 0)
+        if not refused:
+            ctx.obj.error("No stale locks.")
+        _report_release(ctx, as_json, [], refused, code, error)
     now = time.time()
     say = ctx.obj.error if as_json else ctx.obj.echo
     for lock in stale:
         say(_describe(lock, now))
     if not yes:
         click.confirm(f"Release these {len(stale)} stale lock(s)?", err=True, abort=True)
-    _report_release(ctx, as_json, _release_many(ctx, session, stale, node_timeout), [], 0)
+    released = _release_many(ctx, session, stale, node_timeout)
+    _report_release(ctx, as_json, released, refused, code, error)
+
+
+def _quorum_error(nodeset: NodeSet, errors: dict[str, str]) -> str:
+    answered = len(nodeset) - len(errors)
+    return (
+        f"only {answered} of {len(nodeset)} lock node(s) answered, fewer than the "
+        f"{nodeset.quorum} needed to tell who holds a lock"
+    )
 
 
 @redlock.command(cls=CeleryCommand)

@@ -42,6 +42,14 @@ wait-exceeds-limit     warn    ``on_busy="wait"`` can wait past the task's time 
 invalid-task-options   error   a task's lock options would stop the worker
 unmatched-pattern      warn    a ``redlock_tasks`` pattern matches no task here
 invalid-settings       error   the ``redlock_*`` settings do not validate
+beat-leader-foreign    error   this app's beat leader lock is held by a beat of
+                               another project (another broker): this
+                               project's periodic tasks are not sent
+beat-leader-unknown    warn    it is held by something else than a beat of this
+                               version (an older beat, another program)
+beat-leader-legacy     warn    the leader lock name of older versions
+                               (``beat:<main>``) is held: an older beat of this
+                               project, or of another project of that name
 ====================== ======= ===============================================
 
 Exit status of the command (:func:`exit_code`): 0 without error findings; 1 with
@@ -61,6 +69,7 @@ from celery.platforms import EX_UNAVAILABLE
 from redis.exceptions import RedisError, ResponseError
 
 from .exceptions import ConfigurationError
+from .keys import lock_keys
 from .nodes import Call, Node, NodeSet, fan_out
 from .settings import Settings, from_conf, timing
 
@@ -74,6 +83,8 @@ __all__ = [
     "NodeFacts",
     "Report",
     "TaskLocking",
+    "beat_leader_findings",
+    "check_beat_leader",
     "check_clock",
     "check_eviction",
     "check_independent",
@@ -800,6 +811,54 @@ def evaluate(
     return findings
 
 
+def check_beat_leader(
+    key: str, holders: Sequence[str], broker: str, *, legacy: bool = False
+) -> Finding | None:
+    """Who holds this app's beat leader lock ``key``, against this app's broker.
+
+    ``holders`` are the nodes' ``task_name`` of the lock; ``broker`` is this app's
+    broker identity (:func:`celery_redlock.beat.broker_identity`). With ``legacy``,
+    ``key`` is the name older versions derived (``beat:<main>``) while this app derives
+    another: whoever holds it leads besides this app's beat. None when no node holds it.
+    """
+    from .beat import parse_beat_holder  # noqa: PLC0415 (beat imports Celery's scheduler)
+
+    if not holders:
+        return None
+    holder = max(set(holders), key=list(holders).count)
+    leader = parse_beat_holder(holder)
+    if legacy:
+        return Finding(
+            WARN,
+            "beat-leader-legacy",
+            f"{key}, the beat leader lock name of older celery_redlock versions, is held "
+            f"by {holder!r}: a beat of an older version (of this project, or of another "
+            "project with this app name). It and this project's beats lead side by side, "
+            "each under its own name. Fix: upgrade every beat of the project together, "
+            "or set the same redlock_beat_name in all of them.",
+        )
+    if leader is None:
+        return Finding(
+            WARN,
+            "beat-leader-unknown",
+            f"beat leader lock {key} is held by {holder!r}, not a beat of this version "
+            "(an older beat, or another program): if it is not this project's, this "
+            "project's periodic tasks are not sent while it holds the lock. Fix: give "
+            "each project its own redlock_beat_name.",
+        )
+    where = f"app {leader['app']} on {leader['host']}:{leader['pid']}"
+    if leader["broker"] != broker:
+        return Finding(
+            ERROR,
+            "beat-leader-foreign",
+            f"beat leader lock {key} is held by a beat of another project ({where}, "
+            f"broker {leader['broker']}; this app's broker is {broker}): this project's "
+            "periodic tasks are not sent while it leads. Fix: give each project its own "
+            "redlock_beat_name (or leave it unset: the default tells brokers apart).",
+        )
+    return Finding(OK, "beat-leader", f"beat leader lock {key} is held by {where}")
+
+
 def exit_code(findings: Iterable[Finding]) -> int:
     """0 without errors; ``EX_UNAVAILABLE`` if a node was unreachable; else 1."""
     findings = list(findings)
@@ -995,6 +1054,38 @@ def _measure_clock(
         facts.clock_skew = best[1]
 
 
+def beat_leader_findings(app: Any, settings: Settings, *, timeout: float) -> list[Finding]:
+    """Read who holds this app's beat leader lock (and the older default name's)."""
+    from .beat import broker_identity, leader_name  # noqa: PLC0415
+
+    try:
+        broker = broker_identity(app)
+        names = [leader_name(app, settings.beat_name)]
+    except ConfigurationError as exc:
+        return [Finding(WARN, "beat-leader-unknown", f"beat leader lock not checked: {exc}")]
+    legacy = f"beat:{app.main or 'celery'}"
+    if settings.beat_name is None and legacy != names[0]:
+        names.append(legacy)
+    keys = [lock_keys(name, settings.key_prefix).lock for name in names]
+    nodeset = NodeSet(settings.node_urls(), timeout=timeout)
+    try:
+        replies = nodeset.call([Call.command("HGET", key, "task_name") for key in keys])
+    finally:
+        close_nodeset(nodeset)
+    holders: list[list[str]] = [[] for _ in keys]
+    for reply in replies:
+        if reply is None or reply.error is not None:
+            continue  # node-unreachable already says so
+        for found, value in zip(holders, reply.values, strict=True):
+            if isinstance(value, str) and value:
+                found.append(value)
+    findings = [
+        check_beat_leader(key, found, broker, legacy=i > 0)
+        for i, (key, found) in enumerate(zip(keys, holders, strict=True))
+    ]
+    return [f for f in findings if f is not None]
+
+
 def close_nodeset(nodeset: NodeSet) -> None:
     """Close the connections of a NodeSet this process will not use again."""
     for node in nodeset.nodes:
@@ -1053,4 +1144,6 @@ def diagnose(app: Any, *, timeout: float = 1.0) -> Report:
             ],
             [],
         )
-    return Report(evaluate(settings, facts, tasks, unmatched), facts)
+    findings = evaluate(settings, facts, tasks, unmatched)
+    findings += beat_leader_findings(app, settings, timeout=timeout)
+    return Report(findings, facts)

@@ -251,7 +251,9 @@ OPTIONS: dict[str, Option] = {
             None,
             _optional_name,
             "Name of the beat leader lock; beats with the same name elect one leader. "
-            "Default: the app's main module name.",
+            "Default: the app's main name and a digest of the broker address (without "
+            "its password), so projects with different brokers never share a leader; "
+            "set it when one project's beats reach the broker by different addresses.",
         ),
         Option(
             "beat_ttl",

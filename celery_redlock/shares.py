@@ -79,9 +79,15 @@ class ShareView:
 
 def read_shares(
     nodeset: NodeSet, keys: list[str], prefix: str, *, timeout: float | None = None
-) -> list[ShareView]:
-    """Every live share of the shared sets ``keys`` on every node (expired ones left out)."""
+) -> tuple[list[ShareView], dict[str, str]]:
+    """Every live share of the shared sets ``keys`` on every node (expired ones left out).
+
+    Returns:
+        (shares, {node url: error}) for the nodes that could not be read: a node that
+        answered the SCAN may fail here, and its shares must not pass for none.
+    """
     views: dict[tuple[str, str], ShareView] = {}
+    errors: dict[str, str] = {}
     for start in range(0, len(keys), READ_CHUNK):
         chunk = keys[start : start + READ_CHUNK]
         calls = [Call.command("TIME")]
@@ -91,14 +97,21 @@ def read_shares(
                 Call.command("ZRANGE", key, 0, -1, "WITHSCORES"),
                 Call.command("HGETALL", holders),
             ]
-        for reply in nodeset.call(calls, timeout=timeout):
-            if reply is None or reply.error is not None:
-                continue  # ls reports unreachable nodes from its scan
+        for node, reply in zip(nodeset.nodes, nodeset.call(calls, timeout=timeout), strict=True):
+            if reply is None:
+                errors[node.safe_url] = "no reply"
+                continue
+            failed = reply.error if reply.error is not None else reply.values[0]
+            if isinstance(failed, Exception):
+                errors[node.safe_url] = f"{type(failed).__name__}: {failed}"
+                continue
             seconds, micros = reply.values[0]
             now_ms = int(seconds) * 1000 + int(micros) // 1000
             for index, key in enumerate(chunk):
                 members, details = reply.values[1 + 2 * index], reply.values[2 + 2 * index]
-                if isinstance(members, Exception) or isinstance(details, Exception):
+                failed = next((v for v in (members, details) if isinstance(v, Exception)), None)
+                if failed is not None:
+                    errors.setdefault(node.safe_url, f"{type(failed).__name__}: {failed}")
                     continue
                 info = dict(zip(details[::2], details[1::2], strict=True))
                 lock_key = key.removesuffix(":shared")
@@ -117,7 +130,8 @@ def read_shares(
                             quorum_size=nodeset.quorum,
                         )
                     view.remaining.append(left)
-    return sorted(views.values(), key=lambda v: (v.key, to_int(v.details.get("fence")) or 0))
+    shares = sorted(views.values(), key=lambda v: (v.key, to_int(v.details.get("fence")) or 0))
+    return shares, errors
 
 
 def _details(raw: str | None) -> dict[str, Any]:

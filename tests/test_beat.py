@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from celery_redlock.beat import parse_beat_holder
 from tests.harness import BeatProcess, wait_for
 
 SCHEDULER = "celery_redlock.beat:LeaderScheduler"
@@ -78,18 +79,27 @@ def dispatches(stamps: Path, label: str) -> list[float]:
     if not stamps.exists():
         return []
     runs = [
-        line.split()[2]
-        for line in stamps.read_text().splitlines()
-        if line.startswith(f"{label} ")
+        line.split()[2] for line in stamps.read_text().splitlines() if line.startswith(f"{label} ")
     ]
     assert "-" not in runs, "a periodic run arrived without its claimed run time"
     return sorted(float(run) for run in runs)
 
 
+def leader_key(server) -> str | None:
+    """The beatapp leader lock on ``server`` (``redlock:{beat:beatapp@<digest>}``)."""
+    keys = [
+        k
+        for k in server.client().scan_iter("redlock:{beat:beatapp*")
+        if not k.endswith((":fence", ":state"))
+    ]
+    assert len(keys) <= 1, f"one leader lock per project: {keys}"
+    return keys[0] if keys else None
+
+
 def leader(celery_redis, beats: list[BeatProcess]) -> BeatProcess | None:
-    holder = celery_redis.client().hget("redlock:{beat:beatapp}", "task_name") or ""
-    match = re.search(r":(\d+)$", holder)
-    pid = int(match.group(1)) if match else None
+    key = leader_key(celery_redis)
+    holder = parse_beat_holder(celery_redis.client().hget(key, "task_name") if key else None)
+    pid = int(holder["pid"]) if holder else None
     return next((b for b in beats if b.pid == pid and b.alive()), None)
 
 
@@ -150,6 +160,11 @@ def test_two_beats_only_one_sends(celery_redis, beats, worker, stamps):
     the_leader = leader(celery_redis, group)
     standby = next(b for b in group if b is not the_leader)
     assert "Sending due task" not in standby.log_text()
+    # The standby names the leader at INFO: app, host and pid.
+    standby.wait_for_log(
+        re.compile(rf"standing by; the leader is app beatapp on \S+:{the_leader.pid} "),
+        timeout=10,
+    )
     assert_one_dispatch_per_slot(dispatches(stamps, "stamp"), window=2.0)
 
 
@@ -195,3 +210,75 @@ def test_leader_scheduler_refuses_a_bad_setting(celery_redis, env, tmp_path):
         beat.start(timeout=30)
     beat.stop()
     assert "redlock_beat_ttl must be > 0" in beat.log_text()
+
+
+def _project_beats(redis_factory, env, tmp_path, beat_name: str | None = None):
+    """Two projects, both ``Celery("beatapp")``, each with its own broker, one lock Redis."""
+    locks, broker_a, broker_b = redis_factory(3)
+    extra = {"REDLOCK_TEST_LOCK_URL": locks.url}
+    if beat_name:
+        extra["REDLOCK_TEST_BEAT_NAME"] = beat_name
+    beats = [
+        BeatProcess(
+            "tests.apps.beatapp",
+            scheduler=SCHEDULER,
+            redis_url=broker.url,
+            env={**env, **extra},
+            log_dir=tmp_path / "projects",
+        )
+        for broker in (broker_a, broker_b)
+    ]
+    return locks, (broker_a, broker_b), beats
+
+
+def _sent(broker) -> int:
+    """Messages waiting in the project's default queue (broker db 1)."""
+    return broker.client(db=1).llen("celery")
+
+
+def test_two_projects_with_one_app_name_and_their_own_brokers_both_dispatch(
+    redis_factory, env, tmp_path
+):
+    """The default leader name tells the projects apart by broker: each has its leader."""
+    locks, brokers, beats = _project_beats(redis_factory, env, tmp_path)
+    try:
+        for beat in beats:
+            beat.start()
+        for broker in brokers:
+            wait_for(lambda broker=broker: _sent(broker) >= 3, timeout=20)
+    finally:
+        for beat in beats:
+            beat.stop()
+    leaders = [
+        k
+        for k in locks.client().scan_iter("redlock:{beat:*")
+        if not k.endswith((":fence", ":state"))
+    ]
+    assert len(leaders) == 0, "both leaders handed over on a clean stop"
+    for beat in beats:
+        assert "elected leader" in beat.log_text()
+
+
+def test_an_explicit_shared_beat_name_elects_one_leader_and_the_standby_warns(
+    redis_factory, env, tmp_path
+):
+    """redlock_beat_name set alike in two projects still means one leader (as before);
+    the other project's beat says at WARNING that a beat of another project leads."""
+    locks, _brokers, beats = _project_beats(redis_factory, env, tmp_path, beat_name="shared")
+    try:
+        for beat in beats:
+            beat.start()
+        holder = wait_for(
+            lambda: parse_beat_holder(locks.client().hget("redlock:{beat:shared}", "task_name")),
+            timeout=10,
+        )
+        (lead,) = [b for b in beats if b.pid == int(holder["pid"])]
+        (standby,) = [b for b in beats if b is not lead]
+        standby.wait_for_log(
+            re.compile(rf"held by a beat of another project \(app beatapp on \S+:{lead.pid}, "),
+            timeout=10,
+        )
+        assert "Sending due task" not in standby.log_text()
+    finally:
+        for beat in beats:
+            beat.stop()

@@ -11,11 +11,13 @@ import io
 import json
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner, Result
 
@@ -33,6 +35,7 @@ from celery_redlock.cli import (
     resolve_key,
 )
 from celery_redlock.nodes import NodeSet
+from celery_redlock.shares import read_shares
 from tests.apps.cli_app import CONF_ENV
 from tests.apps.locked import create_app
 from tests.harness import APP_URL_ENV, lock_keys, wait_for
@@ -152,7 +155,8 @@ def test_ls_json_has_stable_keys_and_values(redis_node, cli):
 
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data) == {"nodes", "quorum", "locks", "shares", "workers"}
+    assert set(data) == {"nodes", "quorum", "complete", "locks", "shares", "unknown", "workers"}
+    assert data["complete"] is True and data["unknown"] is None
     assert data["shares"] == []
     assert data["nodes"] == [{"node": redis_node.url, "ok": True, "error": None}]
     assert data["quorum"] == 1
@@ -390,7 +394,7 @@ def test_release_of_a_free_key_does_nothing(redis_node, cli):
     """Nothing held: nothing released, exit 0."""
     result = cli(redis_node.url, "release", "nothing:here", "--yes", "--json")
     assert result.exit_code == 0
-    assert json.loads(result.stdout) == {"released": [], "refused": []}
+    assert json.loads(result.stdout) == {"released": [], "refused": [], "error": None}
     assert "not held" in result.stderr
 
 
@@ -472,10 +476,10 @@ def test_stale_locks_are_listed_and_released_and_running_ones_kept(
     running = app.tasks["tests.apps.locked.hold"].delay("busy", None, "busy", 60)
     wait_for(lambda: lock_keys(celery_redis), timeout=10)
     db0 = redis_url_with_db(celery_redis.url, 0)
-    orphan = Redlock(
-        "orphan", nodes=[db0], ttl=30, auto_renew=False, task_id="gone-1", task_name="proj.t"
-    )
-    assert orphan.acquire(blocking=False)
+    # The in-process worker runs in this process and is busy, so an orphan taken here
+    # would be unknown: take it in a process that then dies.
+    _dead_holder_lock(db0, "orphan", "gone-1")
+    orphan = Redlock("orphan", nodes=[db0])
     no_task = Redlock("no-task", nodes=[db0], ttl=30, auto_renew=False)
     assert no_task.acquire(blocking=False)
     url = celery_redis.url
@@ -509,13 +513,14 @@ def test_stale_locks_are_listed_and_released_and_running_ones_kept(
 
 
 def test_nothing_is_stale_when_no_worker_answers(redis_node, cli):
-    """Without a worker's answer nothing is stale: listed empty, released none, exit 69."""
+    """Without a worker's answer a live holder's lock is not stale: listed as unknown on
+    stderr (never "No stale locks."), released none, exit 69."""
     lock = lock_on(redis_node, "orphan", task_id="gone-1", task_name="proj.t")
 
     listed = cli(redis_node.url, "ls", "--stale", "--timeout", "0.2")
     assert listed.exit_code == 69
     assert "no worker answered" in listed.stderr
-    assert "No stale locks." in listed.stdout
+    assert listed.stdout == ""
 
     released = cli(redis_node.url, "release", "--stale", "--yes", "-t", "0.2")
     assert released.exit_code == 69
@@ -529,23 +534,13 @@ def test_nothing_is_stale_when_no_worker_answers(redis_node, cli):
     lock.release()
 
 
-def test_classify_needs_positive_evidence_for_stale():
-    """Stale only when a worker on the holder's host answered and none runs the task."""
+def test_classify_names_a_running_task_and_a_task_less_holder():
+    """A task active on any worker is active; a holder that is no task is never stale."""
     view = NodeView("n", pttl=1000, fields={"token": "t", "task_id": "a", "host": "web-1.example"})
     lock = LockView("redlock:{x}", "x", [view], 1)
-    here = Workers(("celery@web-1.example",), {})
-    short = Workers(("w1@web-1",), {})
-    elsewhere = Workers(("celery@web-2",), {})
     running = Workers(("celery@web-2",), {"a": "celery@web-2"})
-
-    assert classify(lock, here)[0] == "stale"
-    assert classify(lock, short)[0] == "stale", "a short host name matches too"
-    assert classify(lock, elsewhere) == (
-        "unknown",
-        "no worker on the holder's host web-1.example answered",
-    )
-    assert classify(lock, running)[0] == "active"
-    assert classify(lock, None) == ("unknown", "no worker answered")
+    assert classify(lock, running) == ("active", "task a is running on celery@web-2")
+    here = Workers(("celery@web-1.example",), {}, {"celery@web-1.example": (1,)})
     no_task = LockView("redlock:{y}", "y", [NodeView("n", pttl=1, fields={"token": "t"})], 1)
     assert classify(no_task, here)[0] == "no-task"
 
@@ -596,3 +591,158 @@ def test_custom_prefix_and_invalid_settings(redis_node, cli):
     assert bad.exit_code == 1
     assert "redlock_ttl must be > 0" in bad.output
     lock.release()
+
+
+# -- safety: only what is proven dead is stale; a dead node is never "no locks" ------
+
+
+def _dead_holder_lock(url: str, name: str, task_id: str) -> None:
+    """A lock taken by a process of this host that then died (SIGKILL): its pid is gone."""
+    code = (
+        "import os, sys\n"
+        "from celery_redlock import Redlock\n"
+        f"lock = Redlock({name!r}, nodes=[{url!r}], ttl=60, auto_renew=False,"
+        f" task_id={task_id!r}, task_name='proj.t')\n"
+        "assert lock.acquire(blocking=False)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, timeout=60)
+    assert proc.returncode == -9
+
+
+def test_release_stale_leaves_the_lock_of_a_busy_solo_worker(
+    celery_redis, worker_process_factory, cli
+):
+    """A busy solo worker cannot answer; another worker on the same host answering proves
+    nothing about it: `release --stale --yes` lists the lock as unknown and keeps it."""
+    workers = [
+        worker_process_factory("tests.apps.locked", pool="solo", concurrency=1) for _ in range(2)
+    ]
+    app = create_app(celery_redis.url)
+    try:
+        app.tasks["tests.apps.locked.hold"].delay("busy-1", None, "busy", 120)
+        (key,) = wait_for(lambda: lock_keys(celery_redis), timeout=20)
+        db0 = redis.Redis.from_url(redis_url_with_db(celery_redis.url, 0), decode_responses=True)
+        holder = int(db0.hget(key, "pid"))
+        (busy,) = [w for w in workers if w.pid == holder]
+        (idle,) = [w for w in workers if w is not busy]
+        url = celery_redis.url
+
+        listed = cli(url, "ls", "--stale", "--json", "-t", "1")
+        data = json.loads(listed.stdout)
+        assert data["locks"] == [], "the busy worker's lock is not stale"
+        (unknown,) = data["unknown"]
+        assert (unknown["key"], unknown["state"]) == (key, "unknown")
+        assert idle.nodename in data["workers"]["answered"]
+        assert busy.nodename not in data["workers"]["answered"]
+
+        released = cli(url, "release", "--stale", "--yes", "--json", "-t", "1")
+        assert lock_keys(celery_redis) == [key], "the running task's lock stays"
+        assert released.exit_code == 1, released.output
+        out = json.loads(released.stdout)
+        assert out["released"] == []
+        (refused,) = out["refused"]
+        assert (refused["key"], refused["state"]) == (key, "unknown")
+        assert str(holder) in refused["reason"]
+    finally:
+        app.close()
+        busy.kill()
+
+
+def test_release_stale_releases_a_lock_whose_holder_pid_is_gone_on_this_host(redis_node, cli):
+    """The holder's pid is gone on this host: proven dead, released without any worker."""
+    db0 = redis_node.url
+    _dead_holder_lock(db0, "orphan", "gone-1")
+    alive = lock_on(redis_node, "alive", task_id="gone-2", task_name="proj.t")  # our pid
+
+    listed = cli(db0, "ls", "--stale", "-t", "0.2")
+    assert set(rows(listed.stdout)) == {"redlock:{orphan}"}, listed.output
+
+    released = cli(db0, "release", "--stale", "--yes", "--json", "-t", "0.2")
+
+    data = json.loads(released.stdout)
+    (done,) = data["released"]
+    assert (done["key"], done["released_on"]) == ("redlock:{orphan}", 1)
+    assert "redlock:{orphan}" not in lock_keys(redis_node)
+    (refused,) = data["refused"]
+    assert (refused["key"], refused["state"]) == ("redlock:{alive}", "unknown")
+    assert released.exit_code == 69, "no worker answered about the live holder's task"
+    assert "no worker answered" in data["error"]
+    assert alive.locked()
+    alive.release()
+    _dead_holder_lock(db0, "orphan2", "gone-3")
+    one = cli(db0, "release", "orphan2", "--yes", "-t", "0.2")
+    assert one.exit_code == 0, one.output
+    assert "released redlock:{orphan2}" in one.stdout
+
+
+def test_classify_needs_the_holders_own_worker_or_its_pid_gone():
+    """Stale only when the holder's own worker (host and pid) answered idle, or its pid
+    is gone on this host; another worker on the same host proves nothing."""
+    here = socket.gethostname()
+    me = os.getpid()
+
+    def lock_of(pid: int, host: str = here) -> LockView:
+        fields = {"token": "t", "task_id": "a", "host": host, "pid": str(pid)}
+        return LockView("redlock:{x}", "x", [NodeView("n", pttl=1000, fields=fields)], 1)
+
+    other = Workers(("celery@" + here,), {}, {"celery@" + here: (me + 1_000_000,)}, {})
+    own_idle = Workers(("celery@" + here,), {}, {"celery@" + here: (me,)}, {})
+    own_busy = Workers(("celery@" + here,), {"b": "celery@" + here},
+                       {"celery@" + here: (me,)}, {"celery@" + here: (me,)})  # fmt: skip
+    assert classify(lock_of(me), other)[0] == "unknown", "another worker on the host"
+    assert classify(lock_of(me), own_idle)[0] == "stale"
+    assert classify(lock_of(me), own_busy)[0] == "unknown", "its process runs another task"
+    assert classify(lock_of(me, "elsewhere"), own_idle)[0] == "unknown"
+    assert classify(lock_of(me), None)[0] == "unknown"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert classify(lock_of(dead.pid), None)[0] == "stale", "pid gone on this host"
+    assert classify(lock_of(dead.pid, "elsewhere"), None)[0] == "unknown"
+
+
+def test_no_command_reports_no_locks_when_the_node_is_down(redis_factory, cli):
+    """A node that does not answer is never reported as "no locks" (text or JSON)."""
+    (server,) = redis_factory(1)
+    url = server.url
+    server.kill()
+    for args in (("ls",), ("ls", "--stale", "-t", "0.2")):
+        text = cli(url, *args, "--node-timeout", "0.2")
+        assert text.exit_code == 69
+        assert "No locks" not in text.output and "No stale locks" not in text.output
+        assert text.stdout == "", text.stdout
+        data = json.loads(cli(url, *args, "--json", "--node-timeout", "0.2").stdout)
+        assert data["locks"] is None and data["shares"] is None
+        assert data["complete"] is False
+    inspected = cli(url, "inspect", "x", "--node-timeout", "0.2")
+    assert inspected.exit_code == 69
+    assert "not held" not in inspected.output
+    data = json.loads(cli(url, "inspect", "x", "--json", "--node-timeout", "0.2").stdout)
+    assert data["held"] is None and data["quorum"] is None
+    released = cli(url, "release", "x", "--yes", "--json", "--node-timeout", "0.2")
+    assert released.exit_code == 69
+    assert "only 0 of 1" in json.loads(released.stdout)["error"]
+
+
+def test_ls_stale_without_workers_does_not_say_no_stale_locks(redis_node, cli):
+    """No worker answered: a live holder's lock is unknown, never "No stale locks."."""
+    lock = lock_on(redis_node, "orphan", task_id="gone-1", task_name="proj.t")
+    listed = cli(redis_node.url, "ls", "--stale", "--timeout", "0.2")
+    assert listed.exit_code == 69
+    assert "No stale locks" not in listed.output
+    assert "1 lock(s) could not be classified" in listed.stderr
+    assert "redlock:{orphan}" in listed.stderr
+    lock.release()
+
+
+def test_read_shares_reports_a_node_it_could_not_read(redis_factory):
+    """A node that fails the share read (after answering SCAN) is an error, not "none"."""
+    (server,) = redis_factory(1)
+    nodeset = NodeSet([server.url], timeout=0.2)
+    server.kill()
+    try:
+        shares, errors = read_shares(nodeset, ["redlock:{r}:shared"], "redlock:", timeout=0.2)
+    finally:
+        nodeset.nodes[0].close()
+    assert shares == []
+    assert set(errors) == {server.url}

@@ -15,7 +15,7 @@ from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner, Result
 
 import tests.apps
-from celery_redlock import LockedTask
+from celery_redlock import LockedTask, Redlock
 from celery_redlock.doctor import (
     ERROR,
     OK,
@@ -24,6 +24,7 @@ from celery_redlock.doctor import (
     Lease,
     NodeFacts,
     TaskLocking,
+    check_beat_leader,
     check_clock,
     check_eviction,
     check_independent,
@@ -549,3 +550,44 @@ def test_probe_measures_clock_skew_against_this_host(redis_node):
     assert fast.info["role"] == "master" and int(fast.info["uptime_in_seconds"]) >= 0
     finding = check_clock(fast.node, fast.clock_skew, fast.clock_uncertainty, 0.302, "budget")
     assert finding.level == WARN
+
+
+# -- the beat leader ---------------------------------------------------------------
+
+OURS = "redis://@127.0.0.1:6379/1"
+
+
+def test_beat_leader_check_names_a_beat_of_another_project():
+    """Held by a beat with another broker: an error naming it; ours: ok; none: nothing."""
+    key = "redlock:{beat:proj}"
+    foreign = check_beat_leader(key, ["celery beat proj web-2:41 broker redis://@b:6379/1"], OURS)
+    assert (foreign.level, foreign.code) == (ERROR, "beat-leader-foreign")
+    assert "web-2:41" in foreign.message and "redis://@b:6379/1" in foreign.message
+    ours = check_beat_leader(key, [f"celery beat proj web-1:7 broker {OURS}"], OURS)
+    assert (ours.level, ours.code) == (OK, "beat-leader")
+    old = check_beat_leader(key, ["celery beat web-1:7"], OURS)
+    assert (old.level, old.code) == (WARN, "beat-leader-unknown")
+    legacy = check_beat_leader(key, ["celery beat web-1:7"], OURS, legacy=True)
+    assert (legacy.level, legacy.code) == (WARN, "beat-leader-legacy")
+    assert check_beat_leader(key, [], OURS) is None
+
+
+def test_doctor_reports_a_leader_lock_held_by_a_beat_of_another_project(redis_factory, doctor_cli):
+    """Two projects set one redlock_beat_name: the one whose lock the other holds is
+    told so (exit 1), and no lock means no beat finding at all."""
+    (server,) = redis_factory(1)
+    conf = {"redlock_beat_name": "shared"}
+    quiet = findings_of(doctor_cli(server.url, "--json", conf=conf))
+    assert not [f for f in quiet if f["code"].startswith("beat-leader")]
+
+    other = "celery beat proj web-2:41 broker redis://@elsewhere:6379/1"
+    lock = Redlock("beat:shared", nodes=[server.url], ttl=30, auto_renew=False, task_name=other)
+    assert lock.acquire(blocking=False)
+
+    result = doctor_cli(server.url, "--json", conf=conf)
+
+    assert result.exit_code == 1, result.output
+    (finding,) = [f for f in findings_of(result) if f["code"].startswith("beat-leader")]
+    assert (finding["level"], finding["code"]) == ("error", "beat-leader-foreign")
+    assert "redlock:{beat:shared}" in finding["message"] and "web-2:41" in finding["message"]
+    lock.release()

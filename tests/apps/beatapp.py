@@ -1,8 +1,10 @@
 """A beat schedule for the leader-election tests: ``celery -A tests.apps.beatapp beat``.
 
 Environment: ``REDLOCK_TEST_REDIS_URL`` (broker db 1, results db 2, locks db 0),
-``REDLOCK_TEST_STAMPS`` (file the dispatched tasks append to) and
-``REDLOCK_TEST_BEAT_TTL`` (the leader's lease).
+``REDLOCK_TEST_STAMPS`` (file the dispatched tasks append to),
+``REDLOCK_TEST_BEAT_TTL`` (the leader's lease), and optionally
+``REDLOCK_TEST_LOCK_URL`` (locks elsewhere: two projects sharing one lock Redis) and
+``REDLOCK_TEST_BEAT_NAME`` (an explicit ``redlock_beat_name``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ STAMPS = os.environ.get("REDLOCK_TEST_STAMPS", "/dev/null")
 app = make_app(
     REDIS_URL,
     name="beatapp",
-    redlock_url=redis_url_with_db(REDIS_URL, 0),
+    redlock_url=os.environ.get("REDLOCK_TEST_LOCK_URL") or redis_url_with_db(REDIS_URL, 0),
+    redlock_beat_name=os.environ.get("REDLOCK_TEST_BEAT_NAME") or None,
     redlock_ttl=1.0,
     redlock_beat_ttl=float(os.environ.get("REDLOCK_TEST_BEAT_TTL", "2.0")),
     beat_schedule={
