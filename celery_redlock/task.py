@@ -53,9 +53,11 @@ from typing import Any
 
 from celery import Celery, Task, states
 from celery.exceptions import Ignore
+from celery.result import EagerResult
 
 from . import abort, reaper
-from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
+from .exceptions import ConfigurationError, LockBusy, LockKeyError, LockLost, NodeUnavailable
+from .keys import _signature as signature
 from .keys import check_lock_args, task_lock_name
 from .lock import Redlock, check_kind
 from .settings import ON_BUSY, ON_LOST, Settings, from_conf, timing
@@ -64,27 +66,44 @@ __all__ = ["LockedTask", "TaskLockOptions", "announce_lock", "app_settings", "lo
 
 logger = logging.getLogger("celery_redlock.task")
 
-# The lock of the execution running in this thread (greenlet, under gevent). Not an
-# attribute of ``task.request``: Celery copies unknown request attributes into the
-# custom headers of retried messages, and a Redlock is not serialisable.
+# The locks of the executions running in this thread (greenlet, under gevent), as a
+# stack of (task id, lock), innermost last. A stack, because one thread can run
+# several locked executions nested in each other: a body calling ``other.apply()``,
+# errbacks and callbacks Celery runs inline for an eager task, ``task_always_eager``
+# canvases. Each keeps and releases its own lock. Not an attribute of
+# ``task.request``: Celery copies unknown request attributes into the custom headers
+# of retried messages, and a Redlock is not serialisable.
 _running = threading.local()
+
+
+def _stack() -> list[tuple[str, Redlock]]:
+    stack = getattr(_running, "stack", None)
+    if stack is None:
+        stack = _running.stack = []
+    return stack
 
 
 def held_lock(task: Task) -> Redlock | None:
     """The lock held by the execution of ``task`` running in this thread, if any."""
-    lock = getattr(_running, "lock", None)
-    if lock is not None and lock.task_id == task.request.id:
-        return lock
+    task_id = task.request.id
+    for held_id, lock in reversed(_stack()):
+        if held_id == task_id:
+            return lock
     return None
+
+
+def push_lock(task_id: str, lock: Redlock) -> None:
+    """Record that this thread's execution of ``task_id`` now holds ``lock``."""
+    _stack().append((task_id, lock))
 
 
 def pop_lock(task_id: str | None) -> Redlock | None:
     """Detach and return this thread's lock for ``task_id`` (at the end of a run)."""
-    lock = getattr(_running, "lock", None)
-    if lock is None or lock.task_id != task_id:
-        return None
-    _running.lock = None
-    return lock
+    stack = _stack()
+    for index in range(len(stack) - 1, -1, -1):
+        if stack[index][0] == task_id:
+            return stack.pop(index)[1]
+    return None
 
 
 _settings: weakref.WeakKeyDictionary[Celery, Settings] = weakref.WeakKeyDictionary()
@@ -260,14 +279,48 @@ class LockedTask(Task):
         lock.check()
         return result
 
+    def apply(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        task_id: str | None = None,
+        retries: int | None = None,
+        throw: bool | None = None,
+        **options: Any,
+    ) -> EagerResult:
+        """Run eagerly, as :meth:`celery.app.task.Task.apply`; a skipped run is a failure.
+
+        A worker stores a run skipped on a busy lock as FAILURE with ``LockBusy``, so
+        its ``get()`` raises ``LockBusy``. Celery's eager result would say IGNORED and
+        ``get()`` would return None; this gives the eager result the worker's state and
+        error instead (and raises ``LockBusy`` at once when ``throw`` /
+        ``task_eager_propagates`` asks failures to propagate).
+        """
+        result = super().apply(args, kwargs, link, link_error, task_id, retries, throw, **options)
+        skipped = result.result if result.state == states.IGNORED else None
+        if not isinstance(skipped, _Skipped):
+            return result
+        if self.app.conf.task_eager_propagates if throw is None else throw:
+            raise skipped.busy
+        return EagerResult(result.id, skipped.busy, states.FAILURE, name=self.name)
+
 
 def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock | None:
     """Take ``task``'s lock for this execution, or apply the busy/unavailable policy."""
     settings = app_settings(task.app)
     options = lock_options(task)
-    name = task_lock_name(
-        task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
-    )
+    try:
+        name = task_lock_name(
+            task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
+        )
+    except LockKeyError:
+        if not _binds(task, args, kwargs):
+            # Nothing to lock: calling the body raises Python's own TypeError
+            # ("missing 1 required positional argument: ..."), before any of it runs.
+            return None
+        raise
     lock = Redlock(
         name,
         nodes=settings.node_urls(),
@@ -313,10 +366,19 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
             task_id,
         )
         raise Ignore("already finished")
-    _running.lock = lock
+    push_lock(task_id, lock)
     abort.track(lock._lease, task_id)
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
     return lock
+
+
+def _binds(task: Task, args: tuple, kwargs: dict) -> bool:
+    """Whether ``args`` and ``kwargs`` bind to the task body's signature."""
+    try:
+        signature(task.run).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def announce_lock(send: Any, lock: Redlock, task_id: str) -> None:
@@ -408,8 +470,16 @@ def _busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) ->
         logger.info("Task %s[%s] skipped: %s", task.name, task_id, busy)
         if not task.ignore_result:
             task.backend.mark_as_failure(task_id, busy, request=task.request, call_errbacks=False)
-        raise Ignore(str(busy))
+        raise _Skipped(busy)
     raise busy
+
+
+class _Skipped(Ignore):
+    """The Ignore a skipped run ends with; carries the LockBusy for an eager result."""
+
+    def __init__(self, busy: LockBusy) -> None:
+        super().__init__(str(busy))
+        self.busy = busy
 
 
 def _on_lost(task: Task, task_id: str, policy: str, lock: Redlock, exc: LockLost) -> None:
