@@ -45,6 +45,8 @@ unless ``redlock_fail_open`` is set, in which case it runs unlocked with a warni
 from __future__ import annotations
 
 import logging
+import re
+import string
 import threading
 import weakref
 from dataclasses import dataclass
@@ -137,32 +139,61 @@ class TaskLockOptions:
 def lock_options(task: Task) -> TaskLockOptions:
     """Resolve and validate ``task``'s ``lock_*`` options (cached on the task class).
 
+    Options set by ``redlock_tasks`` (:func:`celery_redlock.config_only.lockify`)
+    come first. A task class made lockable by configuration from a project's own
+    base class has no ``lock_*`` options of ours besides those: its attributes of
+    that name, if any, are the project's.
+
     Raises:
-        ConfigurationError: naming the task, the option and the accepted values.
+        ConfigurationError: naming the task, the option and the accepted values (and
+            the ``redlock_tasks`` entry, for options set there).
     """
     cls = type(task)
     cached = cls.__dict__.get("_redlock_options")
     if cached is not None:
         return cached
+    configured = getattr(cls, "_redlock_configured", None) or {}
+    read_attributes = getattr(cls, "_redlock_read_attributes", True)
+
+    def option(name: str) -> Any:
+        if name in configured:
+            return configured[name]
+        return getattr(task, f"lock_{name}", None) if read_attributes else None
+
+    try:
+        options = _resolve_options(task, option)
+    except ConfigurationError as exc:
+        source = getattr(cls, "_redlock_source", None)
+        if source is None:
+            raise
+        raise ConfigurationError(f"{exc} (options from {source})") from None
+    cls._redlock_options = options
+    return options
+
+
+def _resolve_options(task: Task, option: Any) -> TaskLockOptions:
     settings = app_settings(task.app)
 
-    def pick(option: str, default: Any) -> Any:
-        value = getattr(task, f"lock_{option}", None)
+    def pick(name: str, default: Any) -> Any:
+        value = option(name)
         return default if value is None else value
 
     where = f"task {task.name}: lock_"
+    lock_args = option("args")
+    if lock_args is not None:
+        check_lock_args(task.name, task.run, lock_args)
     options = TaskLockOptions(
         ttl=pick("ttl", settings.ttl),
         renew_interval=pick("renew_interval", settings.renew_interval),
-        args=None if getattr(task, "lock_args", None) is None else tuple(task.lock_args),
-        key=getattr(task, "lock_key", None),
+        args=None if lock_args is None else tuple(lock_args),
+        key=option("key"),
         on_busy=pick("on_busy", settings.on_busy),
         on_lost=pick("on_lost", settings.on_lost),
         retry_countdown=pick("retry_countdown", settings.retry_countdown),
         wait_timeout=pick("wait_timeout", settings.wait_timeout),
-        mode=getattr(task, "lock_mode", None),
-        limit=getattr(task, "lock_limit", None),
-        fair=bool(getattr(task, "lock_fair", False)),
+        mode=option("mode"),
+        limit=option("limit"),
+        fair=bool(option("fair")),
     )
     timing(
         options.ttl,
@@ -179,8 +210,6 @@ def lock_options(task: Task) -> TaskLockOptions:
             raise ConfigurationError(
                 f"{where}{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
             )
-    if getattr(task, "lock_args", None) is not None:
-        check_lock_args(task.name, task.run, task.lock_args)
     key = options.key
     if key is not None and not (
         callable(key)
@@ -192,6 +221,9 @@ def lock_options(task: Task) -> TaskLockOptions:
             "several resources), a format string over the argument names, or a list of "
             f"format strings, got {key!r}"
         )
+    templates = [key] if isinstance(key, str) else key if isinstance(key, (list, tuple)) else []
+    for template in templates:
+        check_key_template(task.name, task.run, template)
     resources = len(key) if isinstance(key, (list, tuple)) else 1
     try:
         check_kind(resources, options.mode, options.limit, options.fair)
@@ -199,8 +231,44 @@ def lock_options(task: Task) -> TaskLockOptions:
         raise ConfigurationError(
             f"task {task.name}: lock_mode / lock_limit / lock_fair / lock_key: {exc}"
         ) from None
-    cls._redlock_options = options
     return options
+
+
+def check_key_template(task_name: str, run: Any, template: str) -> None:
+    """Refuse a ``lock_key`` format string that could not format any call of ``run``.
+
+    Every replacement field must start with a parameter name of ``run`` (``{doc}``,
+    ``{doc[id]}``, ``{doc.id}``); positional fields (``{}``, ``{0}``) and unknown
+    names would fail every run of the task, so they are refused at worker start.
+
+    Raises:
+        ConfigurationError: naming the task, the key and the field.
+    """
+    parameters = signature(run).parameters
+    try:
+        fields = [
+            (field, conversion)
+            for _, field, _, conversion in string.Formatter().parse(template)
+            if field is not None
+        ]
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"task {task_name}: lock_key {template!r} is not a valid format string: {exc}"
+        ) from None
+    for field, conversion in fields:
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if name not in parameters or name == "":
+            raise ConfigurationError(
+                f"task {task_name}: lock_key {template!r} uses the field {{{field}}}, but "
+                f"{name or 'a positional field'!s} is not a parameter of "
+                f"run{signature(run)}; name the task's arguments, e.g. "
+                f"{{{next(iter(parameters), 'arg')}}}"
+            )
+        if conversion not in (None, "r", "s", "a"):
+            raise ConfigurationError(
+                f"task {task_name}: lock_key {template!r}: unknown conversion !{conversion} "
+                f"in {{{field}}}"
+            )
 
 
 class LockedTask(Task):
