@@ -24,6 +24,10 @@ REDIS_URL = os.environ.get("REDLOCK_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 TTL = float(os.environ.get("REDLOCK_TEST_TTL", "1.0"))
 
 
+#: A task name no line-based protocol may mangle.
+ODD_NAME = "tests.apps.locked.odd\nname with spaces"
+
+
 def note(path: str | None, event: str, label: str) -> None:
     if path:
         with Path(path).open("a") as out:
@@ -209,6 +213,12 @@ def create_app(redis_url: str = REDIS_URL, **conf: object) -> Celery:
     def on_error(self, task_id):
         """A locked errback: Celery runs it inside ``fail``'s failure handling."""
         return task_id
+
+    @app.task(base=LockedTask, bind=True, shared=False, name=ODD_NAME, lock_args=("resource",))
+    def odd_name(self, resource, seconds):
+        """A task name with a newline and spaces (its lock key has them too)."""
+        time.sleep(seconds)
+        return "slept"
 
     @app.task(base=LockedTask, bind=True, shared=False)
     def anything(self, value):
