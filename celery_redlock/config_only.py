@@ -15,9 +15,21 @@ runs in the worker (and beat) before any task executes; the task code and the ap
 module stay untouched.
 
 How: the task's class is replaced by a subclass of ``LockedTask`` and the original
-class, so the task keeps every attribute and method of its own and gains the
-lock. Celery builds its tracer after this, and sees the overridden
-``before_start`` and ``__call__`` as it would for ``base=LockedTask``.
+class. Celery builds its tracer after this, and sees the overridden
+``before_start`` and ``__call__`` as it would for ``base=LockedTask``; they call the
+task class's own ``before_start`` and ``__call__`` (through ``super()``), so those
+still run, as do its ``on_failure`` and every other hook.
+
+No change to task code: an attribute the task class already has is never
+shadowed. A project base class with its own ``lock`` method or ``lock_key``
+attribute keeps them (``self.lock`` is then the project's; the task's lock is
+:func:`celery_redlock.task.held_lock`), and the lock options of such a task come
+from its ``redlock_tasks`` entry (and the ``redlock_*`` settings) only, never from
+``lock_*`` attributes of the project's class. A task class that already is a
+``LockedTask`` keeps its ``lock_*`` options; the entry overrides them.
+
+``args`` must be a list of argument names: a string is refused at worker start
+(naming the task and the entry), not split into letters.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ What a busy lock does (``lock_on_busy``):
            result is stored as FAILURE with :class:`~celery_redlock.LockBusy`, so
            ``AsyncResult.get()`` raises ``LockBusy`` at once (``propagate=False``
            returns it); no callbacks or errbacks run; the worker logs it as ignored.
+           ``apply()`` returns the same: an eager result in state FAILURE.
 ``retry``  ``self.retry(countdown=lock_retry_countdown, exc=LockBusy(...))``;
            counts against ``max_retries``, after which the task fails with LockBusy.
 ``raise``  The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
@@ -317,9 +318,9 @@ class LockedTask(Task):
         lock = held_lock(self)
         if lock is None:
             raise RuntimeError(
-                f"task {self.name}: self.lock exists only while a worker runs the task "
-                "(not when the task is called directly, nor with redlock_fail_open "
-                "after Redis was unreachable)"
+                f"task {self.name}: self.lock exists only while the task runs, in a worker "
+                "or with apply() (not when the task is called directly, nor with "
+                "redlock_fail_open after Redis was unreachable)"
             )
         return lock
 

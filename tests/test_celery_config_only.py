@@ -49,3 +49,14 @@ def test_options_come_from_redlock_tasks_not_from_the_projects_attributes(
     with pytest.raises(LockBusy):
         get(same)
     assert get(other)["held"] != get(first)["held"]
+
+
+def test_nested_eager_runs_of_configuration_locked_tasks_release_both_locks(
+    app, celery_redis, inprocess_worker_factory
+):
+    """custom.outer(7) applies custom.sync(7) in its body: nothing stays locked after it."""
+    inprocess_worker_factory(app, pool="solo")
+    outer = app.tasks["custom.outer"]
+    for _ in range(2):
+        assert get(outer.delay(7))["held"].startswith("redlock:{custom.sync:")
+        wait_for(lambda: not lock_keys(celery_redis), timeout=10, message="both locks released")

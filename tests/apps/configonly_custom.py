@@ -49,7 +49,11 @@ def create_app(redis_url: str, **conf: Any) -> Celery:
         "imports": ["celery_redlock"],
         "redlock_url": redis_url_with_db(redis_url, 0),
         "redlock_ttl": 1.0,
-        "redlock_tasks": {"custom.sync": {"args": ["account_id"]}, "custom.explode": {}},
+        "redlock_tasks": {
+            "custom.sync": {"args": ["account_id"]},
+            "custom.explode": {},
+            "custom.outer": {},
+        },
         **conf,
     }
     app = make_app(redis_url, name="custom", **settings)
@@ -75,5 +79,10 @@ def create_app(redis_url: str, **conf: Any) -> Celery:
     def explode(self, account_id):
         """Fails: the project's on_failure must run."""
         raise ValueError(account_id)
+
+    @app.task(base=ProjectTask, bind=True, shared=False, name="custom.outer")
+    def outer(self, account_id):
+        """Runs ``sync`` eagerly inside its own (configuration-locked) body."""
+        return sync.apply(args=(account_id,)).get(disable_sync_subtasks=False)
 
     return app
