@@ -60,44 +60,59 @@ class _Running:
         self.greenlet = _current_greenlet()
 
 
-# thread ident -> what runs there. Entries are added and removed by the thread
-# itself (track/untrack); the renewer only reads.
-_running: dict[int, _Running] = {}
+# thread ident -> the bodies running there, innermost last (one thread can run
+# locked bodies nested in each other: eager ``apply()``, errbacks run inline). Each
+# thread replaces its own tuple (track/untrack); the renewer only reads, and a tuple
+# read while the owner swaps in a new one is still a consistent snapshot.
+_running: dict[int, tuple[_Running, ...]] = {}
 # Losses waiting for the main thread's signal handler to raise them.
 _pending_main: list[LockLost] = []
 _previous_handler: Any = None
 
 
 def track(lease: Any, task_id: str | None) -> None:
-    """Record that the calling thread now runs a body under ``lease``."""
+    """Record that the calling thread now runs a body under ``lease`` (nested or not)."""
     entry = _Running(lease, task_id)
-    _running[entry.thread] = entry
+    _running[entry.thread] = (*_running.get(entry.thread, ()), entry)
     if entry.thread == threading.main_thread().ident and entry.greenlet is None:
         ensure_signal_handler()
 
 
-def untrack() -> None:
-    """The calling thread's body has ended: later aborts for it are stale."""
-    _running.pop(threading.get_ident(), None)
+def untrack(lease: Any) -> None:
+    """The calling thread's body under ``lease`` has ended: later aborts for it are stale."""
+    thread = threading.get_ident()
+    left = tuple(entry for entry in _running.get(thread, ()) if entry.lease is not lease)
+    if left:
+        _running[thread] = left
+    else:
+        _running.pop(thread, None)
+
+
+def _entries() -> list[_Running]:
+    return [entry for entries in list(_running.values()) for entry in entries]
 
 
 def running(thread: int | None = None) -> Any:
-    """The lease the given thread (default: this one) runs under, or None."""
-    entry = _running.get(threading.get_ident() if thread is None else thread)
-    return None if entry is None else entry.lease
+    """The lease the given thread (default: this one) runs its innermost body under, or None."""
+    entries = _running.get(threading.get_ident() if thread is None else thread, ())
+    return entries[-1].lease if entries else None
 
 
 def find(task_id: str) -> Any:
     """The lease of the body running for ``task_id`` in this process, or None."""
-    for entry in list(_running.values()):
+    for entry in _entries():
         if entry.task_id == task_id:
             return entry.lease
     return None
 
 
 def abort(lease: Any, exc: LockLost) -> bool:
-    """Raise ``exc`` in the body running under ``lease``; False if none runs any more."""
-    for entry in list(_running.values()):
+    """Raise ``exc`` in the body running under ``lease``; False if none runs any more.
+
+    When that body has a nested one running (an eager ``apply()`` in its thread), the
+    exception surfaces in the nested body first, and reaches the outer body through it.
+    """
+    for entry in _entries():
         if entry.lease is lease:
             break
     else:
@@ -129,8 +144,8 @@ def ensure_signal_handler() -> None:
 def _handler(signum: int, frame: Any) -> None:
     if _pending_main:
         exc = _pending_main.pop()
-        entry = _running.get(threading.main_thread().ident)
-        if entry is not None and entry.lease.lost is exc:
+        entries = _running.get(threading.main_thread().ident, ())
+        if any(entry.lease.lost is exc for entry in entries):
             raise exc
         logger.debug("dropping a stale lock-loss abort: %s", exc)
         return

@@ -15,9 +15,21 @@ runs in the worker (and beat) before any task executes; the task code and the ap
 module stay untouched.
 
 How: the task's class is replaced by a subclass of ``LockedTask`` and the original
-class, so the task keeps every attribute and method of its own and gains the
-lock. Celery builds its tracer after this, and sees the overridden
-``before_start`` and ``__call__`` as it would for ``base=LockedTask``.
+class. Celery builds its tracer after this, and sees the overridden
+``before_start`` and ``__call__`` as it would for ``base=LockedTask``; they call the
+task class's own ``before_start`` and ``__call__`` (through ``super()``), so those
+still run, as do its ``on_failure`` and every other hook.
+
+No change to task code: an attribute the task class already has is never
+shadowed. A project base class with its own ``lock`` method or ``lock_key``
+attribute keeps them (``self.lock`` is then the project's; the task's lock is
+:func:`celery_redlock.task.held_lock`), and the lock options of such a task come
+from its ``redlock_tasks`` entry (and the ``redlock_*`` settings) only, never from
+``lock_*`` attributes of the project's class. A task class that already is a
+``LockedTask`` keeps its ``lock_*`` options; the entry overrides them.
+
+``args`` must be a list of argument names: a string is refused at worker start
+(naming the task and the entry), not split into letters.
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ from __future__ import annotations
 import fnmatch
 import logging
 from typing import Any
+
+from celery import Task
 
 from .exceptions import ConfigurationError
 from .settings import Settings
@@ -70,33 +84,74 @@ def apply(app: Any, settings: Settings) -> list[str]:
 
 
 def lockify(task: Any, options: dict[str, Any], *, source: str = "options") -> None:
-    """Make ``task`` a LockedTask with ``options`` (idempotent)."""
+    """Make ``task`` a LockedTask with ``options`` (idempotent).
+
+    Raises:
+        ConfigurationError: an unknown option, or ``args`` that is not a list of
+            argument names; naming the task and ``source`` (the setting's entry).
+    """
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise ConfigurationError(
             f"{source}: unknown option(s) {', '.join(sorted(map(repr, unknown)))}; "
             f"allowed: {', '.join(OPTION_NAMES)}"
         )
-    attributes = {f"lock_{key}": value for key, value in options.items()}
-    if "args" in options and options["args"] is not None:
-        attributes["lock_args"] = tuple(options["args"])
+    configured = dict(options)
+    if configured.get("args") is not None:
+        configured["args"] = _argument_names(task.name, configured["args"], source)
     cls = type(task)
-    if isinstance(task, LockedTask):
-        if getattr(cls, "_redlock_configured", None) == attributes:
-            return
-        for key, value in attributes.items():
-            setattr(cls, key, value)
-        cls._redlock_options = None
-        cls._redlock_configured = attributes
+    if getattr(cls, "_redlock_configured", None) == configured:
         return
-    locked_cls = type(
+    if isinstance(task, LockedTask):
+        # Written for celery_redlock: its lock_* attributes are our options, and the
+        # redlock_tasks entry overrides them.
+        cls._redlock_options = None
+        cls._redlock_configured = configured
+        cls._redlock_source = source
+        return
+    task.__class__ = type(
         cls.__name__,
         (LockedTask, cls),
         {
-            **attributes,
+            **_kept_attributes(cls),
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
-            "_redlock_configured": attributes,
+            "_redlock_configured": configured,
+            "_redlock_source": source,
+            # The class's own lock_* attributes (if any) are the project's, not options.
+            "_redlock_read_attributes": False,
         },
     )
-    task.__class__ = locked_cls
+
+
+def _argument_names(task_name: str, names: Any, source: str) -> tuple[str, ...]:
+    """``args`` of an entry as a tuple of names; a string is refused, not split."""
+    if isinstance(names, (list, tuple)) and all(isinstance(name, str) for name in names):
+        return tuple(names)
+    hint = f" (did you mean [{names!r}]?)" if isinstance(names, str) else ""
+    raise ConfigurationError(
+        f"{source}: task {task_name}: 'args' must be a list of argument names, got {names!r}{hint}"
+    )
+
+
+#: LockedTask members that call the task class's own version (through super()), so
+#: both run: they are not taken from the task class.
+_COOPERATIVE = frozenset({"before_start", "__call__", "apply"})
+
+
+def _kept_attributes(cls: type) -> dict[str, Any]:
+    """The attributes of ``cls`` that LockedTask, placed in front of it, would hide.
+
+    A project's base class may already have a ``lock`` method, or a ``lock_key``
+    attribute of its own meaning: configuration-only enablement must not change
+    what the task code sees, so these are put back in front of LockedTask's. The
+    task's lock then stays reachable as :func:`celery_redlock.task.held_lock`.
+    """
+    kept = {}
+    for name in vars(LockedTask):
+        if name in _COOPERATIVE or (name.startswith("__") and name.endswith("__")):
+            continue
+        owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+        if owner is not None and owner not in Task.__mro__:
+            kept[name] = vars(owner)[name]
+    return kept

@@ -159,10 +159,67 @@ def task_lock_name(
 
 
 def _format(task_name: str, template: str, bound: Mapping[str, Any]) -> str:
+    """``template`` formatted over the bound arguments, containers in canonical form.
+
+    ``{doc}`` of a dict, list, tuple or set is its canonical JSON (sorted keys, sets
+    sorted, tuples as lists: as :func:`_canonical`), so equal values in another
+    order, or after a JSON round trip, name the same resource. Scalars format as
+    Python formats them; ``{doc[id]}`` and ``{doc.id}`` reach inside first.
+    """
+    fields = {name: _Field(task_name, name, value) for name, value in bound.items()}
     try:
-        return template.format(**bound)
-    except (KeyError, IndexError, AttributeError, ValueError) as exc:
+        return template.format(**fields)
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError) as exc:
         raise LockKeyError(task_name, "lock_key", f"{template!r}: {exc!r}") from exc
+
+
+_DEFAULT_TEXT = (object.__format__, object.__str__, object.__repr__)
+
+
+class _Field:
+    """A bound argument as a ``lock_key`` format field: formats canonically."""
+
+    __slots__ = ("path", "task", "value")
+
+    def __init__(self, task: str, path: str, value: Any) -> None:
+        self.task, self.path, self.value = task, path, value
+
+    def __getitem__(self, item: Any) -> _Field:
+        return _Field(self.task, f"{self.path}[{item!r}]", self.value[item])
+
+    def __getattr__(self, name: str) -> _Field:
+        return _Field(self.task, f"{self.path}.{name}", getattr(self.value, name))
+
+    def _text(self, text: Callable[[Any], str]) -> str:
+        value = self.value
+        if isinstance(value, (Mapping, list, tuple, set, frozenset)):
+            return json.dumps(
+                _canonical(self.task, self.path, value, 0),
+                sort_keys=True,
+                separators=(",", ":"),
+                ensure_ascii=False,
+            )
+        kind = type(value)
+        if (kind.__format__, kind.__str__, kind.__repr__) == _DEFAULT_TEXT:
+            # "<Foo object at 0x7f...>": a different resource in every process.
+            raise LockKeyError(
+                self.task,
+                "lock_key",
+                f"{{{self.path}}} is a {kind.__qualname__} without a stable text; "
+                "format one of its fields, or use a callable lock_key",
+            )
+        return text(value)
+
+    def __format__(self, spec: str) -> str:
+        if isinstance(self.value, (Mapping, list, tuple, set, frozenset)):
+            return format(self._text(str), spec)
+        return self._text(lambda value: format(value, spec))
+
+    def __str__(self) -> str:
+        return self._text(str)
+
+    def __repr__(self) -> str:
+        return self._text(repr)
 
 
 def check_lock_args(task_name: str, run: Callable[..., Any], lock_args: Sequence[str]) -> None:

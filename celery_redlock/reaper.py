@@ -4,12 +4,15 @@ A killed child cannot release its lock, and ``task_postrun`` never fires for it;
 left alone the lock would block the task's key for up to one TTL. The worker's
 main process releases it at once instead:
 
-* Before taking a lock, the child announces ``+ <pid> <task id> <key>`` on a pipe
-  the main process created before forking its children (``- ...`` when the lock is
-  released or was never obtained). Writes are single ``write`` calls shorter than
-  ``PIPE_BUF``, so children never interleave; the pipe is non-blocking, so a busy
-  main process can never stall a task (a dropped line only means that lock waits
-  for its TTL).
+* Before taking a lock, the child announces ``["+", <task id>, <key>]`` (JSON) on a
+  pipe the main process created before forking its children (``"-"`` when the lock
+  is released or was never obtained). JSON escapes every newline, so any task name,
+  key and task id round-trips. A message is sent as lines ``<pid> <n> <+|.> <part>``
+  each written by one ``write`` call of at most ``PIPE_BUF`` bytes, so children
+  never interleave within a line; the main process joins a child's parts in order
+  (``n`` = 0 starts a message, ``.`` ends it). The pipe is non-blocking, so a busy
+  main process can never stall a task (a dropped message only means that lock
+  waits for its TTL).
 * The main process watches each announcing child with a ``pidfd`` (Linux 5.3+) in
   the worker's event loop (a thread when the worker has none). When the child
   exits it runs ``release_if.lua`` for each lock the child announced: the lock is
@@ -20,6 +23,7 @@ main process releases it at once instead:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import select
@@ -32,7 +36,7 @@ from .keys import keys_of
 from .nodes import Call, NodeSet
 from .scripts import RELEASE_IF
 
-__all__ = ["Reaper", "announce", "forget", "in_pool_child"]
+__all__ = ["Reaper", "announce", "encode", "forget", "in_pool_child"]
 
 logger = logging.getLogger("celery_redlock.reaper")
 
@@ -59,16 +63,29 @@ def _send(op: str, task_id: str, key: str) -> None:
     fd = _write_fd
     if fd is None:
         return
-    line = f"{op} {os.getpid()} {task_id} {key}\n".encode()
-    if len(line) > select.PIPE_BUF or "\n" in key or " " in task_id:
-        logger.warning("not announcing lock %r to the worker: line too long or malformed", key)
-        return
     try:
-        os.write(fd, line)
+        for line in encode(os.getpid(), op, task_id, key):
+            os.write(fd, line)
     except BlockingIOError:
         logger.warning("worker busy; lock %r of a dead child would wait for its TTL", key)
     except OSError as exc:
         logger.warning("cannot announce lock %r to the worker: %s", key, exc)
+
+
+def encode(pid: int, op: str, task_id: str, key: str) -> list[bytes]:
+    """The pipe lines announcing ``op`` (``+``/``-``) of ``key`` for ``task_id``.
+
+    Each line is at most ``PIPE_BUF`` bytes, so one ``write`` never interleaves
+    with another child's.
+    """
+    message = json.dumps([op, task_id, key], ensure_ascii=False, separators=(",", ":"))
+    data = message.encode("utf-8", "surrogatepass")
+    room = select.PIPE_BUF - len(f"{pid} {len(data)} + \n")
+    parts = [data[i : i + room] for i in range(0, len(data), room)]
+    return [
+        b"%d %d %s %s\n" % (pid, index, b"." if index == len(parts) - 1 else b"+", part)
+        for index, part in enumerate(parts)
+    ]
 
 
 class Reaper:
@@ -80,6 +97,8 @@ class Reaper:
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
         self._buffer = b""
+        # pid -> the parts of a message that child is still sending
+        self._parts: dict[int, bytes] = {}
         # pid -> pidfd, and pid -> {(task id, key)}
         self._pidfds: dict[int, int] = {}
         self._held: dict[int, set[tuple[str, str]]] = {}
@@ -101,6 +120,7 @@ class Reaper:
                 os.close(fd)
         self._pidfds.clear()
         self._held.clear()
+        self._parts.clear()
 
     # -- in the main process ----------------------------------------------------------
 
@@ -146,9 +166,15 @@ class Reaper:
         *lines, self._buffer = self._buffer.split(b"\n")
         for raw in lines:
             try:
-                op, pid_text, task_id, key = raw.decode().split(" ", 3)
+                pid_text, index, more, part = raw.split(b" ", 3)
                 pid = int(pid_text)
-            except ValueError:
+                # A first part drops what an earlier, interrupted message left.
+                data = part if index == b"0" else self._parts.pop(pid, b"") + part
+                if more == b"+":
+                    self._parts[pid] = data
+                    continue
+                op, task_id, key = json.loads(data.decode("utf-8", "surrogatepass"))
+            except (ValueError, TypeError):
                 logger.warning("ignoring a malformed lock announcement: %r", raw)
                 continue
             held = self._held.setdefault(pid, set())
@@ -184,6 +210,7 @@ class Reaper:
         self.on_pipe_readable()  # anything it announced just before dying
         if metrics.enabled:
             metrics.process_died(pid)
+        self._parts.pop(pid, None)
         for task_id, key in self._held.pop(pid, ()):
             self._release(pid, task_id, key)
 

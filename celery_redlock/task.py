@@ -24,6 +24,7 @@ What a busy lock does (``lock_on_busy``):
            result is stored as FAILURE with :class:`~celery_redlock.LockBusy`, so
            ``AsyncResult.get()`` raises ``LockBusy`` at once (``propagate=False``
            returns it); no callbacks or errbacks run; the worker logs it as ignored.
+           ``apply()`` returns the same: an eager result in state FAILURE.
 ``retry``  ``self.retry(countdown=lock_retry_countdown, exc=LockBusy(...))``;
            counts against ``max_retries``, after which the task fails with LockBusy.
 ``raise``  The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
@@ -45,6 +46,8 @@ unless ``redlock_fail_open`` is set, in which case it runs unlocked with a warni
 from __future__ import annotations
 
 import logging
+import re
+import string
 import threading
 import weakref
 from dataclasses import dataclass
@@ -53,9 +56,11 @@ from typing import Any
 
 from celery import Celery, Task, states
 from celery.exceptions import Ignore
+from celery.result import EagerResult
 
 from . import abort, reaper
-from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
+from .exceptions import ConfigurationError, LockBusy, LockKeyError, LockLost, NodeUnavailable
+from .keys import _signature as signature
 from .keys import check_lock_args, task_lock_name
 from .lock import Redlock, check_kind
 from .settings import ON_BUSY, ON_LOST, Settings, from_conf, timing
@@ -64,27 +69,44 @@ __all__ = ["LockedTask", "TaskLockOptions", "announce_lock", "app_settings", "lo
 
 logger = logging.getLogger("celery_redlock.task")
 
-# The lock of the execution running in this thread (greenlet, under gevent). Not an
-# attribute of ``task.request``: Celery copies unknown request attributes into the
-# custom headers of retried messages, and a Redlock is not serialisable.
+# The locks of the executions running in this thread (greenlet, under gevent), as a
+# stack of (task id, lock), innermost last. A stack, because one thread can run
+# several locked executions nested in each other: a body calling ``other.apply()``,
+# errbacks and callbacks Celery runs inline for an eager task, ``task_always_eager``
+# canvases. Each keeps and releases its own lock. Not an attribute of
+# ``task.request``: Celery copies unknown request attributes into the custom headers
+# of retried messages, and a Redlock is not serialisable.
 _running = threading.local()
+
+
+def _stack() -> list[tuple[str, Redlock]]:
+    stack = getattr(_running, "stack", None)
+    if stack is None:
+        stack = _running.stack = []
+    return stack
 
 
 def held_lock(task: Task) -> Redlock | None:
     """The lock held by the execution of ``task`` running in this thread, if any."""
-    lock = getattr(_running, "lock", None)
-    if lock is not None and lock.task_id == task.request.id:
-        return lock
+    task_id = task.request.id
+    for held_id, lock in reversed(_stack()):
+        if held_id == task_id:
+            return lock
     return None
+
+
+def push_lock(task_id: str, lock: Redlock) -> None:
+    """Record that this thread's execution of ``task_id`` now holds ``lock``."""
+    _stack().append((task_id, lock))
 
 
 def pop_lock(task_id: str | None) -> Redlock | None:
     """Detach and return this thread's lock for ``task_id`` (at the end of a run)."""
-    lock = getattr(_running, "lock", None)
-    if lock is None or lock.task_id != task_id:
-        return None
-    _running.lock = None
-    return lock
+    stack = _stack()
+    for index in range(len(stack) - 1, -1, -1):
+        if stack[index][0] == task_id:
+            return stack.pop(index)[1]
+    return None
 
 
 _settings: weakref.WeakKeyDictionary[Celery, Settings] = weakref.WeakKeyDictionary()
@@ -118,32 +140,61 @@ class TaskLockOptions:
 def lock_options(task: Task) -> TaskLockOptions:
     """Resolve and validate ``task``'s ``lock_*`` options (cached on the task class).
 
+    Options set by ``redlock_tasks`` (:func:`celery_redlock.config_only.lockify`)
+    come first. A task class made lockable by configuration from a project's own
+    base class has no ``lock_*`` options of ours besides those: its attributes of
+    that name, if any, are the project's.
+
     Raises:
-        ConfigurationError: naming the task, the option and the accepted values.
+        ConfigurationError: naming the task, the option and the accepted values (and
+            the ``redlock_tasks`` entry, for options set there).
     """
     cls = type(task)
     cached = cls.__dict__.get("_redlock_options")
     if cached is not None:
         return cached
+    configured = getattr(cls, "_redlock_configured", None) or {}
+    read_attributes = getattr(cls, "_redlock_read_attributes", True)
+
+    def option(name: str) -> Any:
+        if name in configured:
+            return configured[name]
+        return getattr(task, f"lock_{name}", None) if read_attributes else None
+
+    try:
+        options = _resolve_options(task, option)
+    except ConfigurationError as exc:
+        source = getattr(cls, "_redlock_source", None)
+        if source is None:
+            raise
+        raise ConfigurationError(f"{exc} (options from {source})") from None
+    cls._redlock_options = options
+    return options
+
+
+def _resolve_options(task: Task, option: Any) -> TaskLockOptions:
     settings = app_settings(task.app)
 
-    def pick(option: str, default: Any) -> Any:
-        value = getattr(task, f"lock_{option}", None)
+    def pick(name: str, default: Any) -> Any:
+        value = option(name)
         return default if value is None else value
 
     where = f"task {task.name}: lock_"
+    lock_args = option("args")
+    if lock_args is not None:
+        check_lock_args(task.name, task.run, lock_args)
     options = TaskLockOptions(
         ttl=pick("ttl", settings.ttl),
         renew_interval=pick("renew_interval", settings.renew_interval),
-        args=None if getattr(task, "lock_args", None) is None else tuple(task.lock_args),
-        key=getattr(task, "lock_key", None),
+        args=None if lock_args is None else tuple(lock_args),
+        key=option("key"),
         on_busy=pick("on_busy", settings.on_busy),
         on_lost=pick("on_lost", settings.on_lost),
         retry_countdown=pick("retry_countdown", settings.retry_countdown),
         wait_timeout=pick("wait_timeout", settings.wait_timeout),
-        mode=getattr(task, "lock_mode", None),
-        limit=getattr(task, "lock_limit", None),
-        fair=bool(getattr(task, "lock_fair", False)),
+        mode=option("mode"),
+        limit=option("limit"),
+        fair=bool(option("fair")),
     )
     timing(
         options.ttl,
@@ -160,8 +211,6 @@ def lock_options(task: Task) -> TaskLockOptions:
             raise ConfigurationError(
                 f"{where}{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
             )
-    if getattr(task, "lock_args", None) is not None:
-        check_lock_args(task.name, task.run, task.lock_args)
     key = options.key
     if key is not None and not (
         callable(key)
@@ -173,6 +222,9 @@ def lock_options(task: Task) -> TaskLockOptions:
             "several resources), a format string over the argument names, or a list of "
             f"format strings, got {key!r}"
         )
+    templates = [key] if isinstance(key, str) else key if isinstance(key, (list, tuple)) else []
+    for template in templates:
+        check_key_template(task.name, task.run, template)
     resources = len(key) if isinstance(key, (list, tuple)) else 1
     try:
         check_kind(resources, options.mode, options.limit, options.fair)
@@ -180,8 +232,44 @@ def lock_options(task: Task) -> TaskLockOptions:
         raise ConfigurationError(
             f"task {task.name}: lock_mode / lock_limit / lock_fair / lock_key: {exc}"
         ) from None
-    cls._redlock_options = options
     return options
+
+
+def check_key_template(task_name: str, run: Any, template: str) -> None:
+    """Refuse a ``lock_key`` format string that could not format any call of ``run``.
+
+    Every replacement field must start with a parameter name of ``run`` (``{doc}``,
+    ``{doc[id]}``, ``{doc.id}``); positional fields (``{}``, ``{0}``) and unknown
+    names would fail every run of the task, so they are refused at worker start.
+
+    Raises:
+        ConfigurationError: naming the task, the key and the field.
+    """
+    parameters = signature(run).parameters
+    try:
+        fields = [
+            (field, conversion)
+            for _, field, _, conversion in string.Formatter().parse(template)
+            if field is not None
+        ]
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"task {task_name}: lock_key {template!r} is not a valid format string: {exc}"
+        ) from None
+    for field, conversion in fields:
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if name not in parameters or name == "":
+            raise ConfigurationError(
+                f"task {task_name}: lock_key {template!r} uses the field {{{field}}}, but "
+                f"{name or 'a positional field'!s} is not a parameter of "
+                f"run{signature(run)}; name the task's arguments, e.g. "
+                f"{{{next(iter(parameters), 'arg')}}}"
+            )
+        if conversion not in (None, "r", "s", "a"):
+            raise ConfigurationError(
+                f"task {task_name}: lock_key {template!r}: unknown conversion !{conversion} "
+                f"in {{{field}}}"
+            )
 
 
 class LockedTask(Task):
@@ -230,9 +318,9 @@ class LockedTask(Task):
         lock = held_lock(self)
         if lock is None:
             raise RuntimeError(
-                f"task {self.name}: self.lock exists only while a worker runs the task "
-                "(not when the task is called directly, nor with redlock_fail_open "
-                "after Redis was unreachable)"
+                f"task {self.name}: self.lock exists only while the task runs, in a worker "
+                "or with apply() (not when the task is called directly, nor with "
+                "redlock_fail_open after Redis was unreachable)"
             )
         return lock
 
@@ -260,14 +348,48 @@ class LockedTask(Task):
         lock.check()
         return result
 
+    def apply(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        task_id: str | None = None,
+        retries: int | None = None,
+        throw: bool | None = None,
+        **options: Any,
+    ) -> EagerResult:
+        """Run eagerly, as :meth:`celery.app.task.Task.apply`; a skipped run is a failure.
+
+        A worker stores a run skipped on a busy lock as FAILURE with ``LockBusy``, so
+        its ``get()`` raises ``LockBusy``. Celery's eager result would say IGNORED and
+        ``get()`` would return None; this gives the eager result the worker's state and
+        error instead (and raises ``LockBusy`` at once when ``throw`` /
+        ``task_eager_propagates`` asks failures to propagate).
+        """
+        result = super().apply(args, kwargs, link, link_error, task_id, retries, throw, **options)
+        skipped = result.result if result.state == states.IGNORED else None
+        if not isinstance(skipped, _Skipped):
+            return result
+        if self.app.conf.task_eager_propagates if throw is None else throw:
+            raise skipped.busy
+        return EagerResult(result.id, skipped.busy, states.FAILURE, name=self.name)
+
 
 def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock | None:
     """Take ``task``'s lock for this execution, or apply the busy/unavailable policy."""
     settings = app_settings(task.app)
     options = lock_options(task)
-    name = task_lock_name(
-        task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
-    )
+    try:
+        name = task_lock_name(
+            task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
+        )
+    except LockKeyError:
+        if not _binds(task, args, kwargs):
+            # Nothing to lock: calling the body raises Python's own TypeError
+            # ("missing 1 required positional argument: ..."), before any of it runs.
+            return None
+        raise
     lock = Redlock(
         name,
         nodes=settings.node_urls(),
@@ -313,10 +435,19 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
             task_id,
         )
         raise Ignore("already finished")
-    _running.lock = lock
+    push_lock(task_id, lock)
     abort.track(lock._lease, task_id)
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
     return lock
+
+
+def _binds(task: Task, args: tuple, kwargs: dict) -> bool:
+    """Whether ``args`` and ``kwargs`` bind to the task body's signature."""
+    try:
+        signature(task.run).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def announce_lock(send: Any, lock: Redlock, task_id: str) -> None:
@@ -408,8 +539,16 @@ def _busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) ->
         logger.info("Task %s[%s] skipped: %s", task.name, task_id, busy)
         if not task.ignore_result:
             task.backend.mark_as_failure(task_id, busy, request=task.request, call_errbacks=False)
-        raise Ignore(str(busy))
+        raise _Skipped(busy)
     raise busy
+
+
+class _Skipped(Ignore):
+    """The Ignore a skipped run ends with; carries the LockBusy for an eager result."""
+
+    def __init__(self, busy: LockBusy) -> None:
+        super().__init__(str(busy))
+        self.busy = busy
 
 
 def _on_lost(task: Task, task_id: str, policy: str, lock: Redlock, exc: LockLost) -> None:

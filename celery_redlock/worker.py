@@ -128,7 +128,7 @@ def _on_task_postrun(task: Any = None, task_id: str | None = None, **kwargs: Any
     lock = pop_lock(task_id)
     if lock is None:
         return
-    abort.untrack()
+    abort.untrack(lock._lease)
     try:
         lock.release()
     except Exception:  # the lease ends by itself within one TTL

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from celery_redlock import LockBusy, LockLost
-from tests.apps.locked import create_app
+from tests.apps.locked import ODD_NAME, create_app
 from tests.harness import (
     close_app,
     holder_pid,
@@ -63,6 +63,26 @@ def test_parent_releases_the_lock_of_a_sigkilled_child_at_once(
     released_in = time.monotonic() - killed_at
     assert released_in < 5, f"released after {released_in:.2f}s (lease was 30 s)"
     worker.wait_for_log("lock released", timeout=10)
+    with pytest.raises(Exception, match=r"WorkerLostError|exited"):
+        result.get(timeout=RESULT_TIMEOUT)
+
+
+def test_a_sigkilled_childs_lock_is_freed_whatever_its_task_name_and_id(
+    celery_redis, client, worker_process_factory
+):
+    """Newlines and spaces in the task name (so the key) and the task id: freed at once too."""
+    worker = locked_worker(worker_process_factory, ttl="30")
+    result = client.send_task(ODD_NAME, ("acct\n odd", 60), task_id="id with space\nand newline")
+    wait_for(lambda: holder_pid(celery_redis), timeout=20)
+    (key,) = lock_keys(celery_redis)
+    assert "\nname with spaces:" in key
+    os.kill(holder_pid(celery_redis), signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: not lock_keys(celery_redis), timeout=10, interval=0.01)
+    released_in = time.monotonic() - killed_at
+    assert released_in < 5, f"released after {released_in:.2f}s (lease was 30 s)"
+    worker.wait_for_log("lock released", timeout=10)
+    assert "malformed" not in worker.log_text()
     with pytest.raises(Exception, match=r"WorkerLostError|exited"):
         result.get(timeout=RESULT_TIMEOUT)
 

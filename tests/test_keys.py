@@ -118,3 +118,33 @@ def test_lock_args_are_checked_against_the_signature():
         check_lock_args("proj.sync", run, ("acount_id",))
     with pytest.raises(ConfigurationError, match="did you mean"):
         check_lock_args("proj.sync", run, "account_id")
+
+
+def doc_key(doc, template="doc:{doc}"):
+    return task_lock_name("proj.t", lambda doc: None, (doc,), {}, lock_key=template)
+
+
+def test_lock_key_fields_format_containers_canonically():
+    """Equal dicts in another key order, sets in any order, tuples or lists: one key."""
+    assert doc_key({"a": 1, "b": [1, 2]}) == doc_key({"b": [1, 2], "a": 1})
+    assert doc_key({"a": (1, 2)}) == doc_key(json.loads(json.dumps({"a": (1, 2)})))
+    assert doc_key(("x", "y")) == doc_key(["x", "y"])
+    assert doc_key({3, 1, 2}) == doc_key({2, 3, 1})
+    assert doc_key({"a": 1}) != doc_key({"a": 2})
+
+
+def test_lock_key_fields_of_scalars_and_indexing_keep_their_text():
+    """Strings and numbers format as before; {doc[id]} and conversions still work."""
+    assert doc_key("a1") == doc_key(None, "doc:a1")
+    assert doc_key(7) == doc_key(None, "doc:7")
+    assert doc_key({"id": 5, "x": 1}, "doc:{doc[id]}") == doc_key(None, "doc:5")
+    assert doc_key({"b": 1, "a": {"d": 2, "c": 3}}, "doc:{doc[a]!r}") == doc_key(
+        {"a": {"c": 3, "d": 2}}, "doc:{doc[a]!s}"
+    )
+
+
+def test_lock_key_field_without_a_stable_text_is_refused():
+    """An object formatted as <... at 0x...> would differ per process: LockKeyError."""
+    with pytest.raises(LockKeyError) as info:
+        doc_key(object())
+    assert info.value.args[:2] == ("proj.t", "lock_key")

@@ -24,6 +24,10 @@ REDIS_URL = os.environ.get("REDLOCK_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 TTL = float(os.environ.get("REDLOCK_TEST_TTL", "1.0"))
 
 
+#: A task name no line-based protocol may mangle.
+ODD_NAME = "tests.apps.locked.odd\nname with spaces"
+
+
 def note(path: str | None, event: str, label: str) -> None:
     if path:
         with Path(path).open("a") as out:
@@ -184,6 +188,37 @@ def create_app(redis_url: str = REDIS_URL, **conf: object) -> Celery:
     def audit(self, account, path=None, label="", seconds=0.0):
         """Locks one account: excluded by a transfer involving it."""
         return work(self, path, label, seconds)
+
+    # -- nested runs in one thread (eager apply, errbacks run inline) -----------------
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("x",))
+    def inner(self, x):
+        """Locked on its own key; run eagerly from ``outer``'s body."""
+        return {"x": x, "fence": self.lock.fence, "key": self.lock.key}
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("x",))
+    def outer(self, x):
+        """Runs ``inner`` with ``apply()`` inside its own locked body."""
+        key = self.lock.key
+        nested = inner.apply(args=(x,)).get(disable_sync_subtasks=False)
+        # Back in the outer body: its own lock is still the one it holds.
+        return {"outer_key": key, "still": self.lock.key, "inner": nested}
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("x",))
+    def fail(self, x):
+        """Fails; its errback runs inline when it is applied eagerly."""
+        raise ValueError(x)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=())
+    def on_error(self, task_id):
+        """A locked errback: Celery runs it inside ``fail``'s failure handling."""
+        return task_id
+
+    @app.task(base=LockedTask, bind=True, shared=False, name=ODD_NAME, lock_args=("resource",))
+    def odd_name(self, resource, seconds):
+        """A task name with a newline and spaces (its lock key has them too)."""
+        time.sleep(seconds)
+        return "slept"
 
     @app.task(base=LockedTask, bind=True, shared=False)
     def anything(self, value):
