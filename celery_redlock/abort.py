@@ -158,7 +158,13 @@ def _raise_in_thread(thread: int, exc: LockLost) -> bool:
     done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread), ctypes.py_object(_AsyncLockLost)
     )
-    if done > 1:  # never expected: undo, as the CPython docs ask
+    # While the target thread starts a thread of its own, the newborn thread's state
+    # briefly carries the target's id, and CPython may deliver the exception to it
+    # instead (returning 1: undetectable here). The body then runs on, but the
+    # LockedTask checks its lease when the body returns, so the result is still a
+    # LockLost failure: never a silent success. More than one match is undone, as
+    # the CPython docs ask.
+    if done > 1:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
         return False
     return done == 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import signal
 import tempfile
 import time
@@ -19,15 +18,22 @@ from pathlib import Path
 
 import redis
 
+from celery_redlock.beat import parse_beat_holder
+
 from .support import ROOT, Service, finished_runs, redis_base, say, step, wait_until
 
 LEASE = 3.0
 
 
 def leader_pid(locks: redis.Redis) -> int | None:
-    holder = locks.hget("redlock:{beat:example_project}", "task_name") or ""
-    match = re.search(r":(\d+)$", holder)
-    return int(match.group(1)) if match else None
+    # The leader lock's name carries a digest of the broker: find it by its pattern.
+    keys = [
+        key
+        for key in locks.scan_iter("redlock:{beat:example_project@*}")
+        if not key.endswith((":fence", ":state"))
+    ]
+    holder = parse_beat_holder(locks.hget(keys[0], "task_name") if keys else None)
+    return int(holder["pid"]) if holder else None
 
 
 def main() -> None:
