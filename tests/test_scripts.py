@@ -73,31 +73,39 @@ def test_acquire_rejects_a_malformed_lease(redis_node):
     assert c.exists(KEYS.lock, KEYS.fence) == 0
 
 
-#: A lease hypothesis found (tests/reliability/test_bad_input.py, argv
-#: ['0', '99999999999999992', '0', '', '', '', '', ''] for acquire_shared): Lua holds it
-#: as a double and hands it to PEXPIRE as '1e+17', which Redis refuses after the HSET
-#: or ZADD before it was done, leaving a lock (or share set) with no TTL at all.
-TOO_LONG = 99_999_999_999_999_992
+#: Leases hypothesis found (tests/reliability/test_bad_input.py: argv
+#: ['0', '99999999999999992', '0', '', '', '', '', ''] for acquire_shared and
+#: ['0', 'INFINITY', '', ...] for acquire). Lua holds them as doubles that pass the
+#: "positive integer" check and hands them to PEXPIRE as '1e+17' or 'inf', which Redis
+#: refuses after the HSET or ZADD before it was done: a key with no TTL is left.
+TOO_LONG = "99999999999999992"
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="acquire.lua and acquire_shared.lua check that the lease is a positive "
-    "integer, not that PEXPIRE can take it: they need an upper bound (e.g. 30 days, "
-    "settings.MAX_SECONDS) checked before any write; the scripts are outside this branch",
+    reason="acquire.lua and acquire_shared.lua check that a lease (and acquire's fair "
+    "waiter lease, ARGV[9]) is a positive integer, not that PEXPIRE can take it: they "
+    "need an upper bound (e.g. 30 days, settings.MAX_SECONDS) checked before any write; "
+    "the scripts are outside this branch",
 )
-@pytest.mark.parametrize("kind", ["acquire", "acquire fair", "acquire_shared"])
-def test_a_lease_too_long_for_pexpire_is_refused_before_anything_is_written(redis_node, kind):
+@pytest.mark.parametrize("lease", [TOO_LONG, "INFINITY"])
+@pytest.mark.parametrize("kind", ["acquire", "fair waiter", "acquire_shared"])
+def test_a_lease_pexpire_cannot_take_is_refused_before_anything_is_written(redis_node, kind, lease):
     """Settings cap leases at 30 days, so the library never sends one this long; the
     script must still refuse it cleanly rather than leave a key that never expires."""
     c = redis_node.client()
+    if kind == "fair waiter":
+        acquire(c, "holder")  # held with a lease: the fair waiter queues
     with pytest.raises(redis.ResponseError) as info:
         if kind == "acquire_shared":
-            share(c, "a", ttl=TOO_LONG)
+            share(c, "a", ttl=lease)
+        elif kind == "fair waiter":
+            acquire(c, "a", fair=lease)
         else:
-            acquire(c, "a", ttl=TOO_LONG, fair="1000" if kind == "acquire fair" else "")
+            acquire(c, "a", ttl=lease)
     assert "celery_redlock" in str(info.value), str(info.value)
-    assert c.exists(KEYS.lock, KEYS.shared, KEYS.holders) == 0, "a key with no TTL was left"
+    keys = [KEYS.lock, KEYS.shared, KEYS.holders, KEYS.queue, KEYS.waiting]
+    assert [k for k in keys if c.pttl(k) == -1] == [], "a key with no TTL was left"
 
 
 def test_renew_many_reports_each_key(redis_node):
