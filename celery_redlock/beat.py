@@ -65,6 +65,7 @@ from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .lock import Redlock
 from .nodes import Call
 from .scripts import BEAT_CLAIM
+from .settings import timing
 from .task import app_settings
 
 __all__ = [
@@ -166,6 +167,14 @@ class LeaderMixin:
         super().__init__(*args, **kwargs)
         settings = app_settings(self.app)  # ConfigurationError stops beat at start
         self.broker_identity = broker_identity(self.app)
+        # Validated here so that an error names the setting, not Redlock's argument.
+        timing(
+            settings.beat_ttl,
+            None,
+            settings.node_timeout,
+            settings.drift_factor,
+            ttl_name="redlock_beat_ttl",
+        )
         self.leader_lock = Redlock(
             leader_name(self.app, settings.beat_name),
             nodes=settings.node_urls(),

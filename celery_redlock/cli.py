@@ -68,7 +68,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from . import doctor as doctor_module
 from .exceptions import ConfigurationError
-from .keys import lock_keys
+from .keys import lock_keys, lock_name_of
 from .nodes import Call, Node, NodeSet, fan_out
 from .scripts import INSPECT, RELEASE
 from .settings import Settings, from_conf
@@ -391,7 +391,7 @@ def read_locks(
                     )
                 )
     return [
-        LockView(key, key[len(prefix) + 1 : -1], views, nodeset.quorum)
+        LockView(key, lock_name_of(key, prefix), views, nodeset.quorum)
         for key, views in per_key.items()
     ]
 

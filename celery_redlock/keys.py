@@ -1,4 +1,4 @@
-"""Redis key names: the only module that builds them.
+r"""Redis key names: the only module that builds them.
 
 A lock named ``NAME`` under the prefix ``redlock:`` uses::
 
@@ -15,7 +15,13 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
     redlock:{NAME}:waiting    sorted set: fair waiters, token -> deadline in ms
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
-and one script can touch them all.
+and one script can touch them all. Redis hashes a key by the text between its first
+``{`` and the first ``}`` after it, and by the whole key when that text is empty; so
+a name that begins with ``}`` (``redlock:{}x}`` has an empty tag) or with the escape
+``\`` is written with a ``\`` in front: ``}x`` -> ``redlock:{\}x}``, ``\x`` ->
+``redlock:{\\x}``. Every other name appears as it is, and the tag is never empty:
+it is the name up to its first ``}``. The prefix may not contain braces (they would
+move the tag). :func:`lock_name_of` reads the name back from a lock key.
 
 Task locks are named from the task and a SHA-256 digest of its canonical bound
 arguments (:func:`task_lock_name`): argument values never appear in Redis, and the
@@ -44,6 +50,7 @@ __all__ = [
     "check_lock_args",
     "keys_of",
     "lock_keys",
+    "lock_name_of",
     "task_lock_name",
     "validate_prefix",
 ]
@@ -74,18 +81,27 @@ class LockKeys(NamedTuple):
         return (self.lock, self.fence, self.shared, self.holders)
 
 
-def validate_prefix(prefix: str) -> str:
-    """Return ``prefix`` if it can prefix lock keys, else raise ConfigurationError."""
+def validate_prefix(prefix: str, setting: str = "redlock_key_prefix") -> str:
+    """Return ``prefix`` if it can prefix lock keys, else raise ConfigurationError.
+
+    ``setting`` is the name the error gives the prefix (``key_prefix`` for
+    :class:`~celery_redlock.Redlock`'s argument).
+    """
     if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
         raise ConfigurationError(
-            f"redlock_key_prefix must be a string without '{{' or '}}' (they would change "
+            f"{setting} must be a string without '{{' or '}}' (they would change "
             f"the cluster hash tag), got {prefix!r}"
         )
     return prefix
 
 
+#: Put in front of a name that begins with ``}`` (whose hash tag would be empty) or
+#: with this escape itself (so the escaping stays one-to-one).
+TAG_ESCAPE = "\\"
+
+
 def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
-    """The keys of the lock called ``name``."""
+    """The keys of the lock called ``name`` (every one in the slot of one hash tag)."""
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"a lock name must be a non-empty string, got {name!r}")
     if len(name) > MAX_NAME_LENGTH:
@@ -93,7 +109,15 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
             f"lock name is {len(name)} characters long, the limit is {MAX_NAME_LENGTH}: "
             "hash long names before using them"
         )
-    return keys_of(f"{prefix}{{{name}}}")
+    validate_prefix(prefix, "key_prefix")
+    tagged = TAG_ESCAPE + name if name.startswith(("}", TAG_ESCAPE)) else name
+    return keys_of(f"{prefix}{{{tagged}}}")
+
+
+def lock_name_of(lock: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The lock name of a lock key ``<prefix>{<name>}``: :func:`lock_keys` undone."""
+    tagged = lock[len(prefix) + 1 : -1]
+    return tagged[len(TAG_ESCAPE) :] if tagged.startswith(TAG_ESCAPE) else tagged
 
 
 def keys_of(lock: str) -> LockKeys:

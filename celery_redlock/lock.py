@@ -408,9 +408,9 @@ class Redlock:
             # Per resource, the largest fence among the granting nodes.
             fences = tuple(max(column) for column in zip(*attempt.fences, strict=True))
             agreed = sum(1 for node_fences in attempt.fences if node_fences == fences)
-            if (
-                agreed >= quorum or self._sync_fence(token, fences, attempt)
-            ) and self._won(token, fences, sent_at, len(attempt.granted)):
+            if (agreed >= quorum or self._sync_fence(token, fences, attempt)) and self._won(
+                token, fences, sent_at, len(attempt.granted)
+            ):
                 return None
         if not all(_is_busy(reply) for reply in replies):
             # Undo everywhere, including nodes that did not answer (they may have
@@ -878,9 +878,7 @@ class _Hold:
 _KEEP_HOLDS = 32
 
 
-def _finalize(
-    holds: dict[int, _Hold], name: str, release_call: Callable[[str], Call]
-) -> None:
+def _finalize(holds: dict[int, _Hold], name: str, release_call: Callable[[str], Call]) -> None:
     """A held lock object was garbage-collected: stop renewing it and release it.
 
     Runs in whatever thread the collector ran in, maybe inside another lock's call:

@@ -252,6 +252,8 @@ class Renewer:
         #: Ticks run and script calls sent, for tests and metrics.
         self.ticks = 0
         self.calls = 0
+        #: Leases are out of the heap in a tick being renewed (set by the renewer thread).
+        self._ticking = False
 
     def add(self, lease: Lease) -> None:
         """Start renewing ``lease``; stop by setting ``released`` or on loss."""
@@ -345,6 +347,7 @@ class Renewer:
                 self._sleep(wait)
                 continue
             now, first_due = clock(), due
+            self._ticking = True  # before the leases leave the heap: see abandon_all()
             taken = []
             while heap:
                 due, _, lease = heap[0]
@@ -355,6 +358,7 @@ class Renewer:
                     taken.append(lease)
             if taken:
                 return taken, first_due
+            self._ticking = False
 
     def _run(self) -> None:
         if not self._run_lock.acquire(blocking=False):
@@ -371,16 +375,35 @@ class Renewer:
                 now = clock()
                 for lease in leases:
                     self._retry_or_lose(lease, now, f"renewer error: {exc!r}")
+            finally:
+                self._ticking = False
+
+    def abandon_all(self) -> bool:
+        """Stop renewing every lease, silently; True once no tick is in flight.
+
+        For test isolation: a lease one test leaves held must not be renewed, nor
+        reported lost, during the next test (its keys expire on their own). Call until
+        it returns True: a tick in flight puts its leases back when it ends.
+        """
+        held = [lease for _, _, lease in list(self._heap)]
+        held += [lease for _, lease in list(self._inbox)]
+        for lease in held:
+            with lease._lock:  # mark_lost checks ``released`` under it
+                lease.released = True
+        return not self._ticking
 
     def renew(self, leases: list[Lease], due: float | None = None) -> None:
         """Renew ``leases`` now: one script call per node per chunk, per node set."""
-        self.ticks += 1
         started = clock()
         by_nodeset: dict[int, list[Lease]] = {}
         for lease in leases:
             by_nodeset.setdefault(id(lease.nodeset), []).append(lease)
-        for group in by_nodeset.values():
-            self._renew_group(group)
+        try:
+            for group in by_nodeset.values():
+                self._renew_group(group)
+        finally:
+            # Counted once its calls are in: a reader never sees a tick without them.
+            self.ticks += 1
         if metrics.enabled:
             metrics.tick(clock() - started, 0.0 if due is None else started - due)
 

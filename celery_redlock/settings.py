@@ -19,6 +19,10 @@ from .keys import DEFAULT_PREFIX, validate_prefix
 
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",
+    "MAX_SECONDS",
+    "MIN_NODE_TIMEOUT",
+    "MIN_RENEW_INTERVAL",
+    "MIN_TTL",
     "ON_BUSY",
     "ON_LOST",
     "OPTIONS",
@@ -34,43 +38,70 @@ ON_BUSY = ("skip", "retry", "raise", "wait")
 ON_LOST = ("abort", "revoke", "ignore")
 
 #: Per-node budget of one call when ``redlock_node_timeout`` is not set: at most
-#: this, and at most a tenth of the lease (Redlock asks for a budget small against it).
+#: this, at most a tenth of the lease (Redlock asks for a budget small against it),
+#: and at most half the renewal interval (a failed renewal leaves time for another).
 DEFAULT_NODE_TIMEOUT = 0.25
 
+#: Longest duration of any setting, in seconds (30 days). A lease is renewed, so a long
+#: task needs no long ttl; and the scripts compute deadlines with Lua numbers, which
+#: Redis reads back as integers only below 1e14 ms (``1e+18`` is "not an integer").
+MAX_SECONDS = 30 * 86400.0
+#: Shortest lease: 10 ms, ten of the scripts' millisecond steps, which leaves room
+#: for the default renewal (ttl/3), node timeout (ttl/10), drift and loss margin.
+MIN_TTL = 0.01
+#: Shortest node timeout (1 ms, the scripts' resolution) and renewal interval (room
+#: for a node timeout of half of it).
+MIN_NODE_TIMEOUT = 0.001
+MIN_RENEW_INTERVAL = 2 * MIN_NODE_TIMEOUT
 
-def _number(
+
+def _seconds(
     name: str,
     value: Any,
     *,
     minimum: float = 0.0,
-    strict: bool = True,
-    maximum: float = math.inf,
     optional: bool = False,
 ) -> float | None:
+    """A duration in ``[minimum, MAX_SECONDS]`` (``(0, MAX_SECONDS]`` for minimum 0)."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ConfigurationError(
             f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})"
         )
-    low_ok = value > minimum if strict else value >= minimum
-    if not low_ok or value > maximum:
-        bound = ">" if strict else ">="
-        top = f" and <= {maximum}" if maximum != math.inf else ""
-        raise ConfigurationError(f"{name} must be {bound} {minimum}{top}, got {value!r}")
+    if value <= 0 or value < minimum or value > MAX_SECONDS:
+        top = f"{MAX_SECONDS:.0f} seconds ({MAX_SECONDS / 86400:g} days)"
+        allowed = f"from {minimum:g} to {top}" if minimum else f"at most {top}"
+        rule = f"> 0 ({allowed})" if value <= 0 else allowed
+        raise ConfigurationError(f"{name} must be {rule}, got {value!r}")
     return float(value)
 
 
 def _positive(name: str, value: Any) -> float:
-    return _number(name, value)  # type: ignore[return-value]
+    return _seconds(name, value)  # type: ignore[return-value]
 
 
-def _optional_positive(name: str, value: Any) -> float | None:
-    return _number(name, value, optional=True)
+def _lease(name: str, value: Any) -> float:
+    return _seconds(name, value, minimum=MIN_TTL)  # type: ignore[return-value]
+
+
+def _renew_interval(name: str, value: Any) -> float | None:
+    return _seconds(name, value, minimum=MIN_RENEW_INTERVAL, optional=True)
+
+
+def _node_timeout(name: str, value: Any) -> float | None:
+    return _seconds(name, value, minimum=MIN_NODE_TIMEOUT, optional=True)
 
 
 def _fraction(name: str, value: Any) -> float:
-    return _number(name, value, minimum=0.0, strict=False, maximum=0.5)  # type: ignore[return-value]
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or not 0 <= value <= 0.5
+    ):
+        raise ConfigurationError(f"{name} must be >= 0.0 and <= 0.5, got {value!r}")
+    return float(value)
 
 
 def _non_negative_int(name: str, value: Any) -> int:
@@ -199,12 +230,18 @@ OPTIONS: dict[str, Option] = {
             "URLs of independent Redis masters. With 2 or more, locks use Redlock "
             "(a majority must agree); use an odd number.",
         ),
-        Option("ttl", 30.0, _positive, "Lease length in seconds; the watchdog renews it."),
+        Option(
+            "ttl",
+            30.0,
+            _lease,
+            "Lease length in seconds (0.01 to 30 days); the watchdog renews it.",
+        ),
         Option(
             "renew_interval",
             None,
-            _optional_positive,
-            "Seconds between renewals; default ttl/3, so one failed renewal is survived.",
+            _renew_interval,
+            "Seconds between renewals (at least 0.002, shorter than the ttl); default ttl/3, "
+            "so one failed renewal is survived.",
         ),
         Option("key_prefix", DEFAULT_PREFIX, _prefix, "Prefix of every Redis key and channel."),
         Option(
@@ -219,8 +256,15 @@ OPTIONS: dict[str, Option] = {
             _choice(ON_LOST),
             "What happens to a running task whose lock is lost: abort, revoke or ignore.",
         ),
-        Option("retry_countdown", 5.0, _positive, "Seconds before a retry, with on_busy='retry'."),
-        Option("wait_timeout", 60.0, _positive, "Longest wait, with on_busy='wait'."),
+        Option(
+            "retry_countdown",
+            5.0,
+            _positive,
+            "Seconds before a retry, with on_busy='retry' (up to 30 days).",
+        ),
+        Option(
+            "wait_timeout", 60.0, _positive, "Longest wait, with on_busy='wait' (up to 30 days)."
+        ),
         Option(
             "drift_factor",
             0.01,
@@ -230,9 +274,10 @@ OPTIONS: dict[str, Option] = {
         Option(
             "node_timeout",
             None,
-            _optional_positive,
-            f"Budget of one call to the nodes, in seconds; default the smaller of "
-            f"{DEFAULT_NODE_TIMEOUT} and ttl/10.",
+            _node_timeout,
+            f"Budget of one call to the nodes, in seconds (at least 0.001, shorter than the "
+            f"renew interval); default the smallest of {DEFAULT_NODE_TIMEOUT}, ttl/10 and "
+            "renew_interval/2.",
         ),
         Option(
             "min_replicas",
@@ -258,8 +303,9 @@ OPTIONS: dict[str, Option] = {
         Option(
             "beat_ttl",
             10.0,
-            _positive,
-            "Lease of the beat leader in seconds: a standby takes over within it.",
+            _lease,
+            "Lease of the beat leader in seconds (0.01 to 30 days): a standby takes over "
+            "within it.",
         ),
         Option(
             "metrics",
@@ -321,32 +367,49 @@ def timing(
     drift_factor: Any = 0.01,
     *,
     source: str = "redlock_",
+    ttl_name: str | None = None,
 ) -> Timing:
-    """Validate lease timing; ``source`` prefixes the names used in error messages."""
-    ttl = _positive(f"{source}ttl", ttl)
+    """Validate lease timing; ``source`` prefixes the names used in error messages.
+
+    Every error names a value the caller gave: a default derived from the ttl
+    (``renew_interval`` ttl/3, ``node_timeout``) always fits it. ``ttl_name``
+    overrides the ttl's name (``redlock_beat_ttl``).
+
+    Raises:
+        ConfigurationError: naming the value and its allowed range (see
+            :data:`MIN_TTL`, :data:`MIN_RENEW_INTERVAL`, :data:`MIN_NODE_TIMEOUT`,
+            :data:`MAX_SECONDS`).
+    """
+    ttl_name = ttl_name or f"{source}ttl"
+    renew_name, timeout_name = f"{source}renew_interval", f"{source}node_timeout"
+    ttl = _lease(ttl_name, ttl)
+    renew_shown = f"{renew_name} ({renew_interval}s)"
     if renew_interval is None:
         renew_interval = ttl / 3
-    renew_interval = _positive(f"{source}renew_interval", renew_interval)
-    if renew_interval >= ttl:
-        raise ConfigurationError(
-            f"{source}renew_interval must be shorter than {source}ttl ({ttl}s), got "
-            f"{renew_interval}s: the lease would expire between renewals"
-        )
+        renew_shown = f"{renew_name} (default {ttl_name}/3: {renew_interval:.4g}s)"
+    else:
+        renew_interval = _renew_interval(renew_name, renew_interval)
+        if renew_interval >= ttl:
+            raise ConfigurationError(
+                f"{renew_name} must be shorter than {ttl_name} ({ttl}s), got "
+                f"{renew_interval}s: the lease would expire between renewals"
+            )
     if node_timeout is None:
-        node_timeout = min(DEFAULT_NODE_TIMEOUT, ttl / 10)
-    node_timeout = _positive(f"{source}node_timeout", node_timeout)
-    if node_timeout >= renew_interval:
-        raise ConfigurationError(
-            f"{source}node_timeout ({node_timeout}s) must be shorter than "
-            f"{source}renew_interval ({renew_interval}s): a renewal must be able to "
-            "fail and be retried before the lease ends"
-        )
+        node_timeout = min(DEFAULT_NODE_TIMEOUT, ttl / 10, renew_interval / 2)
+    else:
+        node_timeout = _node_timeout(timeout_name, node_timeout)
+        if node_timeout >= renew_interval:
+            raise ConfigurationError(
+                f"{timeout_name} ({node_timeout}s) must be shorter than {renew_shown}: "
+                "a renewal must be able to fail and be retried before the lease ends"
+            )
     drift_factor = _fraction(f"{source}drift_factor", drift_factor)
     t = Timing(ttl, renew_interval, node_timeout, drift_factor)
     if t.drift + t.margin >= ttl:
         raise ConfigurationError(
-            f"{source}ttl ({ttl}s) is too short for the drift allowance ({t.drift:.3f}s) "
-            f"and the loss margin ({t.margin:.3f}s)"
+            f"{ttl_name} ({ttl}s) is too short for the drift allowance ({t.drift:.3f}s, "
+            f"{source}drift_factor {drift_factor}) and the loss margin ({t.margin:.3f}s, "
+            f"from {timeout_name} {node_timeout}s): lengthen it or lower those"
         )
     return t
 

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .keys import lock_name_of
 from .nodes import Call, NodeSet
 
 __all__ = ["ShareView", "read_shares", "to_float", "to_int"]
@@ -123,7 +124,7 @@ def read_shares(
                     if view is None:
                         view = views[(lock_key, token)] = ShareView(
                             lock_key,
-                            lock_key[len(prefix) + 1 : -1],
+                            lock_name_of(lock_key, prefix),
                             token,
                             _details(info.get(token)),
                             nodes=len(nodeset),

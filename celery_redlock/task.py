@@ -63,7 +63,7 @@ from .exceptions import ConfigurationError, LockBusy, LockKeyError, LockLost, No
 from .keys import _signature as signature
 from .keys import check_lock_args, task_lock_name
 from .lock import Redlock, check_kind
-from .settings import ON_BUSY, ON_LOST, Settings, from_conf, timing
+from .settings import ON_BUSY, ON_LOST, OPTIONS, Settings, from_conf, timing
 
 __all__ = ["LockedTask", "TaskLockOptions", "announce_lock", "app_settings", "lock_options"]
 
@@ -203,6 +203,9 @@ def _resolve_options(task: Task, option: Any) -> TaskLockOptions:
         settings.drift_factor,
         source=where,
     )
+    for name in ("retry_countdown", "wait_timeout"):
+        if option(name) is not None:
+            OPTIONS[name].parse(f"{where}{name}", option(name))
     for name, value, allowed in (
         ("on_busy", options.on_busy, ON_BUSY),
         ("on_lost", options.on_lost, ON_LOST),

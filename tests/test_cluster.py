@@ -147,6 +147,25 @@ def test_acquire_extend_release_on_the_master_of_the_slot(cluster):
                 assert conn.dbsize() == 0, "nothing of the lock lands on another master"
 
 
+@pytest.mark.parametrize("name", ["}x", "}", "}{}", "{}", "\\}x", "a}b", "{user}:1"])
+def test_a_lock_whose_name_holds_braces_lives_in_one_slot(cluster, name):
+    """``redlock:{}x}`` would have no hash tag and its keys would span slots
+    (CrossSlotError at acquire): every name's keys share a non-empty tag."""
+    lock = Redlock(name, nodes=[cluster.url()], ttl=10, auto_renew=False)
+    waiter = Redlock(name, nodes=[cluster.url()], ttl=10)
+    assert lock.acquire(blocking=False)
+    assert not waiter.acquire(blocking=False)
+    lock.extend()
+    Renewer().renew([lock._lease])
+    (view,) = lock.inspect()
+    assert int(view["fence"]) == lock.fence
+    owner = cluster.master_for(lock.keys.lock)
+    assert all(cluster.master_for(key) is owner for key in lock.keys)
+    lock.release()
+    assert waiter.acquire(blocking=False)
+    waiter.release()
+
+
 def test_renewal_is_one_pipelined_request_per_master(cluster):
     """Locks on all 3 masters: each master gets one renew_many call per slot, nothing more.
 

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from celery_redlock import LockLost, Redlock, metrics
+from celery_redlock.renewal import clock, get_renewer
 from tests.harness import wait_for
 
 
@@ -67,3 +68,29 @@ def test_acquire_busy_release_lost_and_renewal_are_counted(redis_node, registry)
     assert value(registry, "redlock_locks_held") == 0
     victim.release()
     assert value(registry, "redlock_released_total", task="proj.sync") == 1, "a lost lock"
+
+
+def test_a_lock_an_earlier_test_left_held_does_not_move_the_metrics(redis_node, drain_renewer):
+    """A lease left renewing by an earlier test was lost once the next test flushed its
+    server, and its loss decremented that test's gauge (-2.0 seen). The harness drains
+    the renewer between tests: such a lease is never renewed or reported again."""
+    lost = []
+    left = Redlock("left-held", nodes=[redis_node.url], ttl=0.6, on_lost=lost.append)
+    assert left.acquire()
+    drain_renewer(get_renewer())  # the end of the "earlier test"
+    registry = CollectorRegistry()
+    metrics._metrics.clear()
+    metrics.enabled = False
+    metrics.enable(registry)
+    try:
+        redis_node.client().flushall()
+        ticks = get_renewer().ticks
+        deadline = left._lease.deadline
+        wait_for(lambda: clock() > deadline + 0.3, timeout=5, message="the lease's deadline")
+        assert not lost
+        assert get_renewer().ticks == ticks, "nothing left to renew"
+        assert value(registry, "redlock_locks_held") == 0
+        assert value(registry, "redlock_lost_total", task="-") == 0
+    finally:
+        metrics.enabled = False
+        metrics._metrics.clear()

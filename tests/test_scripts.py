@@ -73,6 +73,34 @@ def test_acquire_rejects_a_malformed_lease(redis_node):
     assert c.exists(KEYS.lock, KEYS.fence) == 0
 
 
+#: Leases hypothesis found (tests/reliability/test_bad_input.py: argv
+#: ['0', '99999999999999992', '0', '', '', '', '', ''] for acquire_shared and
+#: ['0', 'INFINITY', '', ...] for acquire). Lua holds them as doubles that pass the
+#: "positive integer" check and hands them to PEXPIRE as '1e+17' or 'inf', which Redis
+#: refuses after the HSET or ZADD before it was done: a key with no TTL is left.
+TOO_LONG = "99999999999999992"
+
+
+@pytest.mark.parametrize("lease", [TOO_LONG, "INFINITY"])
+@pytest.mark.parametrize("kind", ["acquire", "fair waiter", "acquire_shared"])
+def test_a_lease_pexpire_cannot_take_is_refused_before_anything_is_written(redis_node, kind, lease):
+    """Settings cap leases at 30 days, so the library never sends one this long; the
+    script must still refuse it cleanly rather than leave a key that never expires."""
+    c = redis_node.client()
+    if kind == "fair waiter":
+        acquire(c, "holder")  # held with a lease: the fair waiter queues
+    with pytest.raises(redis.ResponseError) as info:
+        if kind == "acquire_shared":
+            share(c, "a", ttl=lease)
+        elif kind == "fair waiter":
+            acquire(c, "a", fair=lease)
+        else:
+            acquire(c, "a", ttl=lease)
+    assert "celery_redlock" in str(info.value), str(info.value)
+    keys = [KEYS.lock, KEYS.shared, KEYS.holders, KEYS.queue, KEYS.waiting]
+    assert [k for k in keys if c.pttl(k) == -1] == [], "a key with no TTL was left"
+
+
 def test_renew_many_reports_each_key(redis_node):
     """One call renews owned keys and reports gone (0) and taken (-1) ones."""
     c = redis_node.client()

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from celery_redlock import ConfigurationError
-from celery_redlock.settings import OPTIONS, from_conf
+from celery_redlock import ConfigurationError, Redlock
+from celery_redlock.settings import (
+    MAX_SECONDS,
+    MIN_NODE_TIMEOUT,
+    MIN_RENEW_INTERVAL,
+    MIN_TTL,
+    OPTIONS,
+    from_conf,
+    timing,
+)
 
 
 def test_defaults():
@@ -81,3 +89,99 @@ def test_readme_settings_table_is_current():
     assert reference() in readme, (
         "regenerate: python -c 'from celery_redlock.settings import reference; print(reference())'"
     )
+
+
+# -- ranges ----------------------------------------------------------------------------
+
+RANGE = "2592000 seconds (30 days)"
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "allowed"),
+    [
+        ("redlock_ttl", 5e-324, f"from 0.01 to {RANGE}"),
+        ("redlock_ttl", 0.009, f"from 0.01 to {RANGE}"),
+        ("redlock_ttl", float("inf"), f"from 0.01 to {RANGE}"),
+        ("redlock_ttl", 1e15, f"from 0.01 to {RANGE}"),
+        ("redlock_ttl", MAX_SECONDS + 1, f"from 0.01 to {RANGE}"),
+        ("redlock_beat_ttl", 1e15, f"from 0.01 to {RANGE}"),
+        ("redlock_beat_ttl", 5e-324, f"from 0.01 to {RANGE}"),
+        ("redlock_renew_interval", 5e-324, f"from 0.002 to {RANGE}"),
+        ("redlock_renew_interval", float("inf"), f"from 0.002 to {RANGE}"),
+        ("redlock_node_timeout", 1e-4, f"from 0.001 to {RANGE}"),
+        ("redlock_node_timeout", 1e15, f"from 0.001 to {RANGE}"),
+        ("redlock_retry_countdown", 1e15, f"at most {RANGE}"),
+        ("redlock_retry_countdown", float("inf"), f"at most {RANGE}"),
+        ("redlock_wait_timeout", 1e15, f"at most {RANGE}"),
+        ("redlock_wait_timeout", float("-inf"), f"at most {RANGE}"),
+    ],
+)
+def test_durations_out_of_range_name_the_setting_set_and_the_range(setting, value, allowed):
+    """5e-324, inf and 1e15 used to fail naming a setting nobody set, or to be accepted
+    and then fail every acquisition with Redis' 'value is not an integer or out of range'."""
+    with pytest.raises(ConfigurationError) as info:
+        from_conf({setting: value})
+    message = str(info.value)
+    assert message.startswith(f"{setting} must be "), message
+    assert allowed in message and f"got {value!r}" in message, message
+    others = {o.setting for o in OPTIONS.values()} - {setting}
+    assert not [o for o in others if o in message], message
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"redlock_ttl": MIN_TTL},
+        {"redlock_ttl": MAX_SECONDS},
+        {"redlock_ttl": MIN_TTL, "redlock_drift_factor": 0.5},
+        {"redlock_ttl": 1, "redlock_renew_interval": MIN_RENEW_INTERVAL},
+        {"redlock_renew_interval": 0.1},
+        {"redlock_ttl": 1, "redlock_renew_interval": 0.5, "redlock_node_timeout": MIN_NODE_TIMEOUT},
+        {"redlock_beat_ttl": MIN_TTL, "redlock_retry_countdown": MAX_SECONDS},
+        {"redlock_wait_timeout": MAX_SECONDS},
+    ],
+)
+def test_every_value_inside_the_ranges_is_accepted(conf):
+    """The bounds themselves are valid, and a short renew interval alone needs nothing
+    else set (the node timeout's default shrinks to fit it)."""
+    settings = from_conf(conf)
+    t = timing(settings.ttl, settings.renew_interval, settings.node_timeout, settings.drift_factor)
+    assert t.node_timeout < t.renew_interval < t.ttl
+    assert t.drift + t.margin < t.ttl
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ttl": 5e-324}, f"ttl must be from 0.01 to {RANGE}, got 5e-324"),
+        ({"ttl": float("inf")}, f"ttl must be from 0.01 to {RANGE}, got inf"),
+        ({"ttl": 1e15}, f"ttl must be from 0.01 to {RANGE}, got {1e15!r}"),
+        ({"ttl": 30, "renew_interval": 1e-9}, "renew_interval must be from 0.002"),
+        ({"ttl": 30, "node_timeout": 5e-324}, "node_timeout must be from 0.001"),
+        (
+            {"ttl": 0.01, "renew_interval": 0.009, "drift_factor": 0.5, "node_timeout": 0.005},
+            "ttl (0.01s) is too short for the drift allowance (0.007s, drift_factor 0.5) and "
+            "the loss margin (0.004s, from node_timeout 0.005s)",
+        ),
+    ],
+)
+def test_redlock_arguments_out_of_range_are_named(kwargs, message):
+    """Redlock(ttl=...) names its own arguments, never a setting or an argument not given."""
+    with pytest.raises(ConfigurationError) as info:
+        Redlock("job", **kwargs)
+    assert message in str(info.value)
+    assert "redlock_" not in str(info.value)
+    assert all(name in kwargs for name in ("ttl", "renew_interval") if name in str(info.value))
+
+
+@pytest.mark.parametrize("ttl", [MIN_TTL, MAX_SECONDS])
+def test_the_bounds_are_leases_redis_accepts(redis_node, ttl):
+    """The longest lease is one PEXPIRE (through the scripts' Lua numbers) accepts;
+    the shortest is still a whole number of milliseconds."""
+    lock = Redlock("bounds", nodes=[redis_node.url], ttl=ttl, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    if ttl == MAX_SECONDS:
+        pttl = redis_node.client().pttl(lock.keys.lock)
+        assert ttl * 1000 - 60_000 < pttl <= ttl * 1000, pttl
+        lock.extend()
+    lock.release()

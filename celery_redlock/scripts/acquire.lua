@@ -28,9 +28,19 @@
 if #ARGV ~= 10 then
     return redis.error_reply('ERR celery_redlock acquire: expected 10 arguments, got ' .. #ARGV)
 end
+-- Leases are capped at 30 days (settings.MAX_SECONDS): Lua hands a number of 1e14 or
+-- more to Redis as '1e+14', which PEXPIRE refuses after the key was written.
+local MAX_LEASE = 2592000000
 local ttl = tonumber(ARGV[2])
-if not ttl or ttl <= 0 or ttl ~= math.floor(ttl) then
-    return redis.error_reply('ERR celery_redlock acquire: lease must be a positive integer of ms')
+if not ttl or ttl <= 0 or ttl > MAX_LEASE or ttl ~= math.floor(ttl) then
+    return redis.error_reply('ERR celery_redlock acquire: lease must be a positive integer of ms, at most 30 days')
+end
+if ARGV[9] ~= nil and ARGV[9] ~= '' then
+    local waiter_lease = tonumber(ARGV[9])
+    if not waiter_lease or waiter_lease < 0 or waiter_lease > MAX_LEASE
+            or waiter_lease ~= math.floor(waiter_lease) then
+        return redis.error_reply('ERR celery_redlock acquire: fair waiter lease must be an integer of ms, 0 to 30 days')
+    end
 end
 if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock acquire: empty owner token')

@@ -20,9 +20,10 @@
 if #ARGV ~= 8 then
     return redis.error_reply('ERR celery_redlock acquire_shared: expected 8 arguments, got ' .. #ARGV)
 end
+-- Capped at 30 days, as in acquire.lua (PEXPIRE refuses what Lua writes as '1e+14').
 local ttl = tonumber(ARGV[2])
-if not ttl or ttl <= 0 or ttl ~= math.floor(ttl) then
-    return redis.error_reply('ERR celery_redlock acquire_shared: lease must be a positive integer of ms')
+if not ttl or ttl <= 0 or ttl > 2592000000 or ttl ~= math.floor(ttl) then
+    return redis.error_reply('ERR celery_redlock acquire_shared: lease must be a positive integer of ms, at most 30 days')
 end
 local limit = tonumber(ARGV[3])
 if not limit or limit < 0 or limit ~= math.floor(limit) then

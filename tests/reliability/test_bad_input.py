@@ -14,7 +14,7 @@ import re
 
 import pytest
 import redis
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from celery_redlock import ConfigurationError, LockKeyError
@@ -204,7 +204,7 @@ def test_any_setting_value_is_accepted_or_refused_by_name(option, value):
     try:
         from_conf({setting: value})
     except ConfigurationError as exc:
-        assert setting in str(exc) or ("redlock_ttl" in str(exc)), str(exc)
+        assert setting in str(exc), str(exc)
 
 
 @given(st.dictionaries(st.sampled_from([o.setting for o in OPTIONS.values()]), any_value))
@@ -253,7 +253,10 @@ def test_malformed_script_arguments_never_touch_a_lock_they_do_not_own(script_no
     """Any ARGV (wrong count, types, empty): an answer or a clear error; the lock intact."""
     assume(OWNER not in argv and TASK_ID not in argv)
     c = script_node
-    c.delete(KEYS.lock, KEYS.state)
+    # Every key of the lock, not only the two this test writes: a share, waiter or
+    # fence left by an earlier example (with deadlines on the server's clock) changed
+    # which path a script took, so a failure did not replay (FlakyFailure).
+    c.delete(*KEYS)
     c.hset(KEYS.lock, mapping={"token": OWNER, "fence": 7, "task_id": TASK_ID, "pid": PID})
     c.pexpire(KEYS.lock, 60_000)
     call_script(c, name, argv)
@@ -274,17 +277,21 @@ def call_script(c, name, argv):
 
 
 @given(argv=st.lists(argv_item, max_size=11))
+# Found by hypothesis: leases PEXPIRE cannot take passed the "positive integer" check and
+# left keys with no TTL after the write.
+@example(argv=["0", "99999999999999992", "0", "", "", "", "", ""])
+@example(argv=["0", "INFINITY", "", "", "", "", "", "", "", ""])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_malformed_script_arguments_on_a_free_lock_fail_clearly(script_node, argv):
     """The same with no lock held: every script answers or refuses clearly."""
     c = script_node
     for name in sorted(SCRIPTS):
-        c.delete(KEYS.lock, KEYS.fence, KEYS.state)
+        c.delete(*KEYS)  # nothing left by the previous script or example
         call_script(c, name, argv)
 
 
 def test_acquire_with_missing_arguments_on_a_free_lock_fails_clearly(script_node):
-    script_node.delete(KEYS.lock, KEYS.fence)
+    script_node.delete(*KEYS)
     call_script(script_node, "acquire", ["token", "1000"])
 
 
