@@ -193,6 +193,13 @@ class ClusterNode:
     def __repr__(self) -> str:
         return f"<ClusterNode {self.safe_url}>"
 
+    def widen_timeout(self, timeout: float) -> None:
+        """Let calls through this shared node take up to ``timeout`` (see ``Node``)."""
+        if timeout > self.timeout:
+            self.timeout = timeout
+            for node in list(self._masters.values()):
+                node.widen_timeout(timeout)
+
     def _master(self, address: str) -> Node:
         """The per-master node for ``host:port`` (created on first use)."""
         node = self._masters.get(address)

@@ -324,6 +324,21 @@ class Node:
     def __repr__(self) -> str:
         return f"<Node {self.safe_url}>"
 
+    def widen_timeout(self, timeout: float) -> None:
+        """Let calls through this node take up to ``timeout``.
+
+        Nodes are shared by every lock on the same URL whatever its node timeout
+        (ttl / 10 by default): connections made from now on use the longest timeout
+        asked for. A call's own budget still bounds it (see :func:`fan_out`).
+        """
+        if timeout > self.timeout:
+            self.timeout = timeout
+            self._connection_kwargs = {
+                **self._connection_kwargs,
+                "socket_timeout": timeout,
+                "socket_connect_timeout": timeout,
+            }
+
     def new_connection(self) -> AbstractConnection:
         """A fresh, unconnected connection with this node's settings."""
         return self._connection_class(**self._connection_kwargs)
@@ -840,14 +855,19 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
 class NodeSet:
     """The masters a lock lives on: one node, or N independent nodes for Redlock.
 
-    Instances are shared per process for the same URLs and timeout
-    (:meth:`get`), so every lock on the same nodes shares their connections.
+    Instances are shared per process for the same URLs and timeout (:meth:`get`),
+    and their :class:`Node` objects per URL whatever the timeout: every lock on the
+    same servers shares their connections (300 locks with 300 short ttls used to open
+    300 sets of connections).
     """
 
     _registry: dict[tuple, NodeSet] = {}
+    _nodes: dict[str, Node] = {}
     _registry_lock = threading.Lock()
 
-    def __init__(self, urls: Sequence[str], *, timeout: float) -> None:
+    def __init__(
+        self, urls: Sequence[str], *, timeout: float, nodes: Sequence[Node] | None = None
+    ) -> None:
         if isinstance(urls, str):
             urls = [urls]
         urls = list(urls)
@@ -860,7 +880,9 @@ class NodeSet:
             raise ConfigurationError(f"Redis node URLs must be distinct, got {urls!r}")
         if not timeout or timeout <= 0:
             raise ConfigurationError(f"node timeout must be > 0 seconds, got {timeout!r}")
-        self.nodes = tuple(make_node(url, timeout=timeout) for url in urls)
+        if nodes is None:
+            nodes = [make_node(url, timeout=timeout) for url in urls]
+        self.nodes = tuple(nodes)
         self.timeout = timeout
         self.quorum = len(self.nodes) // 2 + 1
 
@@ -873,8 +895,21 @@ class NodeSet:
             with cls._registry_lock:
                 nodeset = cls._registry.get(key)
                 if nodeset is None:
-                    nodeset = cls._registry[key] = cls(key[0], timeout=timeout)
+                    if not timeout or timeout <= 0:  # checked before a node is made
+                        cls(key[0], timeout=timeout)
+                    nodes = [cls._shared_node(url, timeout) for url in key[0]]
+                    nodeset = cls._registry[key] = cls(key[0], timeout=timeout, nodes=nodes)
         return nodeset
+
+    @classmethod
+    def _shared_node(cls, url: str, timeout: float) -> Node:
+        """This process's node for ``url`` (call with the registry lock held)."""
+        node = cls._nodes.get(url)
+        if node is None:
+            node = cls._nodes[url] = make_node(url, timeout=timeout)
+        else:
+            node.widen_timeout(timeout)
+        return node
 
     def __len__(self) -> int:
         return len(self.nodes)

@@ -278,3 +278,32 @@ def test_a_release_wakes_one_waiter_not_all(redis_node):
     # One attempt per release (8), not 8 + 7 + ... + 1 = 36; a little slack for a
     # waiter that races a release between its tries.
     assert len(attempts) - before <= 8 + 4, f"{len(attempts) - before} attempts for 8 handoffs"
+
+
+def test_locks_with_many_distinct_ttls_share_their_connections(redis_node):
+    """300 locks with 300 short ttls (so 300 node timeouts) open a handful of connections."""
+    client = redis_node.client()
+    before = int(client.info("clients")["connected_clients"])
+    for i in range(300):
+        lock = Redlock(f"ttl:{i}", nodes=[redis_node.url], ttl=0.5 + i / 150, auto_renew=False)
+        assert lock.acquire(blocking=False)
+        lock.release()
+    opened = int(client.info("clients")["connected_clients"]) - before
+    assert opened <= 4, f"{opened} connections for 300 ttls"
+
+
+def test_release_warning_says_another_owner_holds_it(redis_node, caplog):
+    """A release that finds another owner's lock says so; it does not promise an expiry."""
+    lock = Redlock("job", nodes=[redis_node.url], ttl=30, auto_renew=False)
+    assert lock.acquire()
+    client = redis_node.client()
+    client.delete(lock.key)  # an operator (or a bug elsewhere) deleted it...
+    other = Redlock("job", nodes=[redis_node.url], ttl=30)
+    assert other.acquire(blocking=False)  # ...and someone else holds it now
+    with caplog.at_level("WARNING", logger="celery_redlock.lock"):
+        lock.release()
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("held by another owner on 1 of 1 nodes" in m for m in messages), messages
+    assert not any("expire within 30.0s" in m for m in messages), messages
+    assert other.owned()
+    other.release()
