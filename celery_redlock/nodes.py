@@ -903,7 +903,7 @@ class NodeSet:
 
     @classmethod
     def _shared_node(cls, url: str, timeout: float) -> Node:
-        """This process's node for ``url`` (call with the registry lock held)."""
+        """The process's node for ``url`` (call with the registry lock held)."""
         node = cls._nodes.get(url)
         if node is None:
             node = cls._nodes[url] = make_node(url, timeout=timeout)
