@@ -375,6 +375,33 @@ def _churn(lock: Redlock, stop: float, budget: int, inject, blocking: bool) -> i
     return injected
 
 
+def test_an_exception_right_after_the_grant_gives_back_what_was_granted(redis_node, monkeypatch):
+    """Interrupted once the nodes granted it and the watchdog took it: nothing is kept.
+
+    Deterministic counterpart of the stress test below: before the fix, acquire()
+    raised, yet the object held the lock and the watchdog renewed it for ever.
+    """
+    import celery_redlock.lock as lock_module
+
+    client = redis_node.client()
+    renewer = get_renewer()
+
+    class InterruptedRenewer:
+        def add(self, lease):
+            renewer.add(lease)
+            raise Injected()
+
+    monkeypatch.setattr(lock_module, "get_renewer", InterruptedRenewer)
+    lock = Redlock("job", nodes=[redis_node.url], ttl=1)
+    with pytest.raises(Injected):
+        lock.acquire()
+    monkeypatch.undo()
+    assert not _holding(lock)
+    assert not client.exists(lock.key), "the granted lock was kept (and renewed)"
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
 # An exception landing inside redis-py's connect leaves its half-made socket to the
 # garbage collector (redis-py closes it on OSError only); that socket is closed by the
 # collector and was never pooled, so it is not a leak this test is about.
