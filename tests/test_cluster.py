@@ -253,9 +253,13 @@ def test_a_release_on_one_master_wakes_a_waiter_listening_on_another(cluster):
     holder = Redlock(name, nodes=[url], ttl=30)
     assert holder.acquire(blocking=False)
     got: list[bool] = []
-    waiter = threading.Thread(
-        target=lambda: got.append(Redlock(name, nodes=[url], ttl=30).acquire(timeout=20))
-    )
+
+    def wait() -> None:
+        lock = Redlock(name, nodes=[url], ttl=30)
+        got.append(lock.acquire(timeout=20))
+        lock.release()
+
+    waiter = threading.Thread(target=wait)
     waiter.start()
     channel = holder.keys.channel
     wait_for(lambda: sum(subscribers(s, channel) for s in cluster.masters) == 1, timeout=10)

@@ -52,13 +52,23 @@ def exercise(url: str, *, several: bool = True) -> None:
     assert holder.acquire() and holder.locked() and holder.owned()
     holder.extend()
     result = {}
-    thread = threading.Thread(target=lambda: result.update(got=waiter.acquire(timeout=10)))
+    acquired_by_waiter = threading.Event()
+    release_waiter = threading.Event()
+
+    def wait_then_hold() -> None:
+        result["got"] = waiter.acquire(timeout=10)
+        acquired_by_waiter.set()
+        release_waiter.wait(15)
+        waiter.release()  # a hold is released by the thread that took it
+
+    thread = threading.Thread(target=wait_then_hold)
     thread.start()
     holder.release()
-    thread.join(15)
+    assert acquired_by_waiter.wait(15)
     assert result["got"] is True
     assert waiter.inspect()[0]["fence_counter"] == 2
-    waiter.release()
+    release_waiter.set()
+    thread.join(15)
     # The rest of the lock family: shares with a limit, a writer among them, fair
     # waiting and several resources at once.
     reader = Redlock("topology", nodes=[url], ttl=1.0, limit=2)
