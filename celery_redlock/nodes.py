@@ -381,7 +381,7 @@ class Node:
                         conn.disconnect()  # the earlier request went to the old master
                         break
             conn = self._idle.pop() if self._idle else None
-            while conn is not None and self._stale(conn):
+            while conn is not None and (self._stale(conn) or _closed_by_peer(conn)):
                 conn.disconnect()
                 conn = self._idle.pop() if self._idle else None
         if conn is None:
@@ -508,6 +508,22 @@ class Node:
             self._idle, self._draining = [], []
         for conn in connections:
             conn.disconnect()
+
+
+def _closed_by_peer(conn: AbstractConnection) -> bool:
+    """Whether an idle connection was closed by the server (restarted, timed out).
+
+    An idle connection owes no reply, so anything readable on it is the end of the
+    stream (or garbage): using it would cost this call's vote on the node. One
+    ``select`` with no wait, far cheaper than the round trip it saves.
+    """
+    sock = conn._sock
+    if sock is None:
+        return False
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
 
 
 def safe_url(url: str) -> str:

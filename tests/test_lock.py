@@ -307,3 +307,14 @@ def test_release_warning_says_another_owner_holds_it(redis_node, caplog):
     assert not any("expire within 30.0s" in m for m in messages), messages
     assert other.owned()
     other.release()
+
+
+def test_the_first_acquire_after_a_server_restart_is_not_refused(redis_factory):
+    """Pooled connections the restarted server closed are dropped, not used for a vote."""
+    (server,) = redis_factory(1)
+    lock = Redlock("job", nodes=[server.url], ttl=5, auto_renew=False)
+    with lock:
+        pass  # the pool now holds a connection to the old server process
+    server.restart()
+    assert lock.acquire(blocking=False), "a stale pooled connection cost the node's vote"
+    lock.release()
