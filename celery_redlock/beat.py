@@ -65,7 +65,6 @@ from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .lock import Redlock
 from .nodes import Call
 from .scripts import BEAT_CLAIM
-from .settings import timing
 from .task import app_settings
 
 __all__ = [
@@ -167,20 +166,11 @@ class LeaderMixin:
         super().__init__(*args, **kwargs)
         settings = app_settings(self.app)  # ConfigurationError stops beat at start
         self.broker_identity = broker_identity(self.app)
-        # Validated here so that an error names the setting, not Redlock's argument.
-        timing(
-            settings.beat_ttl,
-            None,
-            settings.node_timeout,
-            settings.drift_factor,
-            ttl_name="redlock_beat_ttl",
-        )
         self.leader_lock = Redlock(
             leader_name(self.app, settings.beat_name),
             nodes=settings.node_urls(),
-            ttl=settings.beat_ttl,
-            node_timeout=settings.node_timeout,
-            drift_factor=settings.drift_factor,
+            # Validated here so that an error names the setting, not Redlock's argument.
+            timing=settings.beat_timing(),
             key_prefix=settings.key_prefix,
             task_name=beat_holder(self.app),
             on_lost=self._on_leader_lost,
@@ -300,7 +290,7 @@ class LeaderMixin:
 
     def _claim(self, entry: Any) -> tuple[int, str]:
         """Claim this run on Redis: (verdict, the claimed run time)."""
-        lease = self.leader_lock._lease
+        lease = self.leader_lock.lease
         if lease is None:
             return NOT_LEADER, ""
         current = self.schedule.get(entry.name, entry)

@@ -37,6 +37,8 @@ import hashlib
 import inspect
 import json
 import math
+import re
+import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -47,6 +49,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "MAX_NAME_LENGTH",
     "LockKeys",
+    "check_key_template",
     "check_lock_args",
     "keys_of",
     "lock_keys",
@@ -260,6 +263,43 @@ def check_lock_args(task_name: str, run: Callable[..., Any], lock_args: Sequence
             f"task {task_name}: lock_args names {', '.join(map(repr, unknown))}, not "
             f"parameters of run{inspect.signature(run)}"
         )
+
+
+def check_key_template(task_name: str, run: Any, template: str) -> None:
+    """Refuse a ``lock_key`` format string that could not format any call of ``run``.
+
+    Every replacement field must start with a parameter name of ``run`` (``{doc}``,
+    ``{doc[id]}``, ``{doc.id}``); positional fields (``{}``, ``{0}``) and unknown
+    names would fail every run of the task, so they are refused at worker start.
+
+    Raises:
+        ConfigurationError: naming the task, the key and the field.
+    """
+    parameters = _signature(run).parameters
+    try:
+        fields = [
+            (field, conversion)
+            for _, field, _, conversion in string.Formatter().parse(template)
+            if field is not None
+        ]
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"task {task_name}: lock_key {template!r} is not a valid format string: {exc}"
+        ) from None
+    for field, conversion in fields:
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if name not in parameters or name == "":
+            raise ConfigurationError(
+                f"task {task_name}: lock_key {template!r} uses the field {{{field}}}, but "
+                f"{name or 'a positional field'!s} is not a parameter of "
+                f"run{_signature(run)}; name the task's arguments, e.g. "
+                f"{{{next(iter(parameters), 'arg')}}}"
+            )
+        if conversion not in (None, "r", "s", "a"):
+            raise ConfigurationError(
+                f"task {task_name}: lock_key {template!r}: unknown conversion !{conversion} "
+                f"in {{{field}}}"
+            )
 
 
 @functools.lru_cache(maxsize=1024)

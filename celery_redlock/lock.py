@@ -83,7 +83,7 @@ from .scripts import (
     RELEASE,
     RELEASE_SHARED,
 )
-from .settings import timing as make_timing
+from .settings import MODES, Timing, check_kind
 from .waiting import Subscription
 
 __all__ = ["DEFAULT_URL", "MODES", "Redlock", "check_kind"]
@@ -101,9 +101,6 @@ SPLIT_BACKOFF = 0.002
 
 ACQUIRED, REENTERED, BUSY = 1, 2, 0
 
-#: Lock modes: one exclusive holder, or any number of shared holders (at most
-#: ``limit``) and never both at once.
-MODES = ("exclusive", "shared")
 RELEASED, GONE, TAKEN = 1, 0, -1
 
 _HOST = socket.gethostname()
@@ -145,6 +142,12 @@ class Redlock:
         task_id: recorded as the holder, so others can name who holds the lock and
             a worker can release the lock of a task whose process died.
         task_name: recorded beside the task id, for ``celery redlock ls``.
+        mode: ``exclusive`` (default) or ``shared``.
+        limit: at most this many shared holders (implies ``mode="shared"``).
+        fair: blocking waiters are served in arrival order.
+        timing: a validated :class:`~celery_redlock.settings.Timing`, in place of
+            ``ttl``, ``renew_interval``, ``node_timeout`` and ``drift_factor``
+            (which are then ignored): what the task base and beat pass on.
 
     Example::
 
@@ -170,6 +173,7 @@ class Redlock:
         mode: str | None = None,
         limit: int | None = None,
         fair: bool = False,
+        timing: Timing | None = None,
     ) -> None:
         names = [name] if isinstance(name, str) else list(dict.fromkeys(name))
         if not names or not all(isinstance(n, str) for n in names):
@@ -184,7 +188,9 @@ class Redlock:
         self._acquire_keys = tuple(key for resource in self.resources for key in resource.resource)
         if self.fair:
             self._acquire_keys += (self.keys.queue, self.keys.waiting)
-        self.timing = make_timing(ttl, renew_interval, node_timeout, drift_factor, source="")
+        self.timing = timing or Timing.of(
+            ttl, renew_interval, node_timeout, drift_factor, source=""
+        )
         if nodes is None:
             nodes = [DEFAULT_URL]
         self.nodeset = NodeSet.get(nodes, timeout=self.timing.node_timeout)
@@ -911,25 +917,6 @@ class _Waiter:
         # One node numbers arrivals itself; several must agree on the order, so the
         # waiter stamps its arrival (clocks of different hosts order it roughly).
         self.arrival = f"{time.time() * 1000:.3f}" if fair and nodes > 1 else ""
-
-
-def check_kind(
-    resources: int, mode: str | None, limit: int | None, fair: bool
-) -> tuple[str, int | None, bool]:
-    """Validate the shape of a lock on ``resources`` resources; (mode, limit, fair)."""
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ConfigurationError(f"limit must be an integer >= 1 (or None), got {limit!r}")
-    if mode is None:
-        mode = "shared" if limit is not None else "exclusive"
-    if mode not in MODES:
-        raise ConfigurationError(f"mode must be one of {MODES!r}, got {mode!r}")
-    if limit is not None and mode != "shared":
-        raise ConfigurationError("limit applies to shared holders: use mode='shared' or no mode")
-    if mode == "shared" and resources > 1:
-        raise ConfigurationError(f"a shared lock (or a limit) covers one resource, got {resources}")
-    if fair and (mode != "exclusive" or resources > 1):
-        raise ConfigurationError("fair waiting applies to an exclusive lock on one resource")
-    return mode, limit, bool(fair)
 
 
 def _quorum(nodes: int, limit: int | None) -> int:
