@@ -64,7 +64,7 @@ from redis.exceptions import ResponseError
 from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .lock import Redlock
 from .nodes import Call
-from .scripts import BEAT_CLAIM
+from .scripts import BEAT_CLAIM, BeatClaimStatus
 from .task import app_settings
 
 __all__ = [
@@ -79,7 +79,6 @@ __all__ = [
 
 logger = logging.getLogger("celery.beat")
 
-CLAIMED, TAKEN, NOT_LEADER = 1, 0, -1
 
 #: Message header carrying the claimed run time of a periodic run.
 RUN_HEADER = "redlock_beat_run"
@@ -283,7 +282,7 @@ class LeaderMixin:
             logger.debug("beat: standing by, not sending %s", entry.name)
             return
         verdict, run = self._claim(entry)
-        if verdict == CLAIMED:
+        if verdict == BeatClaimStatus.CLAIMED:
             headers = {**(entry.options.get("headers") or {}), RUN_HEADER: run}
             entry.options = {**entry.options, "headers": headers}
             super().apply_entry(entry, producer)
@@ -292,7 +291,7 @@ class LeaderMixin:
         """Claim this run on Redis: (verdict, the claimed run time)."""
         lease = self.leader_lock.lease
         if lease is None:
-            return NOT_LEADER, ""
+            return BeatClaimStatus.NOT_LEADER, ""
         current = self.schedule.get(entry.name, entry)
         known = "" if entry.last_run_at is None else repr(_timestamp(entry.last_run_at))
         now = repr(_timestamp(getattr(current, "last_run_at", None) or self.app.now()))
@@ -305,21 +304,21 @@ class LeaderMixin:
             if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
                 continue
             codes.append(int(reply.values[0][0]))
-            if codes[-1] == TAKEN:
+            if codes[-1] == BeatClaimStatus.TAKEN:
                 stored.append(float(reply.values[0][1]))
         quorum = self.leader_lock.nodeset.quorum
-        if codes.count(CLAIMED) >= quorum:
-            return CLAIMED, now
-        if codes.count(NOT_LEADER) > len(self.leader_lock.nodeset) - quorum:
+        if codes.count(BeatClaimStatus.CLAIMED) >= quorum:
+            return BeatClaimStatus.CLAIMED, now
+        if codes.count(BeatClaimStatus.NOT_LEADER) > len(self.leader_lock.nodeset) - quorum:
             self.leading = False
             logger.warning("beat: not the leader any more; %s not sent", entry.name)
-            return NOT_LEADER, ""
+            return BeatClaimStatus.NOT_LEADER, ""
         if stored:
             current.last_run_at = _datetime(max(stored))
             logger.info("beat: %s was already sent by another leader; not sending", entry.name)
-            return TAKEN, ""
+            return BeatClaimStatus.TAKEN, ""
         logger.warning("beat: could not claim %s on a quorum of nodes; not sending", entry.name)
-        return TAKEN, ""
+        return BeatClaimStatus.TAKEN, ""
 
     def close(self) -> None:
         """Hand leadership over at once on a clean shutdown."""

@@ -71,9 +71,9 @@ from redis.exceptions import ResponseError
 from . import metrics
 from .cluster import is_cluster_url
 from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from .keys import DEFAULT_PREFIX, LockKeys, lock_keys
+from .keys import DEFAULT_PREFIX, LockKeys, lock_keys, release_keys
 from .nodes import Call, NodeSet, Reply
-from .renewal import RENEWED, Lease, clock, get_renewer, lease_verdict, renew_call
+from .renewal import Lease, clock, get_renewer, lease_verdict, renew_call
 from .scripts import (
     ACQUIRE,
     ACQUIRE_SHARED,
@@ -82,6 +82,10 @@ from .scripts import (
     INSPECT,
     RELEASE,
     RELEASE_SHARED,
+    AcquireStatus,
+    FenceSyncStatus,
+    ReleaseStatus,
+    RenewStatus,
 )
 from .settings import MODES, Timing, check_kind
 from .waiting import Subscription
@@ -99,9 +103,6 @@ RETRY_DELAY = 0.2
 #: Upper bound of the random pause after a split vote, per node: 10 ms x N.
 SPLIT_BACKOFF = 0.002
 
-ACQUIRED, REENTERED, BUSY = 1, 2, 0
-
-RELEASED, GONE, TAKEN = 1, 0, -1
 
 _HOST = socket.gethostname()
 
@@ -187,7 +188,7 @@ class Redlock:
         self.keys = self.resources[0]
         self._acquire_keys = tuple(key for resource in self.resources for key in resource.resource)
         if self.fair:
-            self._acquire_keys += (self.keys.queue, self.keys.waiting)
+            self._acquire_keys += self.keys.fair
         self.timing = timing or Timing.of(
             ttl, renew_interval, node_timeout, drift_factor, source=""
         )
@@ -348,8 +349,7 @@ class Redlock:
 
     def _leave_queue(self, token: str) -> None:
         """Give up a fair waiter's place (else it would hold up the queue for a TTL)."""
-        keys = (self.keys.lock, self.keys.queue, self.keys.waiting)
-        self.nodeset.call([Call(FAIR_LEAVE, keys, (token,))])
+        self.nodeset.call([Call(FAIR_LEAVE, self.keys.fair_leave, (token,))])
 
     def _abandon(self, waiter: _Waiter) -> None:
         """Undo an acquisition interrupted by an exception, wherever it stopped."""
@@ -443,7 +443,10 @@ class Redlock:
         if reply.error is not None:
             return None
         value = reply.values[0]
-        if isinstance(value, ResponseError) or value[0] not in (ACQUIRED, REENTERED):
+        if isinstance(value, ResponseError) or value[0] not in (
+            AcquireStatus.ACQUIRED,
+            AcquireStatus.REENTERED,
+        ):
             return None
         if self.min_replicas and (
             isinstance(reply.values[1], ResponseError) or reply.values[1] < self.min_replicas
@@ -455,10 +458,10 @@ class Redlock:
         value = reply.values[0]
         if isinstance(value, ResponseError):
             attempt.errors.append(f"{reply.node.safe_url}: {value}")
-        elif value[0] == BUSY:
+        elif value[0] == AcquireStatus.BUSY:
             attempt.busy_ttl.append(max(0, int(value[1])) / 1000)
             attempt.holder = attempt.holder or value[2] or None
-        elif value[0] in (ACQUIRED, REENTERED):
+        elif value[0] in (AcquireStatus.ACQUIRED, AcquireStatus.REENTERED):
             attempt.errors.append(
                 f"{reply.node.safe_url}: only {reply.values[1]} of {self.min_replicas} "
                 "replicas acknowledged"
@@ -469,17 +472,21 @@ class Redlock:
     def _sync_fence(self, token: str, fences: tuple[int, ...], attempt: _Attempt) -> bool:
         """Store the fences back on the granting nodes; True if a quorum holds them."""
         if self.mode == "shared":
-            calls = [Call(FENCE_SYNC, _fence_keys(self.keys), (token, fences[0], "s"))]
+            calls = [Call(FENCE_SYNC, self.keys.fence_sync, (token, fences[0], "s"))]
         else:
             calls = [
-                Call(FENCE_SYNC, _fence_keys(resource), (token, fence, ""))
+                Call(FENCE_SYNC, resource.fence_sync, (token, fence, ""))
                 for resource, fence in zip(self.resources, fences, strict=True)
             ]
         requests: list[list[Call] | None] = [None] * len(self.nodeset)
         for i in attempt.granted:
             requests[i] = calls
         replies = self.nodeset.call(requests, per_node=True)
-        synced = sum(1 for r in replies if r is not None and r.ok and all(v == 1 for v in r.values))
+        synced = sum(
+            1
+            for r in replies
+            if r is not None and r.ok and all(v == FenceSyncStatus.SYNCED for v in r.values)
+        )
         if synced < self.quorum:
             attempt.errors.append(f"fence stored on {synced} nodes only")
             return False
@@ -660,7 +667,7 @@ class Redlock:
         if metrics.enabled and lease.lost is None:
             metrics.released(self.task_name, clock() - lease.sent_at)
         codes = [r.values[0] for r in replies if r is not None and r.ok]
-        released = codes.count(RELEASED)
+        released = codes.count(ReleaseStatus.RELEASED)
         if lease.lost is None and released < self.quorum:
             self._warn_release(lease, codes)
         logger.debug(
@@ -701,7 +708,7 @@ class Redlock:
         """Say why a release was not confirmed by a quorum, and what follows."""
         left = max(0.0, lease.deadline - clock())
         unanswered = len(self.nodeset) - len(codes)
-        if codes.count(TAKEN) or codes.count(GONE):
+        if codes.count(ReleaseStatus.TAKEN) or codes.count(ReleaseStatus.GONE):
             if left <= 0:
                 return  # the lease had simply run out
             logger.error(
@@ -711,8 +718,8 @@ class Redlock:
                 self.keys.lock,
                 self.owner,
                 lease.fence,
-                codes.count(GONE),
-                codes.count(TAKEN),
+                codes.count(ReleaseStatus.GONE),
+                codes.count(ReleaseStatus.TAKEN),
                 len(self.nodeset),
                 left,
             )
@@ -737,8 +744,8 @@ class Redlock:
         sent_at = clock()
         replies = self.nodeset.call([renew_call([lease])])
         verdicts = [lease_verdict(reply, 0, len(lease.entries)) for reply in replies]
-        renewed = sum(1 for code, _ in verdicts if code == RENEWED)
-        refused = sum(1 for code, _ in verdicts if code is not None and code != RENEWED)
+        renewed = sum(1 for code, _ in verdicts if code == RenewStatus.RENEWED)
+        refused = sum(1 for code, _ in verdicts if code is not None and code != RenewStatus.RENEWED)
         if renewed >= self.quorum:
             lease.renewed(sent_at, clock())
             lease.check()
@@ -804,7 +811,7 @@ class Redlock:
     def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
         views = []
-        for reply in self.nodeset.call([Call(INSPECT, self.keys[:2])]):
+        for reply in self.nodeset.call([Call(INSPECT, self.keys.inspect)]):
             if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
                 error = reply.describe_error() if reply is not None and reply.error else "no reply"
                 views.append({"node": reply.node.safe_url if reply else None, "error": error})
@@ -862,7 +869,7 @@ def _is_busy(reply: Reply | None) -> bool:
         reply is not None
         and reply.ok
         and not isinstance(reply.values[0], ResponseError)
-        and reply.values[0][0] == BUSY
+        and reply.values[0][0] == AcquireStatus.BUSY
     )
 
 
@@ -937,11 +944,7 @@ def _release_call(mode: str, fair: bool, resources: Sequence[LockKeys], token: s
     """The script call that releases ``token``'s hold (a function: finalizers use it)."""
     keys = resources[0]
     if mode == "shared":
-        return Call(RELEASE_SHARED, (keys.lock, keys.shared, keys.holders), (token,))
+        return Call(RELEASE_SHARED, keys.release_shared, (token,))
     if fair:
-        return Call(RELEASE, (keys.lock, keys.queue, keys.waiting), (token, "fair"))
-    return Call(RELEASE, tuple(resource.lock for resource in resources), (token,))
-
-
-def _fence_keys(keys: LockKeys) -> tuple[str, str, str]:
-    return (keys.lock, keys.fence, keys.holders)
+        return Call(RELEASE, release_keys(resources, fair=True), (token, "fair"))
+    return Call(RELEASE, release_keys(resources), (token,))

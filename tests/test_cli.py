@@ -23,6 +23,7 @@ from click.testing import CliRunner, Result
 
 import tests.apps
 from celery_redlock import LockLost, Redlock
+from celery_redlock import keys as redis_keys
 from celery_redlock.cli import (
     LockView,
     NodeView,
@@ -572,6 +573,21 @@ def test_keys_and_names_resolve_to_the_lock_key():
     assert not is_lock_key("redlock:{beat:x}:state", "redlock:")
     assert not is_lock_key("redlock:{x}:fence", "redlock:")
     assert not is_lock_key("redlock:{}", "redlock:")
+
+
+@pytest.mark.parametrize(
+    "which", ["lock", "fence", "channel", "state", "shared", "holders", "queue", "waiting"]
+)
+def test_every_key_of_a_lock_resolves_to_its_lock_key(which):
+    """resolve_key("redlock:{x}:shared") used to return "redlock:{redlock:{x}:shared}", a key
+    that does not exist: every key of a lock (keys.SUFFIXES) names that lock."""
+    for name in ("x", "a:b", "}odd", "x}:shared"):
+        keys = redis_keys.lock_keys(name)
+        assert resolve_key(getattr(keys, which), "redlock:") == keys.lock
+        assert (
+            resolve_key(getattr(redis_keys.lock_keys(name, "app1:"), which), "app1:")
+            == redis_keys.lock_keys(name, "app1:").lock
+        )
 
 
 def test_release_usage_errors(redis_node, cli):
