@@ -158,7 +158,7 @@ class LeaderMixin:
     """Makes a beat scheduler dispatch only while it holds the leader lock."""
 
     app: Any
-    schedule: dict
+    schedule: dict[str, Any]
     _heap: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -273,7 +273,7 @@ class LeaderMixin:
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """One beat iteration; standbys tick too, but only to compete and keep time."""
         standby = self._compete()
-        interval = super().tick(*args, **kwargs)
+        interval = super().tick(*args, **kwargs)  # type: ignore[misc]  # a Scheduler follows in the MRO
         return interval if standby is None else min(interval, standby)
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
@@ -285,7 +285,7 @@ class LeaderMixin:
         if verdict == BeatClaimStatus.CLAIMED:
             headers = {**(entry.options.get("headers") or {}), RUN_HEADER: run}
             entry.options = {**entry.options, "headers": headers}
-            super().apply_entry(entry, producer)
+            super().apply_entry(entry, producer)  # type: ignore[misc]  # a Scheduler follows in the MRO
 
     def _claim(self, entry: Any) -> tuple[int, str]:
         """Claim this run on Redis: (verdict, the claimed run time)."""
@@ -323,7 +323,7 @@ class LeaderMixin:
     def close(self) -> None:
         """Hand leadership over at once on a clean shutdown."""
         try:
-            super().close()
+            super().close()  # type: ignore[misc]  # a Scheduler follows in the MRO
         finally:
             if self.leading:
                 self.leading = False
@@ -335,7 +335,7 @@ class LeaderMixin:
     @property
     def info(self) -> str:
         """Lines for beat's start-up banner."""
-        base = super().info
+        base = super().info  # type: ignore[misc]  # a Scheduler follows in the MRO
         lock = self.leader_lock
         return (
             f"{base}\n    . leader lock -> {lock.key} (lease {lock.timing.ttl}s, "

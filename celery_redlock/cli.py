@@ -70,7 +70,7 @@ from . import doctor as doctor_module
 from .exceptions import ConfigurationError
 from .keys import SUFFIXES, is_lock_key, keys_of, lock_keys, lock_name_of, parse_key, release_keys
 from .nodes import Call, Node, NodeSet, fan_out
-from .scripts import INSPECT, RELEASE
+from .scripts import INSPECT, RELEASE, ReleaseStatus
 from .settings import Settings, from_conf
 from .shares import ShareView, read_shares
 from .shares import to_float as _float
@@ -104,7 +104,7 @@ READ_CHUNK = 500
 
 ACTIVE, STALE, UNKNOWN, NO_TASK = "active", "stale", "unknown", "no-task"
 
-RELEASE_RESULTS = {1: "released", 0: "gone", -1: "taken"}
+RELEASE_RESULTS = {status.value: status.name.lower() for status in ReleaseStatus}
 
 
 # -- reading locks -----------------------------------------------------------------
@@ -404,7 +404,7 @@ def release_lock(
     replies = nodeset.call(
         [Call(RELEASE, release_keys([keys_of(lock.key)]), (lock.token,))], timeout=timeout
     )
-    results = []
+    results: list[dict[str, str | None]] = []
     for node, reply in zip(nodeset.nodes, replies, strict=True):
         error = _reply_error(reply)
         if error is not None:
@@ -1232,7 +1232,7 @@ def doctor(ctx: click.Context, as_json: bool, node_timeout: float, **kwargs: Any
     if as_json:
         _echo_json(ctx, report.as_dict())
         ctx.exit(report.exit_code)
-    styles = {
+    styles: dict[str, dict[str, Any]] = {
         doctor_module.OK: {"fg": "green"},
         doctor_module.WARN: {"fg": "yellow", "bold": True},
         doctor_module.ERROR: {"fg": "red", "bold": True},

@@ -79,7 +79,7 @@ __all__ = [
     "OK",
     "WARN",
     "Finding",
-    "Lease",
+    "LeaseInUse",
     "NodeFacts",
     "Report",
     "TaskLocking",
@@ -314,7 +314,7 @@ _SHOWN_INFO = (
 
 
 @dataclass(frozen=True)
-class Lease:
+class LeaseInUse:
     """A lease length in use, and where it comes from (for messages)."""
 
     source: str
@@ -576,7 +576,7 @@ def check_independent(run_ids: Mapping[str, str]) -> list[Finding]:
 
 
 def check_uptime(
-    node: str, info: Mapping[str, Any], config: Mapping[str, Any], longest: Lease
+    node: str, info: Mapping[str, Any], config: Mapping[str, Any], longest: LeaseInUse
 ) -> Finding | None:
     """A node up for less than the longest lease may have forgotten locks (delayed restart).
 
@@ -649,14 +649,17 @@ def check_latency(node: str, rtt: float | None, node_timeout: float) -> Finding 
 # -- settings checks (pure) --------------------------------------------------------
 
 
-def leases(settings: Settings, tasks: Iterable[TaskLocking]) -> list[Lease]:
+def leases(settings: Settings, tasks: Iterable[TaskLocking]) -> list[LeaseInUse]:
     """Every lease length in use: the default, beat's, each task's, each pattern's."""
-    found = [Lease("redlock_ttl", settings.ttl), Lease("redlock_beat_ttl", settings.beat_ttl)]
+    found = [
+        LeaseInUse("redlock_ttl", settings.ttl),
+        LeaseInUse("redlock_beat_ttl", settings.beat_ttl),
+    ]
     for pattern, options in (settings.tasks or {}).items():
         ttl = options.get("ttl")
         if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl > 0:
-            found.append(Lease(f"redlock_tasks[{pattern!r}]", float(ttl)))
-    found += [Lease(f"task {t.name}", t.ttl) for t in tasks if t.ttl and t.error is None]
+            found.append(LeaseInUse(f"redlock_tasks[{pattern!r}]", float(ttl)))
+    found += [LeaseInUse(f"task {t.name}", t.ttl) for t in tasks if t.ttl and t.error is None]
     return found
 
 

@@ -47,7 +47,7 @@ import re
 import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from .exceptions import ConfigurationError, LockKeyError
 
@@ -248,7 +248,7 @@ def task_lock_name(
         elif isinstance(lock_key, (list, tuple)):
             value = [_format(task_name, template, bound) for template in lock_key]
         else:
-            value = _format(task_name, lock_key, bound)
+            value = _format(task_name, cast(str, lock_key), bound)
         if not isinstance(value, (list, tuple)):
             return f"key:{_digest(task_name, 'lock_key', value)}"
         if not value:
@@ -278,7 +278,7 @@ def _format(task_name: str, template: str, bound: Mapping[str, Any]) -> str:
         raise LockKeyError(task_name, "lock_key", f"{template!r}: {exc!r}") from exc
 
 
-_DEFAULT_TEXT = (object.__format__, object.__str__, object.__repr__)
+_DEFAULT_TEXT: tuple[object, ...] = (object.__format__, object.__str__, object.__repr__)
 
 
 class _Field:

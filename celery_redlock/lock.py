@@ -211,7 +211,7 @@ class Redlock:
         # Each thread reads and writes its own entry only; the dict operations are
         # atomic, so no lock is held that an asynchronous exception could leave taken.
         self._holds: dict[int, _Hold] = {}
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., Redlock] | None = None
 
     def __repr__(self) -> str:
         kind = "" if self.mode == "exclusive" else f" {self.mode}"
@@ -612,9 +612,6 @@ class Redlock:
             holds = list(self._holds.values())
             hold = holds[0] if len(holds) == 1 else None
         return None if hold is None else hold.lease
-
-    #: Compatibility name of :attr:`lease` for the package's own modules and tests.
-    _lease = lease
 
     def _own_hold(self, action: str) -> _Hold:
         hold = self._holds.get(threading.get_ident())

@@ -29,7 +29,7 @@ import os
 import select
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from . import metrics
 from .keys import keys_of
@@ -145,7 +145,7 @@ class Reaper:
 
     def _run(self) -> None:
         while True:
-            watched = {self.read_fd: None, self._wake_r: None}
+            watched: dict[int, int | None] = {self.read_fd: None, self._wake_r: None}
             watched.update({fd: pid for pid, fd in self._pidfds.items()})
             ready, _, _ = select.select(list(watched), [], [])
             if self._wake_r in ready:
@@ -154,7 +154,7 @@ class Reaper:
                 if fd == self.read_fd:
                     self.on_pipe_readable()
                 else:
-                    self.on_child_exit(watched[fd])
+                    self.on_child_exit(cast(int, watched[fd]))  # a pidfd: a pid
 
     def on_pipe_readable(self) -> None:
         """Read the children's announcements and start watching new children."""

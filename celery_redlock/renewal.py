@@ -45,7 +45,7 @@ from .threads import START_GRACE, start_daemon
 
 if TYPE_CHECKING:
     from .keys import LockKeys
-    from .nodes import NodeSet
+    from .nodes import NodeSet, Reply
     from .settings import Timing
 
 __all__ = ["CHUNK", "Lease", "Renewer", "clock", "get_renewer", "lease_verdict", "renew_call"]
@@ -490,7 +490,7 @@ def _alive(lease: Lease) -> bool:
     return lease.lost is None and not lease.released
 
 
-def lease_verdict(reply, offset: int, count: int) -> tuple[int | None, str]:
+def lease_verdict(reply: Reply | None, offset: int, count: int) -> tuple[int | None, str]:
     """One node's verdict on a lease whose entries start at ``offset``, or (None, why not).
 
     ``reply`` answers renew_many calls of :data:`CHUNK` entries each; a lease is renewed

@@ -64,16 +64,8 @@ MIN_NODE_TIMEOUT = 0.001
 MIN_RENEW_INTERVAL = 2 * MIN_NODE_TIMEOUT
 
 
-def _seconds(
-    name: str,
-    value: Any,
-    *,
-    minimum: float = 0.0,
-    optional: bool = False,
-) -> float | None:
+def _seconds(name: str, value: Any, *, minimum: float = 0.0) -> float:
     """A duration in ``[minimum, MAX_SECONDS]`` (``(0, MAX_SECONDS]`` for minimum 0)."""
-    if value is None and optional:
-        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ConfigurationError(
             f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})"
@@ -87,19 +79,19 @@ def _seconds(
 
 
 def _positive(name: str, value: Any) -> float:
-    return _seconds(name, value)  # type: ignore[return-value]
+    return _seconds(name, value)
 
 
 def _lease(name: str, value: Any) -> float:
-    return _seconds(name, value, minimum=MIN_TTL)  # type: ignore[return-value]
+    return _seconds(name, value, minimum=MIN_TTL)
 
 
 def _renew_interval(name: str, value: Any) -> float | None:
-    return _seconds(name, value, minimum=MIN_RENEW_INTERVAL, optional=True)
+    return None if value is None else _seconds(name, value, minimum=MIN_RENEW_INTERVAL)
 
 
 def _node_timeout(name: str, value: Any) -> float | None:
-    return _seconds(name, value, minimum=MIN_NODE_TIMEOUT, optional=True)
+    return None if value is None else _seconds(name, value, minimum=MIN_NODE_TIMEOUT)
 
 
 def _fraction(name: str, value: Any) -> float:
@@ -124,7 +116,8 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
         if value not in choices:
             allowed = ", ".join(repr(c) for c in choices)
             raise ConfigurationError(f"{name} must be one of {allowed}, got {value!r}")
-        return value
+        chosen: str = value
+        return chosen
 
     return parse
 
@@ -194,7 +187,7 @@ def _optional_name(name: str, value: Any) -> str | None:
     return value
 
 
-def _tasks(name: str, value: Any) -> dict[str, dict]:
+def _tasks(name: str, value: Any) -> dict[str, dict[str, Any]]:
     if value is None:
         return {}
     if not isinstance(value, Mapping) or not all(

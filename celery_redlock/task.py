@@ -132,7 +132,7 @@ def lock_options(task: Task) -> TaskLockOptions:
             the ``redlock_tasks`` entry, for options set there).
     """
     cls = type(task)
-    cached = cls.__dict__.get("_redlock_options")
+    cached: TaskLockOptions | None = cls.__dict__.get("_redlock_options")
     if cached is not None:
         return cached
     options = task_options(
@@ -228,7 +228,7 @@ class LockedTask(Task):
             )
         return lock
 
-    def before_start(self, task_id: str, args: tuple, kwargs: dict) -> None:
+    def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Take the lock before the body runs (see the module docs for busy locks)."""
         super().before_start(task_id, args, kwargs)
         acquire_for(self, task_id, args, kwargs)
@@ -281,7 +281,9 @@ class LockedTask(Task):
         return EagerResult(result.id, skipped.busy, states.FAILURE, name=self.name)
 
 
-def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock | None:
+def acquire_for(
+    task: Task, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Redlock | None:
     """Take ``task``'s lock for this execution, or apply the busy/unavailable policy."""
     settings = app_settings(task.app)
     options = lock_options(task)
@@ -343,7 +345,7 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
     return lock
 
 
-def _binds(task: Task, args: tuple, kwargs: dict) -> bool:
+def _binds(task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``args`` and ``kwargs`` bind to the task body's signature."""
     try:
         signature(task.run).bind(*args, **kwargs)

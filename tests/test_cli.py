@@ -298,7 +298,7 @@ def test_ls_exits_unavailable_when_the_node_is_down(redis_factory, cli):
 def test_inspect_shows_every_field_per_node_with_pttl_and_fence_counter(redis_node, cli):
     """inspect KEY (or the lock name) shows the hash, PTTL and the fence counter."""
     lock = lock_on(redis_node, "proj:sync:1", task_id="task-1", task_name="proj.tasks.sync")
-    token = lock._lease.token
+    token = lock.lease.token
 
     by_key = cli(redis_node.url, "inspect", "redlock:{proj:sync:1}", "--json")
     by_name = cli(redis_node.url, "inspect", "proj:sync:1", "--json")
@@ -451,7 +451,7 @@ def test_release_lock_deletes_only_the_token_it_read(redis_factory):
     lock = Redlock("r", nodes=urls, ttl=30, auto_renew=False)
     assert lock.acquire(blocking=False)
     (view,) = read_locks(nodeset, ["redlock:{r}"], "redlock:")
-    assert view.token == lock._lease.token and view.held_on == 3
+    assert view.token == lock.lease.token and view.held_on == 3
     with servers[1].client() as conn:  # node 1 now holds someone else's token
         conn.hset("redlock:{r}", "token", "someone-else")
     with servers[2].client() as conn:  # node 2 lost it

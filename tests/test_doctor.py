@@ -21,7 +21,7 @@ from celery_redlock.doctor import (
     OK,
     WARN,
     Finding,
-    Lease,
+    LeaseInUse,
     NodeFacts,
     TaskLocking,
     check_beat_leader,
@@ -197,7 +197,7 @@ def test_unreachable_node_is_an_error():
 
 
 def test_uptime_below_the_longest_lease_warns_unless_writes_are_fsynced():
-    longest = Lease("task proj.sync", 300.0)
+    longest = LeaseInUse("task proj.sync", 300.0)
     fresh = check_uptime(NODE, {"uptime_in_seconds": "42"}, {"appendonly": "no"}, longest)
     assert (fresh.level, fresh.code) == (WARN, "recent-restart")
     assert "42s" in fresh.message and "300s, task proj.sync" in fresh.message
