@@ -33,7 +33,7 @@ def run(url: str, servers: list[RedisServer], n: int, ticks: int, prefix: str) -
     locks = [Redlock(f"{prefix}{i}", nodes=[url], ttl=60, auto_renew=False) for i in range(n)]
     for lock in locks:
         assert lock.acquire(blocking=False)
-    leases = [lock._lease for lock in locks]
+    leases = [lock.lease for lock in locks]
     renewer = Renewer()
     renewer.renew(leases)  # warm-up: SCRIPT LOAD on every server
     for server in servers:

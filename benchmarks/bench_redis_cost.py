@@ -88,7 +88,7 @@ def contenders(url: str) -> dict[str, Contender]:
         "celery_redlock": Contender(
             make=lambda name: Redlock(name, nodes=[url], ttl=30, auto_renew=False),
             acquire=ours_acquire,
-            renew=lambda locks: renewer.renew([lock._lease for lock in locks]),
+            renew=lambda locks: renewer.renew([lock.lease for lock in locks]),
             release=Redlock.release,
             batched=True,
         ),

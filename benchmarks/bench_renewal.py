@@ -105,7 +105,7 @@ def tick_benchmark(server: RedisServer, sizes: list[int], ticks: int) -> tuple[d
         locks += acquire_many(server.url, "bench:renew", len(locks), n)
         acquire_s[n] = round(time.perf_counter() - start, 2)
         held = locks[:n]
-        leases = [lock._lease for lock in held]
+        leases = [lock.lease for lock in held]
         renewer = Renewer()
 
         def batched(leases=leases, renewer=renewer) -> None:
@@ -124,7 +124,7 @@ def tick_benchmark(server: RedisServer, sizes: list[int], ticks: int) -> tuple[d
             # At the default node timeout (min(0.25 s, ttl/10)) one tick must get every
             # chunk's reply within 0.25 s; measure a longer budget too.
             extra = acquire_many(server.url, "bench:renew-t2", 0, n, node_timeout=2.0)
-            extra_leases = [lock._lease for lock in extra]
+            extra_leases = [lock.lease for lock in extra]
 
             def batched_t2(leases=extra_leases, renewer=renewer) -> None:
                 renewer.renew(leases)
@@ -135,7 +135,7 @@ def tick_benchmark(server: RedisServer, sizes: list[int], ticks: int) -> tuple[d
             locks += extra
         print(f"  N={n}: acquired the new locks in {acquire_s[n]} s; ticks measured", flush=True)
     for lock in locks:  # mark released locally; the server is discarded anyway
-        lock._lease.released = True
+        lock.lease.released = True
     return rows, acquire_s
 
 

@@ -30,11 +30,11 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, cast
 
 from .exceptions import LockLost
 
-__all__ = ["abort", "ensure_signal_handler", "find", "running", "track", "untrack"]
+__all__ = ["abort", "ensure_signal_handler", "track", "untrack"]
 
 logger = logging.getLogger("celery_redlock.abort")
 
@@ -92,20 +92,6 @@ def _entries() -> list[_Running]:
     return [entry for entries in list(_running.values()) for entry in entries]
 
 
-def running(thread: int | None = None) -> Any:
-    """The lease the given thread (default: this one) runs its innermost body under, or None."""
-    entries = _running.get(threading.get_ident() if thread is None else thread, ())
-    return entries[-1].lease if entries else None
-
-
-def find(task_id: str) -> Any:
-    """The lease of the body running for ``task_id`` in this process, or None."""
-    for entry in _entries():
-        if entry.task_id == task_id:
-            return entry.lease
-    return None
-
-
 def abort(lease: Any, exc: LockLost) -> bool:
     """Raise ``exc`` in the body running under ``lease``; False if none runs any more.
 
@@ -144,7 +130,7 @@ def ensure_signal_handler() -> None:
 def _handler(signum: int, frame: Any) -> None:
     if _pending_main:
         exc = _pending_main.pop()
-        entries = _running.get(threading.main_thread().ident, ())
+        entries = _running.get(cast(int, threading.main_thread().ident), ())
         if any(entry.lease.lost is exc for entry in entries):
             raise exc
         logger.debug("dropping a stale lock-loss abort: %s", exc)
@@ -167,7 +153,7 @@ def _raise_in_thread(thread: int, exc: LockLost) -> bool:
     if done > 1:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
         return False
-    return done == 1
+    return bool(done == 1)
 
 
 def _current_greenlet() -> Any:

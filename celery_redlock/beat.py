@@ -64,8 +64,7 @@ from redis.exceptions import ResponseError
 from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .lock import Redlock
 from .nodes import Call
-from .scripts import BEAT_CLAIM
-from .settings import timing
+from .scripts import BEAT_CLAIM, BeatClaimStatus
 from .task import app_settings
 
 __all__ = [
@@ -80,7 +79,6 @@ __all__ = [
 
 logger = logging.getLogger("celery.beat")
 
-CLAIMED, TAKEN, NOT_LEADER = 1, 0, -1
 
 #: Message header carrying the claimed run time of a periodic run.
 RUN_HEADER = "redlock_beat_run"
@@ -160,27 +158,18 @@ class LeaderMixin:
     """Makes a beat scheduler dispatch only while it holds the leader lock."""
 
     app: Any
-    schedule: dict
+    schedule: dict[str, Any]
     _heap: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         settings = app_settings(self.app)  # ConfigurationError stops beat at start
         self.broker_identity = broker_identity(self.app)
-        # Validated here so that an error names the setting, not Redlock's argument.
-        timing(
-            settings.beat_ttl,
-            None,
-            settings.node_timeout,
-            settings.drift_factor,
-            ttl_name="redlock_beat_ttl",
-        )
         self.leader_lock = Redlock(
             leader_name(self.app, settings.beat_name),
             nodes=settings.node_urls(),
-            ttl=settings.beat_ttl,
-            node_timeout=settings.node_timeout,
-            drift_factor=settings.drift_factor,
+            # Validated here so that an error names the setting, not Redlock's argument.
+            timing=settings.beat_timing(),
             key_prefix=settings.key_prefix,
             task_name=beat_holder(self.app),
             on_lost=self._on_leader_lost,
@@ -284,7 +273,7 @@ class LeaderMixin:
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """One beat iteration; standbys tick too, but only to compete and keep time."""
         standby = self._compete()
-        interval = super().tick(*args, **kwargs)
+        interval = super().tick(*args, **kwargs)  # type: ignore[misc]  # a Scheduler follows in the MRO
         return interval if standby is None else min(interval, standby)
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
@@ -293,16 +282,16 @@ class LeaderMixin:
             logger.debug("beat: standing by, not sending %s", entry.name)
             return
         verdict, run = self._claim(entry)
-        if verdict == CLAIMED:
+        if verdict == BeatClaimStatus.CLAIMED:
             headers = {**(entry.options.get("headers") or {}), RUN_HEADER: run}
             entry.options = {**entry.options, "headers": headers}
-            super().apply_entry(entry, producer)
+            super().apply_entry(entry, producer)  # type: ignore[misc]  # a Scheduler follows in the MRO
 
     def _claim(self, entry: Any) -> tuple[int, str]:
         """Claim this run on Redis: (verdict, the claimed run time)."""
-        lease = self.leader_lock._lease
+        lease = self.leader_lock.lease
         if lease is None:
-            return NOT_LEADER, ""
+            return BeatClaimStatus.NOT_LEADER, ""
         current = self.schedule.get(entry.name, entry)
         known = "" if entry.last_run_at is None else repr(_timestamp(entry.last_run_at))
         now = repr(_timestamp(getattr(current, "last_run_at", None) or self.app.now()))
@@ -315,26 +304,26 @@ class LeaderMixin:
             if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
                 continue
             codes.append(int(reply.values[0][0]))
-            if codes[-1] == TAKEN:
+            if codes[-1] == BeatClaimStatus.TAKEN:
                 stored.append(float(reply.values[0][1]))
         quorum = self.leader_lock.nodeset.quorum
-        if codes.count(CLAIMED) >= quorum:
-            return CLAIMED, now
-        if codes.count(NOT_LEADER) > len(self.leader_lock.nodeset) - quorum:
+        if codes.count(BeatClaimStatus.CLAIMED) >= quorum:
+            return BeatClaimStatus.CLAIMED, now
+        if codes.count(BeatClaimStatus.NOT_LEADER) > len(self.leader_lock.nodeset) - quorum:
             self.leading = False
             logger.warning("beat: not the leader any more; %s not sent", entry.name)
-            return NOT_LEADER, ""
+            return BeatClaimStatus.NOT_LEADER, ""
         if stored:
             current.last_run_at = _datetime(max(stored))
             logger.info("beat: %s was already sent by another leader; not sending", entry.name)
-            return TAKEN, ""
+            return BeatClaimStatus.TAKEN, ""
         logger.warning("beat: could not claim %s on a quorum of nodes; not sending", entry.name)
-        return TAKEN, ""
+        return BeatClaimStatus.TAKEN, ""
 
     def close(self) -> None:
         """Hand leadership over at once on a clean shutdown."""
         try:
-            super().close()
+            super().close()  # type: ignore[misc]  # a Scheduler follows in the MRO
         finally:
             if self.leading:
                 self.leading = False
@@ -346,7 +335,7 @@ class LeaderMixin:
     @property
     def info(self) -> str:
         """Lines for beat's start-up banner."""
-        base = super().info
+        base = super().info  # type: ignore[misc]  # a Scheduler follows in the MRO
         lock = self.leader_lock
         return (
             f"{base}\n    . leader lock -> {lock.key} (lease {lock.timing.ttl}s, "

@@ -68,9 +68,9 @@ from redis.exceptions import RedisError, ResponseError
 
 from . import doctor as doctor_module
 from .exceptions import ConfigurationError
-from .keys import lock_keys, lock_name_of
+from .keys import SUFFIXES, is_lock_key, keys_of, lock_keys, lock_name_of, parse_key, release_keys
 from .nodes import Call, Node, NodeSet, fan_out
-from .scripts import INSPECT, RELEASE
+from .scripts import INSPECT, RELEASE, ReleaseStatus
 from .settings import Settings, from_conf
 from .shares import ShareView, read_shares
 from .shares import to_float as _float
@@ -104,7 +104,7 @@ READ_CHUNK = 500
 
 ACTIVE, STALE, UNKNOWN, NO_TASK = "active", "stale", "unknown", "no-task"
 
-RELEASE_RESULTS = {1: "released", 0: "gone", -1: "taken"}
+RELEASE_RESULTS = {status.value: status.name.lower() for status in ReleaseStatus}
 
 
 # -- reading locks -----------------------------------------------------------------
@@ -269,24 +269,17 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def is_lock_key(key: str, prefix: str) -> bool:
-    """Whether ``key`` is a lock hash ``<prefix>{<name>}`` (not a fence counter or state)."""
-    return (
-        key.startswith(prefix + "{")
-        and key.endswith("}")
-        and len(key) > len(prefix) + 2
-        and not key.endswith((":fence", ":state"))
-    )
-
-
 def resolve_key(text: str, prefix: str) -> str:
-    """The lock key for a key (``redlock:{name}``, also ``...:fence``) or a lock name."""
-    for suffix in (":fence", ":state", ":released"):
-        if text.startswith(prefix + "{") and text.endswith("}" + suffix):
-            text = text[: -len(suffix)]
-    if is_lock_key(text, prefix):
-        return text
+    """The lock key for any key of a lock (``redlock:{name}``, ``...:fence``...) or a name."""
+    parsed = parse_key(text, prefix)
+    if parsed is not None:
+        return parsed[0].lock
     return lock_keys(text, prefix).lock
+
+
+def _field_of(key: str, prefix: str) -> str | None:
+    parsed = parse_key(key, prefix)
+    return None if parsed is None else parsed[1]
 
 
 def scan_lock_keys(
@@ -294,7 +287,7 @@ def scan_lock_keys(
     prefix: str,
     *,
     timeout: float | None = None,
-    suffix: str = "",
+    field: str = "lock",
     key_type: str = "hash",
 ) -> tuple[list[str], dict[str, str]]:
     """Every lock key on any node, with SCAN (never KEYS); and the nodes that failed.
@@ -302,13 +295,14 @@ def scan_lock_keys(
     All nodes are scanned concurrently: each round sends the next ``SCAN`` to every
     node whose cursor is not back at 0 (every master, for a Redis Cluster node).
     ``TYPE hash`` leaves out fence counters (strings) on the server;
-    :func:`is_lock_key` drops beat state hashes. With ``suffix`` (e.g. ``":shared"``,
+    :func:`is_lock_key` drops beat state hashes. With ``field`` (a
+    :class:`~celery_redlock.keys.LockKeys` field, e.g. ``"shared"`` with
     ``key_type="zset"``) it finds that key of every lock instead.
 
     Returns:
         (sorted keys, {node url: error}) for nodes that failed part-way.
     """
-    pattern = _glob_escape(prefix) + "{*}" + _glob_escape(suffix)
+    pattern = _glob_escape(prefix) + "{*}" + _glob_escape(SUFFIXES[field])
     # A cluster node is scanned on every master; its errors are reported under its URL.
     servers: list[Node] = []
     owners: list[str] = []
@@ -340,10 +334,7 @@ def scan_lock_keys(
                 del cursors[i]
                 continue
             cursor, found = reply.values[0]  # type: ignore[union-attr]
-            if suffix:
-                keys.update(k for k in found if is_lock_key(k.removesuffix(suffix), prefix))
-            else:
-                keys.update(k for k in found if is_lock_key(k, prefix))
+            keys.update(k for k in found if _field_of(k, prefix) == field)
             if str(cursor) == "0":
                 del cursors[i]
             else:
@@ -369,7 +360,7 @@ def read_locks(
     per_key: dict[str, list[NodeView]] = {key: [] for key in keys}
     for start in range(0, len(keys), READ_CHUNK):
         chunk = keys[start : start + READ_CHUNK]
-        calls = [Call(INSPECT, (key, f"{key}:fence")) for key in chunk]
+        calls = [Call(INSPECT, keys_of(key).inspect) for key in chunk]
         for i, reply in enumerate(nodeset.call(calls, timeout=timeout)):
             node = nodeset.nodes[i].safe_url
             if reply is None or reply.error is not None:
@@ -410,8 +401,10 @@ def release_lock(
     """
     if lock.token is None:
         return []
-    replies = nodeset.call([Call(RELEASE, (lock.key,), (lock.token,))], timeout=timeout)
-    results = []
+    replies = nodeset.call(
+        [Call(RELEASE, release_keys([keys_of(lock.key)]), (lock.token,))], timeout=timeout
+    )
+    results: list[dict[str, str | None]] = []
     for node, reply in zip(nodeset.nodes, replies, strict=True):
         error = _reply_error(reply)
         if error is not None:
@@ -656,7 +649,7 @@ def _share_inventory(
     session: _Session, task: str | None, timeout: float
 ) -> tuple[list[ShareView], dict[str, str]]:
     keys, errors = scan_lock_keys(
-        session.nodeset, session.prefix, timeout=timeout, suffix=":shared", key_type="zset"
+        session.nodeset, session.prefix, timeout=timeout, field="shared", key_type="zset"
     )
     shares, read_errors = read_shares(session.nodeset, keys, session.prefix, timeout=timeout)
     for node, error in read_errors.items():
@@ -1239,7 +1232,7 @@ def doctor(ctx: click.Context, as_json: bool, node_timeout: float, **kwargs: Any
     if as_json:
         _echo_json(ctx, report.as_dict())
         ctx.exit(report.exit_code)
-    styles = {
+    styles: dict[str, dict[str, Any]] = {
         doctor_module.OK: {"fg": "green"},
         doctor_module.WARN: {"fg": "yellow", "bold": True},
         doctor_module.ERROR: {"fg": "red", "bold": True},

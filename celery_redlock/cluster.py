@@ -49,7 +49,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode
 
 from redis.crc import key_slot
@@ -150,7 +150,7 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _keys_of(call: Call) -> tuple:
+def _keys_of(call: Call) -> tuple[Any, ...]:
     """The keys a call touches, for routing."""
     if call.script is not None:
         return call.keys
@@ -249,7 +249,7 @@ class ClusterNode:
             return
         raise error
 
-    def _install(self, ranges: list, asked: str) -> None:
+    def _install(self, ranges: list[Any], asked: str) -> None:
         slots: list[str] = [""] * SLOTS
         for first, last, master, *_ in ranges:
             host = master[0] or asked.rpartition(":")[0]  # "" or "?": the node we asked
@@ -267,10 +267,6 @@ class ClusterNode:
         if not address:
             raise MasterUnavailable(f"{self.safe_url}: no master serves slot {slot}")
         return self._master(address)
-
-    def mark_stale(self) -> None:
-        """Read the slot map again before the next request (a master failed or moved)."""
-        self._stale = True
 
     def _ensure_map(self, deadline: float | None) -> None:
         if self._slots is None or (self._stale and time.monotonic() >= self._next_refresh):
@@ -298,7 +294,7 @@ class ClusterNode:
         self._ensure_map(deadline)
         legs: dict[int, Leg] = {}
 
-        def add(node: Node, call: Call, place: tuple) -> None:
+        def add(node: Node, call: Call, place: tuple[int, Any]) -> None:
             leg = legs.get(id(node))
             if leg is None:
                 leg = legs[id(node)] = Leg(node, [], [])
@@ -388,7 +384,8 @@ class ClusterNode:
 
 def _part(call: Call, indices: list[int]) -> Call:
     """The call restricted to the keys at ``indices`` (and their arguments)."""
-    per_key = call.script.per_key_args  # type: ignore[union-attr]
+    # Only calls of a script with per_key_args are split.
+    per_key = cast(int, call.script.per_key_args)  # type: ignore[union-attr]
     if len(indices) == 1:  # the usual part: every lock has a slot of its own
         i = indices[0]
         return Call(call.script, (call.keys[i],), call.args[i * per_key : (i + 1) * per_key])

@@ -40,28 +40,15 @@ from typing import Any
 
 from celery import Task
 
-from .exceptions import ConfigurationError
-from .settings import Settings
-from .task import LockedTask
+from .settings import TASK_OPTIONS, Settings, parse_entry
+from .task import LockedTask, forget_options
 
 __all__ = ["OPTION_NAMES", "apply", "lockify"]
 
 logger = logging.getLogger("celery_redlock.config_only")
 
 #: Keys accepted in a ``redlock_tasks`` entry; each sets ``lock_<key>``.
-OPTION_NAMES = (
-    "ttl",
-    "args",
-    "key",
-    "on_busy",
-    "on_lost",
-    "retry_countdown",
-    "wait_timeout",
-    "renew_interval",
-    "mode",
-    "limit",
-    "fair",
-)
+OPTION_NAMES = tuple(TASK_OPTIONS)
 
 
 def apply(app: Any, settings: Settings) -> list[str]:
@@ -90,22 +77,14 @@ def lockify(task: Any, options: dict[str, Any], *, source: str = "options") -> N
         ConfigurationError: an unknown option, or ``args`` that is not a list of
             argument names; naming the task and ``source`` (the setting's entry).
     """
-    unknown = set(options) - set(OPTION_NAMES)
-    if unknown:
-        raise ConfigurationError(
-            f"{source}: unknown option(s) {', '.join(sorted(map(repr, unknown)))}; "
-            f"allowed: {', '.join(OPTION_NAMES)}"
-        )
-    configured = dict(options)
-    if configured.get("args") is not None:
-        configured["args"] = _argument_names(task.name, configured["args"], source)
+    configured = parse_entry(task.name, options, source)
     cls = type(task)
     if getattr(cls, "_redlock_configured", None) == configured:
         return
     if isinstance(task, LockedTask):
         # Written for celery_redlock: its lock_* attributes are our options, and the
         # redlock_tasks entry overrides them.
-        cls._redlock_options = None
+        forget_options(task)
         cls._redlock_configured = configured
         cls._redlock_source = source
         return
@@ -121,16 +100,6 @@ def lockify(task: Any, options: dict[str, Any], *, source: str = "options") -> N
             # The class's own lock_* attributes (if any) are the project's, not options.
             "_redlock_read_attributes": False,
         },
-    )
-
-
-def _argument_names(task_name: str, names: Any, source: str) -> tuple[str, ...]:
-    """``args`` of an entry as a tuple of names; a string is refused, not split."""
-    if isinstance(names, (list, tuple)) and all(isinstance(name, str) for name in names):
-        return tuple(names)
-    hint = f" (did you mean [{names!r}]?)" if isinstance(names, str) else ""
-    raise ConfigurationError(
-        f"{source}: task {task_name}: 'args' must be a list of argument names, got {names!r}{hint}"
     )
 
 

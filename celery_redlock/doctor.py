@@ -71,7 +71,7 @@ from redis.exceptions import RedisError, ResponseError
 from .exceptions import ConfigurationError
 from .keys import lock_keys
 from .nodes import Call, Node, NodeSet, fan_out
-from .settings import Settings, from_conf, timing
+from .settings import Settings, drift_allowance, from_conf
 
 __all__ = [
     "ERROR",
@@ -79,7 +79,7 @@ __all__ = [
     "OK",
     "WARN",
     "Finding",
-    "Lease",
+    "LeaseInUse",
     "NodeFacts",
     "Report",
     "TaskLocking",
@@ -314,7 +314,7 @@ _SHOWN_INFO = (
 
 
 @dataclass(frozen=True)
-class Lease:
+class LeaseInUse:
     """A lease length in use, and where it comes from (for messages)."""
 
     source: str
@@ -576,7 +576,7 @@ def check_independent(run_ids: Mapping[str, str]) -> list[Finding]:
 
 
 def check_uptime(
-    node: str, info: Mapping[str, Any], config: Mapping[str, Any], longest: Lease
+    node: str, info: Mapping[str, Any], config: Mapping[str, Any], longest: LeaseInUse
 ) -> Finding | None:
     """A node up for less than the longest lease may have forgotten locks (delayed restart).
 
@@ -649,14 +649,17 @@ def check_latency(node: str, rtt: float | None, node_timeout: float) -> Finding 
 # -- settings checks (pure) --------------------------------------------------------
 
 
-def leases(settings: Settings, tasks: Iterable[TaskLocking]) -> list[Lease]:
+def leases(settings: Settings, tasks: Iterable[TaskLocking]) -> list[LeaseInUse]:
     """Every lease length in use: the default, beat's, each task's, each pattern's."""
-    found = [Lease("redlock_ttl", settings.ttl), Lease("redlock_beat_ttl", settings.beat_ttl)]
+    found = [
+        LeaseInUse("redlock_ttl", settings.ttl),
+        LeaseInUse("redlock_beat_ttl", settings.beat_ttl),
+    ]
     for pattern, options in (settings.tasks or {}).items():
         ttl = options.get("ttl")
         if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl > 0:
-            found.append(Lease(f"redlock_tasks[{pattern!r}]", float(ttl)))
-    found += [Lease(f"task {t.name}", t.ttl) for t in tasks if t.ttl and t.error is None]
+            found.append(LeaseInUse(f"redlock_tasks[{pattern!r}]", float(ttl)))
+    found += [LeaseInUse(f"task {t.name}", t.ttl) for t in tasks if t.ttl and t.error is None]
     return found
 
 
@@ -709,7 +712,8 @@ def check_settings(
                 )
             )
             continue
-        inherited = (task.ttl, task.renew_interval) == (settings.ttl, settings.renew_interval)
+        default = settings.timing
+        inherited = (task.ttl, task.renew_interval) == (default.ttl, default.renew_interval)
         if task.ttl is not None and not inherited:  # the global check covers inherited ones
             slack = _renew_slack(f"task {task.name} ", task.ttl, task.renew_interval)
             if slack is not None:
@@ -770,11 +774,11 @@ def evaluate(
     longest = max(all_leases, key=lambda lease: lease.ttl)
     shortest = min(all_leases, key=lambda lease: lease.ttl)
     # Redlock's allowance for one lease (Timing.drift), for the shortest lease in use.
-    budget = shortest.ttl * settings.drift_factor + 0.002
+    budget = drift_allowance(shortest.ttl, settings.drift_factor)
     budget_source = (
         f"{shortest.source} {shortest.ttl:g}s x redlock_drift_factor {settings.drift_factor:g}"
     )
-    node_timeout = _node_timeout(settings)
+    node_timeout = settings.timing.node_timeout
     findings: list[Finding] = [check_node_count(lock_nodes)]
     if redlock:
         findings += check_independent(
@@ -869,16 +873,6 @@ def exit_code(findings: Iterable[Finding]) -> int:
     return 0
 
 
-def _node_timeout(settings: Settings) -> float:
-    """The node timeout locks with the default lease use."""
-    try:
-        return timing(
-            settings.ttl, settings.renew_interval, settings.node_timeout, settings.drift_factor
-        ).node_timeout
-    except ConfigurationError:
-        return settings.node_timeout or 0.25
-
-
 # -- collecting (I/O) --------------------------------------------------------------
 
 
@@ -887,10 +881,11 @@ def task_locking(app: Any, settings: Settings) -> tuple[list[TaskLocking], list[
 
     A task is locked when it is a :class:`~celery_redlock.LockedTask`, or when a
     ``redlock_tasks`` pattern names it (first match in the dict's order, as the
-    worker does). Tasks are not modified.
+    worker does). Its options are resolved by the worker's own function
+    (:func:`celery_redlock.task.task_options`), so an error here is exactly one that
+    stops the worker. Tasks are not modified.
     """
-    from .config_only import OPTION_NAMES  # noqa: PLC0415 (keeps import of this module light)
-    from .task import LockedTask, lock_options  # noqa: PLC0415
+    from .task import LockedTask, task_options  # noqa: PLC0415 (keeps import of this module light)
 
     patterns = settings.tasks or {}  # None when redlock_tasks is not set
     found: list[TaskLocking] = []
@@ -898,71 +893,41 @@ def task_locking(app: Any, settings: Settings) -> tuple[list[TaskLocking], list[
     conf = app.conf
     for name in sorted(app.tasks):
         task = app.tasks[name]
-        limits = {
-            "time_limit": getattr(task, "time_limit", None) or conf.get("task_time_limit"),
-            "soft_time_limit": getattr(task, "soft_time_limit", None)
-            or conf.get("task_soft_time_limit"),
-        }
         pattern = next((p for p in patterns if name == p or fnmatch.fnmatchcase(name, p)), None)
+        ours = isinstance(task, LockedTask)
+        if pattern is None and not ours:
+            continue
+        entry_source = None if pattern is None else f"redlock_tasks[{pattern!r}]"
+        source = f"task {name}" if entry_source is None else f"{entry_source} (task {name})"
         if pattern is not None:
             matched.add(pattern)
-            found.append(
-                _configured(name, pattern, patterns[pattern], settings, limits, OPTION_NAMES)
+        try:
+            options = task_options(
+                task,
+                None if pattern is None else patterns[pattern],
+                source=entry_source,
+                # As config_only.lockify: a project's class has no lock_* options of ours.
+                read_attributes=ours and getattr(type(task), "_redlock_read_attributes", True),
             )
-        elif isinstance(task, LockedTask):
-            source = f"task {name}"
-            try:
-                options = lock_options(task)
-            except ConfigurationError as exc:
-                found.append(TaskLocking(name, source, error=str(exc)))
-                continue
-            found.append(
-                TaskLocking(
-                    name,
-                    source,
-                    ttl=options.ttl,
-                    renew_interval=options.renew_interval,
-                    on_busy=options.on_busy,
-                    on_lost=options.on_lost,
-                    wait_timeout=options.wait_timeout,
-                    **limits,
-                )
+        except ConfigurationError as exc:
+            found.append(TaskLocking(name, source, error=str(exc)))
+            continue
+        found.append(
+            TaskLocking(
+                name,
+                source,
+                ttl=options.timing.ttl,
+                renew_interval=options.timing.renew_interval,
+                on_busy=options.on_busy,
+                on_lost=options.on_lost,
+                wait_timeout=options.wait_timeout,
+                time_limit=getattr(task, "time_limit", None) or conf.get("task_time_limit"),
+                soft_time_limit=getattr(task, "soft_time_limit", None)
+                or conf.get("task_soft_time_limit"),
             )
+        )
     unmatched = [p for p in patterns if p not in matched]
     return found, unmatched
-
-
-def _configured(
-    name: str,
-    pattern: str,
-    options: Mapping[str, Any],
-    settings: Settings,
-    limits: Mapping[str, Any],
-    allowed: Sequence[str],
-) -> TaskLocking:
-    """A task locked by ``redlock_tasks``, validated as the worker will."""
-    source = f"redlock_tasks[{pattern!r}] (task {name})"
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        return TaskLocking(
-            name, source, error=f"unknown option(s) {unknown}; allowed: {', '.join(allowed)}"
-        )
-    ttl = options.get("ttl", settings.ttl)
-    renew = options.get("renew_interval", settings.renew_interval)
-    try:
-        timing(ttl, renew, settings.node_timeout, settings.drift_factor, source=f"{source}: ")
-    except ConfigurationError as exc:
-        return TaskLocking(name, source, error=str(exc))
-    return TaskLocking(
-        name,
-        source,
-        ttl=float(ttl),
-        renew_interval=renew,
-        on_busy=options.get("on_busy", settings.on_busy),
-        on_lost=options.get("on_lost", settings.on_lost),
-        wait_timeout=options.get("wait_timeout", settings.wait_timeout),
-        **limits,
-    )
 
 
 def probe_nodes(

@@ -59,17 +59,20 @@ class LockBusy(RedlockError):
     @property
     def key(self) -> str:
         """The Redis key of the lock."""
-        return self.args[0]
+        value: str = self.args[0]
+        return value
 
     @property
     def holder(self) -> str | None:
         """The holder's task id, if it is a task."""
-        return self.args[1]
+        value: str | None = self.args[1]
+        return value
 
     @property
     def ttl(self) -> float | None:
         """The holder's remaining lease in seconds, when known."""
-        return self.args[2]
+        value: float | None = self.args[2]
+        return value
 
     def __str__(self) -> str:
         who = f"task {self.holder}" if self.holder else "another owner"
@@ -96,17 +99,20 @@ class LockLost(RedlockError):
     @property
     def key(self) -> str:
         """The Redis key of the lock."""
-        return self.args[0]
+        value: str = self.args[0]
+        return value
 
     @property
     def reason(self) -> str:
         """Why the lease is considered lost."""
-        return self.args[1]
+        value: str = self.args[1]
+        return value
 
     @property
     def fence(self) -> int | None:
         """The fencing token of the acquisition that was lost."""
-        return self.args[2]
+        value: int | None = self.args[2]
+        return value
 
     def __str__(self) -> str:
         return f"lock {self.key!r} (fence {self.fence}) lost: {self.reason}"

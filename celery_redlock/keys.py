@@ -9,8 +9,9 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
     redlock:{NAME}:state      hash of per-entry last run times (beat leader locks only)
     redlock:{NAME}:shared     sorted set: shared holders (read locks, ``limit`` slots),
                               token -> lease deadline in ms on the node's clock; the
-                              member ``!writer`` marks a writer waiting for them
-    redlock:{NAME}:holders    hash: shared holder token -> "task_id pid host task_name"
+                              member :data:`WRITER_MARK` marks a writer waiting for them
+    redlock:{NAME}:holders    hash: shared holder token -> JSON object with fence,
+                              task_id, host, pid, acquired_at, task_name, ttl
     redlock:{NAME}:queue      sorted set: fair waiters, token -> arrival order
     redlock:{NAME}:waiting    sorted set: fair waiters, token -> deadline in ms
 
@@ -21,7 +22,12 @@ a name that begins with ``}`` (``redlock:{}x}`` has an empty tag) or with the es
 ``\`` is written with a ``\`` in front: ``}x`` -> ``redlock:{\}x}``, ``\x`` ->
 ``redlock:{\\x}``. Every other name appears as it is, and the tag is never empty:
 it is the name up to its first ``}``. The prefix may not contain braces (they would
-move the tag). :func:`lock_name_of` reads the name back from a lock key.
+move the tag). :func:`lock_name_of` reads the name back from a lock key, and
+:func:`parse_key` tells which lock any of these keys belongs to.
+
+The scripts build no key: each receives every key it touches, the release channel
+included, in ``KEYS`` (:func:`release_keys` and the ``LockKeys`` methods give each
+script's list), so a key's layout is written here only.
 
 Task locks are named from the task and a SHA-256 digest of its canonical bound
 arguments (:func:`task_lock_name`): argument values never appear in Redis, and the
@@ -37,20 +43,28 @@ import hashlib
 import inspect
 import json
 import math
+import re
+import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from .exceptions import ConfigurationError, LockKeyError
 
 __all__ = [
     "DEFAULT_PREFIX",
     "MAX_NAME_LENGTH",
+    "SUFFIXES",
+    "WRITER_MARK",
     "LockKeys",
+    "check_key_template",
     "check_lock_args",
+    "is_lock_key",
     "keys_of",
     "lock_keys",
     "lock_name_of",
+    "parse_key",
+    "release_keys",
     "task_lock_name",
     "validate_prefix",
 ]
@@ -61,6 +75,12 @@ DEFAULT_PREFIX = "redlock:"
 #: their names stay short whatever the arguments are; this only guards hand-made
 #: names from growing keys without bound.
 MAX_NAME_LENGTH = 512
+
+
+#: The member of a lock's shared set that marks a writer waiting for the shared
+#: holders to leave (never a token: tokens are hex). The scripts get it as the Lua
+#: constant ``WRITER_MARK`` (see :mod:`celery_redlock.scripts`).
+WRITER_MARK = "!writer"
 
 
 class LockKeys(NamedTuple):
@@ -79,6 +99,49 @@ class LockKeys(NamedTuple):
     def resource(self) -> tuple[str, str, str, str]:
         """The keys every acquisition checks: lock, fence, shared holders, their info."""
         return (self.lock, self.fence, self.shared, self.holders)
+
+    @property
+    def fair(self) -> tuple[str, str]:
+        """The fair waiting queue and its waiters' deadlines."""
+        return (self.queue, self.waiting)
+
+    @property
+    def release_shared(self) -> tuple[str, str, str]:
+        """KEYS of ``release_shared.lua``: the channel, the shared set and its details."""
+        return (self.channel, self.shared, self.holders)
+
+    @property
+    def fair_leave(self) -> tuple[str, str, str, str]:
+        """KEYS of ``fair_leave.lua``: the lock, the queue, its deadlines, the channel."""
+        return (self.lock, self.queue, self.waiting, self.channel)
+
+    @property
+    def release_if(self) -> tuple[str, str, str, str]:
+        """KEYS of ``release_if.lua``: the lock and channel, then the shares."""
+        return (self.lock, self.channel, self.shared, self.holders)
+
+    @property
+    def fence_sync(self) -> tuple[str, str, str]:
+        """KEYS of ``fence_sync.lua``: the lock, its fence counter, the shares' details."""
+        return (self.lock, self.fence, self.holders)
+
+    @property
+    def inspect(self) -> tuple[str, str]:
+        """KEYS of ``inspect.lua``: the lock and its fence counter."""
+        return (self.lock, self.fence)
+
+
+#: What follows the lock key in each of its keys (``""`` for the lock key itself).
+SUFFIXES: dict[str, str] = {
+    field: "" if field == "lock" else f":{'released' if field == 'channel' else field}"
+    for field in LockKeys._fields
+}
+
+
+def release_keys(resources: Sequence[LockKeys], *, fair: bool = False) -> tuple[str, ...]:
+    """KEYS of ``release.lua``: each lock with its channel (then the fair queue's keys)."""
+    keys = tuple(key for resource in resources for key in (resource.lock, resource.channel))
+    return keys + resources[0].fair if fair else keys
 
 
 def validate_prefix(prefix: str, setting: str = "redlock_key_prefix") -> str:
@@ -114,6 +177,25 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
     return keys_of(f"{prefix}{{{tagged}}}")
 
 
+def is_lock_key(key: str, prefix: str = DEFAULT_PREFIX) -> bool:
+    """Whether ``key`` is a lock hash ``<prefix>{<name>}`` (not a fence counter or state)."""
+    return key.startswith(prefix + "{") and key.endswith("}") and len(key) > len(prefix) + 2
+
+
+def parse_key(key: str, prefix: str = DEFAULT_PREFIX) -> tuple[LockKeys, str] | None:
+    """The lock ``key`` belongs to, and which of its keys it is (a :class:`LockKeys` field).
+
+    None when ``key`` is none of a lock's keys under ``prefix``. A lock key always
+    ends with ``}``, so no other key of a lock can be read as one.
+    """
+    for field, suffix in SUFFIXES.items():
+        if key.endswith(suffix):
+            lock = key[: len(key) - len(suffix)]
+            if is_lock_key(lock, prefix):
+                return keys_of(lock), field
+    return None
+
+
 def lock_name_of(lock: str, prefix: str = DEFAULT_PREFIX) -> str:
     """The lock name of a lock key ``<prefix>{<name>}``: :func:`lock_keys` undone."""
     tagged = lock[len(prefix) + 1 : -1]
@@ -122,8 +204,7 @@ def lock_name_of(lock: str, prefix: str = DEFAULT_PREFIX) -> str:
 
 def keys_of(lock: str) -> LockKeys:
     """Every key of a lock, from its lock key (``<prefix>{<name>}``)."""
-    suffixes = [field if field != "channel" else "released" for field in LockKeys._fields[1:]]
-    return LockKeys(lock, *(f"{lock}:{suffix}" for suffix in suffixes))
+    return LockKeys(*(lock + SUFFIXES[field] for field in LockKeys._fields))
 
 
 # -- task locks ------------------------------------------------------------------
@@ -167,7 +248,7 @@ def task_lock_name(
         elif isinstance(lock_key, (list, tuple)):
             value = [_format(task_name, template, bound) for template in lock_key]
         else:
-            value = _format(task_name, lock_key, bound)
+            value = _format(task_name, cast(str, lock_key), bound)
         if not isinstance(value, (list, tuple)):
             return f"key:{_digest(task_name, 'lock_key', value)}"
         if not value:
@@ -197,7 +278,7 @@ def _format(task_name: str, template: str, bound: Mapping[str, Any]) -> str:
         raise LockKeyError(task_name, "lock_key", f"{template!r}: {exc!r}") from exc
 
 
-_DEFAULT_TEXT = (object.__format__, object.__str__, object.__repr__)
+_DEFAULT_TEXT: tuple[object, ...] = (object.__format__, object.__str__, object.__repr__)
 
 
 class _Field:
@@ -260,6 +341,43 @@ def check_lock_args(task_name: str, run: Callable[..., Any], lock_args: Sequence
             f"task {task_name}: lock_args names {', '.join(map(repr, unknown))}, not "
             f"parameters of run{inspect.signature(run)}"
         )
+
+
+def check_key_template(task_name: str, run: Any, template: str) -> None:
+    """Refuse a ``lock_key`` format string that could not format any call of ``run``.
+
+    Every replacement field must start with a parameter name of ``run`` (``{doc}``,
+    ``{doc[id]}``, ``{doc.id}``); positional fields (``{}``, ``{0}``) and unknown
+    names would fail every run of the task, so they are refused at worker start.
+
+    Raises:
+        ConfigurationError: naming the task, the key and the field.
+    """
+    parameters = _signature(run).parameters
+    try:
+        fields = [
+            (field, conversion)
+            for _, field, _, conversion in string.Formatter().parse(template)
+            if field is not None
+        ]
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"task {task_name}: lock_key {template!r} is not a valid format string: {exc}"
+        ) from None
+    for field, conversion in fields:
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if name not in parameters or name == "":
+            raise ConfigurationError(
+                f"task {task_name}: lock_key {template!r} uses the field {{{field}}}, but "
+                f"{name or 'a positional field'!s} is not a parameter of "
+                f"run{_signature(run)}; name the task's arguments, e.g. "
+                f"{{{next(iter(parameters), 'arg')}}}"
+            )
+        if conversion not in (None, "r", "s", "a"):
+            raise ConfigurationError(
+                f"task {task_name}: lock_key {template!r}: unknown conversion !{conversion} "
+                f"in {{{field}}}"
+            )
 
 
 @functools.lru_cache(maxsize=1024)

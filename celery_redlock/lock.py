@@ -71,9 +71,9 @@ from redis.exceptions import ResponseError
 from . import metrics
 from .cluster import is_cluster_url
 from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from .keys import DEFAULT_PREFIX, LockKeys, lock_keys
+from .keys import DEFAULT_PREFIX, LockKeys, lock_keys, release_keys
 from .nodes import Call, NodeSet, Reply
-from .renewal import RENEWED, Lease, clock, get_renewer, lease_verdict, renew_call
+from .renewal import Lease, clock, get_renewer, lease_verdict, renew_call
 from .scripts import (
     ACQUIRE,
     ACQUIRE_SHARED,
@@ -82,8 +82,12 @@ from .scripts import (
     INSPECT,
     RELEASE,
     RELEASE_SHARED,
+    AcquireStatus,
+    FenceSyncStatus,
+    ReleaseStatus,
+    RenewStatus,
 )
-from .settings import timing as make_timing
+from .settings import MODES, Timing, check_kind
 from .waiting import Subscription
 
 __all__ = ["DEFAULT_URL", "MODES", "Redlock", "check_kind"]
@@ -99,12 +103,6 @@ RETRY_DELAY = 0.2
 #: Upper bound of the random pause after a split vote, per node: 10 ms x N.
 SPLIT_BACKOFF = 0.002
 
-ACQUIRED, REENTERED, BUSY = 1, 2, 0
-
-#: Lock modes: one exclusive holder, or any number of shared holders (at most
-#: ``limit``) and never both at once.
-MODES = ("exclusive", "shared")
-RELEASED, GONE, TAKEN = 1, 0, -1
 
 _HOST = socket.gethostname()
 
@@ -145,6 +143,12 @@ class Redlock:
         task_id: recorded as the holder, so others can name who holds the lock and
             a worker can release the lock of a task whose process died.
         task_name: recorded beside the task id, for ``celery redlock ls``.
+        mode: ``exclusive`` (default) or ``shared``.
+        limit: at most this many shared holders (implies ``mode="shared"``).
+        fair: blocking waiters are served in arrival order.
+        timing: a validated :class:`~celery_redlock.settings.Timing`, in place of
+            ``ttl``, ``renew_interval``, ``node_timeout`` and ``drift_factor``
+            (which are then ignored): what the task base and beat pass on.
 
     Example::
 
@@ -170,6 +174,7 @@ class Redlock:
         mode: str | None = None,
         limit: int | None = None,
         fair: bool = False,
+        timing: Timing | None = None,
     ) -> None:
         names = [name] if isinstance(name, str) else list(dict.fromkeys(name))
         if not names or not all(isinstance(n, str) for n in names):
@@ -183,8 +188,10 @@ class Redlock:
         self.keys = self.resources[0]
         self._acquire_keys = tuple(key for resource in self.resources for key in resource.resource)
         if self.fair:
-            self._acquire_keys += (self.keys.queue, self.keys.waiting)
-        self.timing = make_timing(ttl, renew_interval, node_timeout, drift_factor, source="")
+            self._acquire_keys += self.keys.fair
+        self.timing = timing or Timing.of(
+            ttl, renew_interval, node_timeout, drift_factor, source=""
+        )
         if nodes is None:
             nodes = [DEFAULT_URL]
         self.nodeset = NodeSet.get(nodes, timeout=self.timing.node_timeout)
@@ -204,7 +211,7 @@ class Redlock:
         # Each thread reads and writes its own entry only; the dict operations are
         # atomic, so no lock is held that an asynchronous exception could leave taken.
         self._holds: dict[int, _Hold] = {}
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[..., Redlock] | None = None
 
     def __repr__(self) -> str:
         kind = "" if self.mode == "exclusive" else f" {self.mode}"
@@ -342,8 +349,7 @@ class Redlock:
 
     def _leave_queue(self, token: str) -> None:
         """Give up a fair waiter's place (else it would hold up the queue for a TTL)."""
-        keys = (self.keys.lock, self.keys.queue, self.keys.waiting)
-        self.nodeset.call([Call(FAIR_LEAVE, keys, (token,))])
+        self.nodeset.call([Call(FAIR_LEAVE, self.keys.fair_leave, (token,))])
 
     def _abandon(self, waiter: _Waiter) -> None:
         """Undo an acquisition interrupted by an exception, wherever it stopped."""
@@ -437,7 +443,10 @@ class Redlock:
         if reply.error is not None:
             return None
         value = reply.values[0]
-        if isinstance(value, ResponseError) or value[0] not in (ACQUIRED, REENTERED):
+        if isinstance(value, ResponseError) or value[0] not in (
+            AcquireStatus.ACQUIRED,
+            AcquireStatus.REENTERED,
+        ):
             return None
         if self.min_replicas and (
             isinstance(reply.values[1], ResponseError) or reply.values[1] < self.min_replicas
@@ -449,10 +458,10 @@ class Redlock:
         value = reply.values[0]
         if isinstance(value, ResponseError):
             attempt.errors.append(f"{reply.node.safe_url}: {value}")
-        elif value[0] == BUSY:
+        elif value[0] == AcquireStatus.BUSY:
             attempt.busy_ttl.append(max(0, int(value[1])) / 1000)
             attempt.holder = attempt.holder or value[2] or None
-        elif value[0] in (ACQUIRED, REENTERED):
+        elif value[0] in (AcquireStatus.ACQUIRED, AcquireStatus.REENTERED):
             attempt.errors.append(
                 f"{reply.node.safe_url}: only {reply.values[1]} of {self.min_replicas} "
                 "replicas acknowledged"
@@ -463,17 +472,21 @@ class Redlock:
     def _sync_fence(self, token: str, fences: tuple[int, ...], attempt: _Attempt) -> bool:
         """Store the fences back on the granting nodes; True if a quorum holds them."""
         if self.mode == "shared":
-            calls = [Call(FENCE_SYNC, _fence_keys(self.keys), (token, fences[0], "s"))]
+            calls = [Call(FENCE_SYNC, self.keys.fence_sync, (token, fences[0], "s"))]
         else:
             calls = [
-                Call(FENCE_SYNC, _fence_keys(resource), (token, fence, ""))
+                Call(FENCE_SYNC, resource.fence_sync, (token, fence, ""))
                 for resource, fence in zip(self.resources, fences, strict=True)
             ]
         requests: list[list[Call] | None] = [None] * len(self.nodeset)
         for i in attempt.granted:
             requests[i] = calls
         replies = self.nodeset.call(requests, per_node=True)
-        synced = sum(1 for r in replies if r is not None and r.ok and all(v == 1 for v in r.values))
+        synced = sum(
+            1
+            for r in replies
+            if r is not None and r.ok and all(v == FenceSyncStatus.SYNCED for v in r.values)
+        )
         if synced < self.quorum:
             attempt.errors.append(f"fence stored on {synced} nodes only")
             return False
@@ -600,9 +613,6 @@ class Redlock:
             hold = holds[0] if len(holds) == 1 else None
         return None if hold is None else hold.lease
 
-    #: Compatibility name of :attr:`lease` for the package's own modules and tests.
-    _lease = lease
-
     def _own_hold(self, action: str) -> _Hold:
         hold = self._holds.get(threading.get_ident())
         if hold is None or hold.count == 0 or hold.lease.released:
@@ -654,7 +664,7 @@ class Redlock:
         if metrics.enabled and lease.lost is None:
             metrics.released(self.task_name, clock() - lease.sent_at)
         codes = [r.values[0] for r in replies if r is not None and r.ok]
-        released = codes.count(RELEASED)
+        released = codes.count(ReleaseStatus.RELEASED)
         if lease.lost is None and released < self.quorum:
             self._warn_release(lease, codes)
         logger.debug(
@@ -695,7 +705,7 @@ class Redlock:
         """Say why a release was not confirmed by a quorum, and what follows."""
         left = max(0.0, lease.deadline - clock())
         unanswered = len(self.nodeset) - len(codes)
-        if codes.count(TAKEN) or codes.count(GONE):
+        if codes.count(ReleaseStatus.TAKEN) or codes.count(ReleaseStatus.GONE):
             if left <= 0:
                 return  # the lease had simply run out
             logger.error(
@@ -705,8 +715,8 @@ class Redlock:
                 self.keys.lock,
                 self.owner,
                 lease.fence,
-                codes.count(GONE),
-                codes.count(TAKEN),
+                codes.count(ReleaseStatus.GONE),
+                codes.count(ReleaseStatus.TAKEN),
                 len(self.nodeset),
                 left,
             )
@@ -731,8 +741,8 @@ class Redlock:
         sent_at = clock()
         replies = self.nodeset.call([renew_call([lease])])
         verdicts = [lease_verdict(reply, 0, len(lease.entries)) for reply in replies]
-        renewed = sum(1 for code, _ in verdicts if code == RENEWED)
-        refused = sum(1 for code, _ in verdicts if code is not None and code != RENEWED)
+        renewed = sum(1 for code, _ in verdicts if code == RenewStatus.RENEWED)
+        refused = sum(1 for code, _ in verdicts if code is not None and code != RenewStatus.RENEWED)
         if renewed >= self.quorum:
             lease.renewed(sent_at, clock())
             lease.check()
@@ -798,7 +808,7 @@ class Redlock:
     def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
         views = []
-        for reply in self.nodeset.call([Call(INSPECT, self.keys[:2])]):
+        for reply in self.nodeset.call([Call(INSPECT, self.keys.inspect)]):
             if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
                 error = reply.describe_error() if reply is not None and reply.error else "no reply"
                 views.append({"node": reply.node.safe_url if reply else None, "error": error})
@@ -856,7 +866,7 @@ def _is_busy(reply: Reply | None) -> bool:
         reply is not None
         and reply.ok
         and not isinstance(reply.values[0], ResponseError)
-        and reply.values[0][0] == BUSY
+        and reply.values[0][0] == AcquireStatus.BUSY
     )
 
 
@@ -913,25 +923,6 @@ class _Waiter:
         self.arrival = f"{time.time() * 1000:.3f}" if fair and nodes > 1 else ""
 
 
-def check_kind(
-    resources: int, mode: str | None, limit: int | None, fair: bool
-) -> tuple[str, int | None, bool]:
-    """Validate the shape of a lock on ``resources`` resources; (mode, limit, fair)."""
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ConfigurationError(f"limit must be an integer >= 1 (or None), got {limit!r}")
-    if mode is None:
-        mode = "shared" if limit is not None else "exclusive"
-    if mode not in MODES:
-        raise ConfigurationError(f"mode must be one of {MODES!r}, got {mode!r}")
-    if limit is not None and mode != "shared":
-        raise ConfigurationError("limit applies to shared holders: use mode='shared' or no mode")
-    if mode == "shared" and resources > 1:
-        raise ConfigurationError(f"a shared lock (or a limit) covers one resource, got {resources}")
-    if fair and (mode != "exclusive" or resources > 1):
-        raise ConfigurationError("fair waiting applies to an exclusive lock on one resource")
-    return mode, limit, bool(fair)
-
-
 def _quorum(nodes: int, limit: int | None) -> int:
     """Nodes that must grant a hold: a majority, or more for a limit above 1.
 
@@ -950,11 +941,7 @@ def _release_call(mode: str, fair: bool, resources: Sequence[LockKeys], token: s
     """The script call that releases ``token``'s hold (a function: finalizers use it)."""
     keys = resources[0]
     if mode == "shared":
-        return Call(RELEASE_SHARED, (keys.lock, keys.shared, keys.holders), (token,))
+        return Call(RELEASE_SHARED, keys.release_shared, (token,))
     if fair:
-        return Call(RELEASE, (keys.lock, keys.queue, keys.waiting), (token, "fair"))
-    return Call(RELEASE, tuple(resource.lock for resource in resources), (token,))
-
-
-def _fence_keys(keys: LockKeys) -> tuple[str, str, str]:
-    return (keys.lock, keys.fence, keys.holders)
+        return Call(RELEASE, release_keys(resources, fair=True), (token, "fair"))
+    return Call(RELEASE, release_keys(resources), (token,))

@@ -92,15 +92,15 @@ class Call:
     """One command for a node: a script with its keys and arguments, or a plain command."""
 
     script: Script | None
-    keys: tuple = ()
-    args: tuple = ()
+    keys: tuple[Any, ...] = ()
+    args: tuple[Any, ...] = ()
 
     @classmethod
     def command(cls, *args: Any) -> Call:
         """A plain Redis command, e.g. ``Call.command("EXISTS", key)``."""
         return cls(None, (), args)
 
-    def packed_args(self) -> tuple:
+    def packed_args(self) -> tuple[Any, ...]:
         """The command as sent (EVALSHA for a script)."""
         if self.script is None:
             return self.args
@@ -118,7 +118,7 @@ class Reply:
     """
 
     node: Node
-    values: list = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
     error: BaseException | None = None
 
     @property
@@ -129,6 +129,10 @@ class Reply:
     def describe_error(self) -> str:
         """One line naming the node and what went wrong, for logs and exceptions."""
         return f"{self.node.safe_url}: {type(self.error).__name__}: {self.error}"
+
+
+#: Where one reply goes in a node's :class:`Reply`: (position, key indices or None).
+Place = tuple[int, Any]
 
 
 @dataclass
@@ -142,11 +146,11 @@ class Leg:
     """
 
     node: Node
-    calls: list
-    places: list | None = None
+    calls: list[Call]
+    places: list[Place | None] | None = None
     hops: int = 0  # redirections (MOVED/ASK) that led here
 
-    def place(self, k: int) -> tuple | None:
+    def place(self, k: int) -> Place | None:
         """Where the reply to ``calls[k]`` goes."""
         return (k, None) if self.places is None else self.places[k]
 
@@ -228,7 +232,9 @@ def _sanitize_sentinel_url(url: str) -> str:
     return f"{SENTINEL_SCHEME}://{netloc}{sep}{path}{question}{query}"
 
 
-def _parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict, dict]:
+def _parse_sentinel_url(
+    url: str,
+) -> tuple[list[tuple[str, int]], str, dict[str, Any], dict[str, Any]]:
     """(sentinel addresses, service name, master credentials and db, sentinel credentials)."""
     rest = url[len(SENTINEL_SCHEME) + 3 :]
     rest, _, query = rest.partition("?")
@@ -295,7 +301,8 @@ class Node:
         #: The pool of a Sentinel-managed node (None otherwise): it knows the master.
         self._sentinel: SentinelConnectionPool | None = None
         if url.startswith(f"{SENTINEL_SCHEME}://"):
-            pool = self._sentinel = _sentinel_pool(url, timeout)
+            self._sentinel = _sentinel_pool(url, timeout)
+            pool: ConnectionPool = self._sentinel
             self.safe_url = _sanitize_sentinel_url(url)
         else:
             try:
@@ -318,7 +325,7 @@ class Node:
         self._idle: list[AbstractConnection] = []
         # Connections returned with replies still in flight:
         # [connection, replies owed, give up at (monotonic), thread ident].
-        self._draining: list[list] = []
+        self._draining: list[list[Any]] = []
         self._pid = os.getpid()
 
     def __repr__(self) -> str:
@@ -341,7 +348,8 @@ class Node:
 
     def new_connection(self) -> AbstractConnection:
         """A fresh, unconnected connection with this node's settings."""
-        return self._connection_class(**self._connection_kwargs)
+        conn: AbstractConnection = self._connection_class(**self._connection_kwargs)
+        return conn
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -402,7 +410,7 @@ class Node:
         pool = self._sentinel
         if pool is None or conn._sock is None:
             return False
-        return (conn.host, conn.port) != pool.master_address  # type: ignore[attr-defined]
+        return bool((conn.host, conn.port) != pool.master_address)
 
     def _recheck_master(self) -> None:
         """Ask the sentinels for the master, at most every MASTER_RECHECK seconds.
@@ -436,7 +444,7 @@ class Node:
     def _drain_locked(self) -> None:
         """Read replies owed on returned connections, without waiting for any."""
         now = time.monotonic()
-        still = []
+        still: list[list[Any]] = []
         draining, self._draining = self._draining, []
         for item in draining:
             conn, owed, give_up_at, _ = item
@@ -534,7 +542,7 @@ def safe_url(url: str) -> str:
         return _sanitize_sentinel_url(url)
     if is_cluster_url(url):
         return sanitize_url(url)
-    return maybe_sanitize_url(url)
+    return str(maybe_sanitize_url(url))
 
 
 def make_node(url: str, *, timeout: float) -> Node:
@@ -556,7 +564,7 @@ class _InFlight:
         self.leg = leg
         self.conn = conn
         self.calls = leg.calls
-        self.values: list = []
+        self.values: list[Any] = []
         self.stale = stale  # replies to an earlier request on this connection
         self.owed = stale
         self.skip = 0
@@ -603,7 +611,7 @@ class _InFlight:
         return list({call.script.sha: call.script for call in self.calls if call.script}.values())
 
 
-def _pack(conn: AbstractConnection, commands: list) -> list[bytes]:
+def _pack(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[bytes]:
     """The commands in RESP, as redis-py would write them, but several times faster.
 
     Renewal sends one call per lock slot to a Redis Cluster (10,000 locks: 10,000
@@ -623,7 +631,8 @@ def _pack(conn: AbstractConnection, commands: list) -> list[bytes]:
             elif type(arg) is int:  # not bool, which redis-py refuses
                 data = b"%d" % arg
             else:
-                return conn.pack_commands(commands)
+                packed: list[bytes] = conn.pack_commands(commands)
+                return packed
             out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return [b"".join(out)]
 
@@ -635,7 +644,7 @@ class _Gather:
 
     def __init__(self, node: Node, size: int) -> None:
         self.node = node
-        self.values: list = [None] * size
+        self.values: list[Any] = [None] * size
         self.outstanding = 0  # legs sent and not finished
         self.error: BaseException | None = None
         self.answered = False
@@ -737,7 +746,7 @@ class _FanOut:
                 again = resend[(id(server), asking)] = Leg(server, [], [], leg.hops + 1)
             if asking:  # ASKING applies to the next command only
                 again.calls.append(Call.command("ASKING"))
-                again.places.append(None)  # type: ignore[union-attr]
+                again.places.append(None)  # type: ignore[union-attr]  # places is a list here
             again.calls.append(leg.calls[k])
             again.places.append(leg.place(k))  # type: ignore[union-attr]
         for again in resend.values():
@@ -862,7 +871,7 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
         if remaining <= 0:
             return
         if not progressed:
-            socks = [flight.conn._sock for flight in state.inflight]
+            socks: list[Any] = [flight.conn._sock for flight in state.inflight]
             # A socket closed under us shows up as an error on the next read.
             with contextlib.suppress(OSError, ValueError):
                 select.select(socks, [], [], remaining)
@@ -877,7 +886,7 @@ class NodeSet:
     300 sets of connections).
     """
 
-    _registry: dict[tuple, NodeSet] = {}
+    _registry: dict[tuple[Any, ...], NodeSet] = {}
     _nodes: dict[str, Node] = {}
     _registry_lock = threading.Lock()
 

@@ -29,12 +29,12 @@ import os
 import select
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from . import metrics
 from .keys import keys_of
 from .nodes import Call, NodeSet
-from .scripts import RELEASE_IF
+from .scripts import RELEASE_IF, ReleaseIfStatus
 
 __all__ = ["Reaper", "announce", "encode", "forget", "in_pool_child"]
 
@@ -145,7 +145,7 @@ class Reaper:
 
     def _run(self) -> None:
         while True:
-            watched = {self.read_fd: None, self._wake_r: None}
+            watched: dict[int, int | None] = {self.read_fd: None, self._wake_r: None}
             watched.update({fd: pid for pid, fd in self._pidfds.items()})
             ready, _, _ = select.select(list(watched), [], [])
             if self._wake_r in ready:
@@ -154,7 +154,7 @@ class Reaper:
                 if fd == self.read_fd:
                     self.on_pipe_readable()
                 else:
-                    self.on_child_exit(watched[fd])
+                    self.on_child_exit(cast(int, watched[fd]))  # a pidfd: a pid
 
     def on_pipe_readable(self) -> None:
         """Read the children's announcements and start watching new children."""
@@ -215,9 +215,9 @@ class Reaper:
             self._release(pid, task_id, key)
 
     def _release(self, pid: int, task_id: str, key: str) -> None:
-        replies = self.nodeset.call([Call(RELEASE_IF, _release_keys(key), (task_id, pid))])
+        replies = self.nodeset.call([Call(RELEASE_IF, keys_of(key).release_if, (task_id, pid))])
         codes = [r.values[0] for r in replies if r is not None and r.ok]
-        if 1 in codes:
+        if ReleaseIfStatus.RELEASED in codes:
             self.released += 1
             logger.warning(
                 "Pool process %d died while task %s held %s: lock released", pid, task_id, key
@@ -230,9 +230,3 @@ class Reaper:
                 task_id,
                 codes or "no node answered",
             )
-
-
-def _release_keys(key: str) -> tuple[str, str, str]:
-    """A lock key with its shared holders' keys: the dead child may have held a share."""
-    keys = keys_of(key)
-    return (keys.lock, keys.shared, keys.holders)

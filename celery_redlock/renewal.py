@@ -40,12 +40,12 @@ from redis.exceptions import ResponseError
 from . import metrics
 from .exceptions import LockLost
 from .nodes import Call
-from .scripts import RENEW_MANY
+from .scripts import RENEW_MANY, RenewStatus
 from .threads import START_GRACE, start_daemon
 
 if TYPE_CHECKING:
     from .keys import LockKeys
-    from .nodes import NodeSet
+    from .nodes import NodeSet, Reply
     from .settings import Timing
 
 __all__ = ["CHUNK", "Lease", "Renewer", "clock", "get_renewer", "lease_verdict", "renew_call"]
@@ -62,8 +62,6 @@ CHUNK_BUDGET = 0.02
 
 #: Leases due within this share of their renewal interval ride along with the tick.
 COALESCE = 0.1
-
-RENEWED, GONE, TAKEN = 1, 0, -1
 
 
 def _boottime() -> float:
@@ -431,9 +429,9 @@ class Renewer:
             errors = []
             for reply in replies:
                 code, error = lease_verdict(reply, offset, len(lease.entries))
-                if code == RENEWED:
+                if code == RenewStatus.RENEWED:
                     renewed += 1
-                elif code in (GONE, TAKEN):
+                elif code in (RenewStatus.GONE, RenewStatus.TAKEN):
                     refused += 1
                 else:
                     errors.append(error)
@@ -492,7 +490,7 @@ def _alive(lease: Lease) -> bool:
     return lease.lost is None and not lease.released
 
 
-def lease_verdict(reply, offset: int, count: int) -> tuple[int | None, str]:
+def lease_verdict(reply: Reply | None, offset: int, count: int) -> tuple[int | None, str]:
     """One node's verdict on a lease whose entries start at ``offset``, or (None, why not).
 
     ``reply`` answers renew_many calls of :data:`CHUNK` entries each; a lease is renewed
@@ -516,11 +514,11 @@ def lease_verdict(reply, offset: int, count: int) -> tuple[int | None, str]:
 def _verdict(codes: list[int]) -> int:
     """A lease is renewed on a node when every entry is; lost there when any is not."""
     for code in codes:
-        if code not in (RENEWED, GONE, TAKEN):
+        if code not in tuple(RenewStatus):
             raise ValueError(f"renew_many returned unknown code {code!r}")
-    if all(code == RENEWED for code in codes):
-        return RENEWED
-    return TAKEN if TAKEN in codes else GONE
+    if all(code == RenewStatus.RENEWED for code in codes):
+        return RenewStatus.RENEWED
+    return RenewStatus.TAKEN if RenewStatus.TAKEN in codes else RenewStatus.GONE
 
 
 def _renew_entries(entries: list[tuple[Lease, tuple[str, str]]]) -> Call:

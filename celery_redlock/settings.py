@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .exceptions import ConfigurationError
-from .keys import DEFAULT_PREFIX, validate_prefix
+from .keys import DEFAULT_PREFIX, check_key_template, check_lock_args, validate_prefix
 
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",
@@ -23,19 +23,28 @@ __all__ = [
     "MIN_NODE_TIMEOUT",
     "MIN_RENEW_INTERVAL",
     "MIN_TTL",
+    "MODES",
     "ON_BUSY",
     "ON_LOST",
     "OPTIONS",
+    "TASK_OPTIONS",
     "Option",
     "Settings",
+    "TaskLockOptions",
+    "TaskOption",
     "Timing",
+    "check_kind",
     "from_conf",
+    "parse_entry",
     "reference",
-    "timing",
+    "resolve_task_options",
 ]
 
 ON_BUSY = ("skip", "retry", "raise", "wait")
 ON_LOST = ("abort", "revoke", "ignore")
+#: Lock modes: one exclusive holder, or any number of shared holders (at most
+#: ``limit``) and never both at once.
+MODES = ("exclusive", "shared")
 
 #: Per-node budget of one call when ``redlock_node_timeout`` is not set: at most
 #: this, at most a tenth of the lease (Redlock asks for a budget small against it),
@@ -55,16 +64,8 @@ MIN_NODE_TIMEOUT = 0.001
 MIN_RENEW_INTERVAL = 2 * MIN_NODE_TIMEOUT
 
 
-def _seconds(
-    name: str,
-    value: Any,
-    *,
-    minimum: float = 0.0,
-    optional: bool = False,
-) -> float | None:
+def _seconds(name: str, value: Any, *, minimum: float = 0.0) -> float:
     """A duration in ``[minimum, MAX_SECONDS]`` (``(0, MAX_SECONDS]`` for minimum 0)."""
-    if value is None and optional:
-        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ConfigurationError(
             f"{name} must be a number of seconds, got {value!r} ({type(value).__name__})"
@@ -78,19 +79,19 @@ def _seconds(
 
 
 def _positive(name: str, value: Any) -> float:
-    return _seconds(name, value)  # type: ignore[return-value]
+    return _seconds(name, value)
 
 
 def _lease(name: str, value: Any) -> float:
-    return _seconds(name, value, minimum=MIN_TTL)  # type: ignore[return-value]
+    return _seconds(name, value, minimum=MIN_TTL)
 
 
 def _renew_interval(name: str, value: Any) -> float | None:
-    return _seconds(name, value, minimum=MIN_RENEW_INTERVAL, optional=True)
+    return None if value is None else _seconds(name, value, minimum=MIN_RENEW_INTERVAL)
 
 
 def _node_timeout(name: str, value: Any) -> float | None:
-    return _seconds(name, value, minimum=MIN_NODE_TIMEOUT, optional=True)
+    return None if value is None else _seconds(name, value, minimum=MIN_NODE_TIMEOUT)
 
 
 def _fraction(name: str, value: Any) -> float:
@@ -115,7 +116,8 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
         if value not in choices:
             allowed = ", ".join(repr(c) for c in choices)
             raise ConfigurationError(f"{name} must be one of {allowed}, got {value!r}")
-        return value
+        chosen: str = value
+        return chosen
 
     return parse
 
@@ -185,7 +187,7 @@ def _optional_name(name: str, value: Any) -> str | None:
     return value
 
 
-def _tasks(name: str, value: Any) -> dict[str, dict]:
+def _tasks(name: str, value: Any) -> dict[str, dict[str, Any]]:
     if value is None:
         return {}
     if not isinstance(value, Mapping) or not all(
@@ -196,6 +198,51 @@ def _tasks(name: str, value: Any) -> dict[str, dict]:
             f"e.g. {{'proj.tasks.sync_*': {{'ttl': 60}}}}, got {value!r}"
         )
     return {k: dict(v) for k, v in value.items()}
+
+
+@dataclass(frozen=True)
+class TaskOption:
+    """One lock option of a task: ``lock_<name>`` on the task, ``<name>`` in ``redlock_tasks``.
+
+    ``setting`` names the :data:`OPTIONS` entry it defaults from (None: no default
+    setting); ``parse`` validates a value given for one task (None: checked with the
+    other options by :func:`resolve_task_options`).
+    """
+
+    name: str
+    setting: str | None
+    parse: Callable[[str, Any], Any] | None
+    doc: str
+
+    @property
+    def attribute(self) -> str:
+        """The task attribute (and ``@app.task`` keyword) that sets it."""
+        return f"lock_{self.name}"
+
+
+#: Every per-task option, in the order error messages list them.
+TASK_OPTIONS: dict[str, TaskOption] = {
+    o.name: o
+    for o in (
+        TaskOption("ttl", "ttl", None, "lease in seconds, renewed while the body runs"),
+        TaskOption("args", None, None, "argument names the key uses; None all, () none"),
+        TaskOption(
+            "key",
+            None,
+            None,
+            "(args, kwargs) -> str, or a format string over argument names (a list of "
+            "either: several resources)",
+        ),
+        TaskOption("on_busy", "on_busy", _choice(ON_BUSY), "skip, retry, raise or wait"),
+        TaskOption("on_lost", "on_lost", _choice(ON_LOST), "abort, revoke or ignore"),
+        TaskOption("retry_countdown", "retry_countdown", _positive, "seconds before a retry"),
+        TaskOption("wait_timeout", "wait_timeout", _positive, "longest wait for a busy lock"),
+        TaskOption("renew_interval", "renew_interval", None, "seconds between renewals"),
+        TaskOption("mode", None, None, "exclusive (default) or shared"),
+        TaskOption("limit", None, None, "at most this many shared holders per key"),
+        TaskOption("fair", None, None, "serve waiters in arrival order"),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -324,8 +371,7 @@ OPTIONS: dict[str, Option] = {
             None,
             _tasks,
             "Task names or glob patterns to lock by configuration alone, each with a dict of "
-            "options (ttl, args, key, on_busy, on_lost, retry_countdown, wait_timeout, "
-            "renew_interval).",
+            f"options ({', '.join(TASK_OPTIONS)}).",
         ),
     )
 }
@@ -333,7 +379,11 @@ OPTIONS: dict[str, Option] = {
 
 @dataclass(frozen=True)
 class Timing:
-    """The validated timing of one lock: every duration the engine works with."""
+    """The validated timing of one lock: every duration the engine works with.
+
+    Built once by :meth:`of` (which validates), then passed on: to
+    :class:`~celery_redlock.Redlock`, the renewer's leases and ``doctor``.
+    """
 
     ttl: float
     renew_interval: float
@@ -348,7 +398,7 @@ class Timing:
     @property
     def drift(self) -> float:
         """Seconds subtracted from every lease for clock drift (Redlock's formula)."""
-        return self.ttl * self.drift_factor + 0.002
+        return drift_allowance(self.ttl, self.drift_factor)
 
     @property
     def margin(self) -> float:
@@ -359,59 +409,70 @@ class Timing:
         """
         return min(2 * self.node_timeout, self.renew_interval / 2)
 
+    @classmethod
+    def of(
+        cls,
+        ttl: Any,
+        renew_interval: Any = None,
+        node_timeout: Any = None,
+        drift_factor: Any = 0.01,
+        *,
+        source: str = "redlock_",
+        ttl_name: str | None = None,
+    ) -> Timing:
+        """Validate lease timing; ``source`` prefixes the names used in error messages.
 
-def timing(
-    ttl: Any,
-    renew_interval: Any = None,
-    node_timeout: Any = None,
-    drift_factor: Any = 0.01,
-    *,
-    source: str = "redlock_",
-    ttl_name: str | None = None,
-) -> Timing:
-    """Validate lease timing; ``source`` prefixes the names used in error messages.
+        Every error names a value the caller gave: a default derived from the ttl
+        (``renew_interval`` ttl/3, ``node_timeout``) always fits it. ``ttl_name``
+        overrides the ttl's name (``redlock_beat_ttl``).
 
-    Every error names a value the caller gave: a default derived from the ttl
-    (``renew_interval`` ttl/3, ``node_timeout``) always fits it. ``ttl_name``
-    overrides the ttl's name (``redlock_beat_ttl``).
-
-    Raises:
-        ConfigurationError: naming the value and its allowed range (see
-            :data:`MIN_TTL`, :data:`MIN_RENEW_INTERVAL`, :data:`MIN_NODE_TIMEOUT`,
-            :data:`MAX_SECONDS`).
-    """
-    ttl_name = ttl_name or f"{source}ttl"
-    renew_name, timeout_name = f"{source}renew_interval", f"{source}node_timeout"
-    ttl = _lease(ttl_name, ttl)
-    renew_shown = f"{renew_name} ({renew_interval}s)"
-    if renew_interval is None:
-        renew_interval = ttl / 3
-        renew_shown = f"{renew_name} (default {ttl_name}/3: {renew_interval:.4g}s)"
-    else:
-        renew_interval = _renew_interval(renew_name, renew_interval)
-        if renew_interval >= ttl:
+        Raises:
+            ConfigurationError: naming the value and its allowed range (see
+                :data:`MIN_TTL`, :data:`MIN_RENEW_INTERVAL`, :data:`MIN_NODE_TIMEOUT`,
+                :data:`MAX_SECONDS`).
+        """
+        ttl_name = ttl_name or f"{source}ttl"
+        renew_name, timeout_name = f"{source}renew_interval", f"{source}node_timeout"
+        lease = _lease(ttl_name, ttl)
+        renew_shown = f"{renew_name} ({renew_interval}s)"
+        if renew_interval is None:
+            renew = lease / 3
+            renew_shown = f"{renew_name} (default {ttl_name}/3: {renew:.4g}s)"
+        else:
+            renew = _seconds(renew_name, renew_interval, minimum=MIN_RENEW_INTERVAL)
+            if renew >= lease:
+                raise ConfigurationError(
+                    f"{renew_name} must be shorter than {ttl_name} ({lease}s), got "
+                    f"{renew}s: the lease would expire between renewals"
+                )
+        if node_timeout is None:
+            timeout = default_node_timeout(lease, renew)
+        else:
+            timeout = _seconds(timeout_name, node_timeout, minimum=MIN_NODE_TIMEOUT)
+            if timeout >= renew:
+                raise ConfigurationError(
+                    f"{timeout_name} ({timeout}s) must be shorter than {renew_shown}: "
+                    "a renewal must be able to fail and be retried before the lease ends"
+                )
+        drift = _fraction(f"{source}drift_factor", drift_factor)
+        t = cls(lease, renew, timeout, drift)
+        if t.drift + t.margin >= lease:
             raise ConfigurationError(
-                f"{renew_name} must be shorter than {ttl_name} ({ttl}s), got "
-                f"{renew_interval}s: the lease would expire between renewals"
+                f"{ttl_name} ({lease}s) is too short for the drift allowance ({t.drift:.3f}s, "
+                f"{source}drift_factor {drift}) and the loss margin ({t.margin:.3f}s, "
+                f"from {timeout_name} {timeout}s): lengthen it or lower those"
             )
-    if node_timeout is None:
-        node_timeout = min(DEFAULT_NODE_TIMEOUT, ttl / 10, renew_interval / 2)
-    else:
-        node_timeout = _node_timeout(timeout_name, node_timeout)
-        if node_timeout >= renew_interval:
-            raise ConfigurationError(
-                f"{timeout_name} ({node_timeout}s) must be shorter than {renew_shown}: "
-                "a renewal must be able to fail and be retried before the lease ends"
-            )
-    drift_factor = _fraction(f"{source}drift_factor", drift_factor)
-    t = Timing(ttl, renew_interval, node_timeout, drift_factor)
-    if t.drift + t.margin >= ttl:
-        raise ConfigurationError(
-            f"{ttl_name} ({ttl}s) is too short for the drift allowance ({t.drift:.3f}s, "
-            f"{source}drift_factor {drift_factor}) and the loss margin ({t.margin:.3f}s, "
-            f"from {timeout_name} {node_timeout}s): lengthen it or lower those"
-        )
-    return t
+        return t
+
+
+def drift_allowance(ttl: float, drift_factor: float) -> float:
+    """Seconds of a ``ttl`` lease assumed lost to clock drift (Redlock's formula)."""
+    return ttl * drift_factor + 0.002
+
+
+def default_node_timeout(ttl: float, renew_interval: float) -> float:
+    """The node timeout when none is set (see :data:`DEFAULT_NODE_TIMEOUT`)."""
+    return min(DEFAULT_NODE_TIMEOUT, ttl / 10, renew_interval / 2)
 
 
 @dataclass(frozen=True)
@@ -435,7 +496,32 @@ class Settings:
     metrics_port: int | None = None
     beat_name: str | None = None
     beat_ttl: float = 10.0
-    tasks: dict[str, dict] = field(default_factory=dict)
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The default lease timing (``redlock_ttl``, ``redlock_renew_interval``, ...),
+    #: validated; computed from the fields above when not given.
+    timing: Timing = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.timing is None:
+            object.__setattr__(
+                self,
+                "timing",
+                Timing.of(self.ttl, self.renew_interval, self.node_timeout, self.drift_factor),
+            )
+
+    def beat_timing(self) -> Timing:
+        """The beat leader lock's timing (``redlock_beat_ttl``), validated.
+
+        Raises:
+            ConfigurationError: naming ``redlock_beat_ttl`` (or the setting at fault).
+        """
+        return Timing.of(
+            self.beat_ttl,
+            None,
+            self.node_timeout,
+            self.drift_factor,
+            ttl_name="redlock_beat_ttl",
+        )
 
     def node_urls(self) -> tuple[str, ...]:
         """The lock nodes: ``nodes`` when given, else the single ``url``."""
@@ -458,8 +544,180 @@ def from_conf(conf: Mapping[str, Any]) -> Settings:
         broker = conf.get("broker_url") or ""
         if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
             values["url"] = broker.split(";")[0]
-    timing(values["ttl"], values["renew_interval"], values["node_timeout"], values["drift_factor"])
+    values["timing"] = Timing.of(
+        values["ttl"], values["renew_interval"], values["node_timeout"], values["drift_factor"]
+    )
     return Settings(**values)
+
+
+# -- one task's lock options ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskLockOptions:
+    """One task's lock options, resolved against the app settings and validated."""
+
+    timing: Timing
+    args: tuple[str, ...] | None
+    key: Any
+    on_busy: str
+    on_lost: str
+    retry_countdown: float
+    wait_timeout: float
+    mode: str = "exclusive"
+    limit: int | None = None
+    fair: bool = False
+
+
+def check_kind(
+    resources: int, mode: str | None, limit: int | None, fair: bool
+) -> tuple[str, int | None, bool]:
+    """Validate the shape of a lock on ``resources`` resources; (mode, limit, fair)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigurationError(f"limit must be an integer >= 1 (or None), got {limit!r}")
+    if mode is None:
+        mode = "shared" if limit is not None else "exclusive"
+    if mode not in MODES:
+        raise ConfigurationError(f"mode must be one of {MODES!r}, got {mode!r}")
+    if limit is not None and mode != "shared":
+        raise ConfigurationError("limit applies to shared holders: use mode='shared' or no mode")
+    if mode == "shared" and resources > 1:
+        raise ConfigurationError(f"a shared lock (or a limit) covers one resource, got {resources}")
+    if fair and (mode != "exclusive" or resources > 1):
+        raise ConfigurationError("fair waiting applies to an exclusive lock on one resource")
+    return mode, limit, bool(fair)
+
+
+def parse_entry(task_name: str, entry: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A ``redlock_tasks`` entry's options, checked for names and ``args``' shape.
+
+    ``args`` becomes a tuple of names; a string is refused, not split into letters.
+
+    Raises:
+        ConfigurationError: an unknown option, or ``args`` that is not a list of
+            argument names; naming ``source`` (the setting's entry) and the task.
+    """
+    unknown = set(entry) - set(TASK_OPTIONS)
+    if unknown:
+        raise ConfigurationError(
+            f"{source}: unknown option(s) {', '.join(sorted(map(repr, unknown)))}; "
+            f"allowed: {', '.join(TASK_OPTIONS)}"
+        )
+    parsed = dict(entry)
+    names = parsed.get("args")
+    if names is not None:
+        if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
+            hint = f" (did you mean [{names!r}]?)" if isinstance(names, str) else ""
+            raise ConfigurationError(
+                f"{source}: task {task_name}: 'args' must be a list of argument names, "
+                f"got {names!r}{hint}"
+            )
+        parsed["args"] = tuple(names)
+    return parsed
+
+
+def resolve_task_options(
+    settings: Settings,
+    task_name: str,
+    run: Callable[..., Any],
+    entry: Mapping[str, Any] | None = None,
+    attribute: Callable[[str], Any] | None = None,
+    *,
+    source: str | None = None,
+) -> TaskLockOptions:
+    """Resolve and validate one task's lock options: what the worker runs it with.
+
+    The one place that knows how: the worker (:func:`celery_redlock.task.lock_options`),
+    configuration-only enablement and ``celery redlock doctor`` all call it, so doctor
+    reports exactly what a worker would refuse.
+
+    Arguments:
+        settings: the app's settings; each option not given defaults to the setting
+            its :data:`TASK_OPTIONS` row names.
+        task_name: for error messages.
+        run: the task body, whose parameters ``args`` and ``key`` must name.
+        entry: the ``redlock_tasks`` entry that locks the task, if any (first).
+        attribute: reads an option from the task (``lock_<name>``), if it has ours.
+        source: where ``entry`` comes from (``redlock_tasks['proj.*']``), appended to
+            every error.
+
+    Raises:
+        ConfigurationError: naming the task, the option and the accepted values (and
+            ``source``).
+    """
+    given = {} if entry is None else parse_entry(task_name, entry, source or "options")
+
+    def option(name: str) -> Any:
+        if name in given:
+            return given[name]
+        return None if attribute is None else attribute(name)
+
+    try:
+        return _resolve(settings, task_name, run, option)
+    except ConfigurationError as exc:
+        if source is None:
+            raise
+        raise ConfigurationError(f"{exc} (options from {source})") from None
+
+
+def _resolve(
+    settings: Settings, task_name: str, run: Callable[..., Any], option: Callable[[str], Any]
+) -> TaskLockOptions:
+    where = f"task {task_name}: lock_"
+    values = {name: option(name) for name in TASK_OPTIONS}
+    lock_args = values["args"]
+    if lock_args is not None:
+        check_lock_args(task_name, run, lock_args)
+    resolved = {
+        name: getattr(settings, row.setting) if values[name] is None else values[name]
+        for name, row in TASK_OPTIONS.items()
+        if row.setting is not None
+    }
+    timing = Timing.of(
+        resolved["ttl"],
+        resolved["renew_interval"],
+        settings.node_timeout,
+        settings.drift_factor,
+        source=where,
+    )
+    for name, row in TASK_OPTIONS.items():
+        if row.parse is not None and values[name] is not None:
+            row.parse(f"{where}{name}", values[name])
+    key = values["key"]
+    if key is not None and not (
+        callable(key)
+        or isinstance(key, str)
+        or (isinstance(key, (list, tuple)) and key and all(isinstance(k, str) for k in key))
+    ):
+        raise ConfigurationError(
+            f"{where}key must be a callable (args, kwargs) -> str (or a list of them, for "
+            "several resources), a format string over the argument names, or a list of "
+            f"format strings, got {key!r}"
+        )
+    templates = [key] if isinstance(key, str) else key if isinstance(key, (list, tuple)) else []
+    for template in templates:
+        check_key_template(task_name, run, template)
+    resources = len(key) if isinstance(key, (list, tuple)) else 1
+    try:
+        mode, limit, fair = check_kind(
+            resources, values["mode"], values["limit"], bool(values["fair"])
+        )
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            f"task {task_name}: lock_mode / lock_limit / lock_fair / lock_key: {exc}"
+        ) from None
+    return TaskLockOptions(
+        timing=timing,
+        args=None if lock_args is None else tuple(lock_args),
+        key=key,
+        on_busy=resolved["on_busy"],
+        on_lost=resolved["on_lost"],
+        retry_countdown=resolved["retry_countdown"],
+        wait_timeout=resolved["wait_timeout"],
+        mode=mode,
+        limit=limit,
+        fair=fair,
+    )
 
 
 def reference() -> str:

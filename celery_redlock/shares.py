@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .keys import lock_name_of
+from .keys import WRITER_MARK, LockKeys, lock_name_of, parse_key
 from .nodes import Call, NodeSet
 
 __all__ = ["ShareView", "read_shares", "to_float", "to_int"]
@@ -20,7 +20,6 @@ __all__ = ["ShareView", "read_shares", "to_float", "to_int"]
 READ_CHUNK = 200
 
 #: The mark of a writer waiting for the shares to end: not a holder.
-WRITER_MARK = "!writer"
 
 
 @dataclass
@@ -93,7 +92,7 @@ def read_shares(
         chunk = keys[start : start + READ_CHUNK]
         calls = [Call.command("TIME")]
         for key in chunk:
-            holders = key.removesuffix(":shared") + ":holders"
+            holders = _lock_of(key, prefix).holders
             calls += [
                 Call.command("ZRANGE", key, 0, -1, "WITHSCORES"),
                 Call.command("HGETALL", holders),
@@ -115,7 +114,7 @@ def read_shares(
                     errors.setdefault(node.safe_url, f"{type(failed).__name__}: {failed}")
                     continue
                 info = dict(zip(details[::2], details[1::2], strict=True))
-                lock_key = key.removesuffix(":shared")
+                lock_key = _lock_of(key, prefix).lock
                 for token, score in zip(members[::2], members[1::2], strict=True):
                     left = (float(score) - now_ms) / 1000
                     if token == WRITER_MARK or left <= 0:
@@ -133,6 +132,14 @@ def read_shares(
                     view.remaining.append(left)
     shares = sorted(views.values(), key=lambda v: (v.key, to_int(v.details.get("fence")) or 0))
     return shares, errors
+
+
+def _lock_of(key: str, prefix: str) -> LockKeys:
+    """The keys of the lock whose shared set is ``key``."""
+    parsed = parse_key(key, prefix)
+    if parsed is None or parsed[1] != "shared":
+        raise ValueError(f"not the shared set of a lock under {prefix!r}: {key!r}")
+    return parsed[0]
 
 
 def _details(raw: str | None) -> dict[str, Any]:

@@ -46,11 +46,9 @@ unless ``redlock_fail_open`` is set, in which case it runs unlocked with a warni
 from __future__ import annotations
 
 import logging
-import re
-import string
 import threading
 import weakref
-from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -59,11 +57,11 @@ from celery.exceptions import Ignore
 from celery.result import EagerResult
 
 from . import abort, reaper
-from .exceptions import ConfigurationError, LockBusy, LockKeyError, LockLost, NodeUnavailable
+from .exceptions import LockBusy, LockKeyError, LockLost, NodeUnavailable
 from .keys import _signature as signature
-from .keys import check_lock_args, task_lock_name
-from .lock import Redlock, check_kind
-from .settings import ON_BUSY, ON_LOST, OPTIONS, Settings, from_conf, timing
+from .keys import task_lock_name
+from .lock import Redlock
+from .settings import TASK_OPTIONS, Settings, TaskLockOptions, from_conf, resolve_task_options
 
 __all__ = ["LockedTask", "TaskLockOptions", "announce_lock", "app_settings", "lock_options"]
 
@@ -120,159 +118,62 @@ def app_settings(app: Celery) -> Settings:
     return settings
 
 
-@dataclass(frozen=True)
-class TaskLockOptions:
-    """One task's lock options, resolved against the app settings and validated."""
-
-    ttl: float
-    renew_interval: float | None
-    args: tuple[str, ...] | None
-    key: Any
-    on_busy: str
-    on_lost: str
-    retry_countdown: float
-    wait_timeout: float
-    mode: str | None = None
-    limit: int | None = None
-    fair: bool = False
-
-
 def lock_options(task: Task) -> TaskLockOptions:
     """Resolve and validate ``task``'s ``lock_*`` options (cached on the task class).
 
     Options set by ``redlock_tasks`` (:func:`celery_redlock.config_only.lockify`)
     come first. A task class made lockable by configuration from a project's own
     base class has no ``lock_*`` options of ours besides those: its attributes of
-    that name, if any, are the project's.
+    that name, if any, are the project's. The work is
+    :func:`celery_redlock.settings.resolve_task_options`'s, which ``doctor`` calls too.
 
     Raises:
         ConfigurationError: naming the task, the option and the accepted values (and
             the ``redlock_tasks`` entry, for options set there).
     """
     cls = type(task)
-    cached = cls.__dict__.get("_redlock_options")
+    cached: TaskLockOptions | None = cls.__dict__.get("_redlock_options")
     if cached is not None:
         return cached
-    configured = getattr(cls, "_redlock_configured", None) or {}
-    read_attributes = getattr(cls, "_redlock_read_attributes", True)
-
-    def option(name: str) -> Any:
-        if name in configured:
-            return configured[name]
-        return getattr(task, f"lock_{name}", None) if read_attributes else None
-
-    try:
-        options = _resolve_options(task, option)
-    except ConfigurationError as exc:
-        source = getattr(cls, "_redlock_source", None)
-        if source is None:
-            raise
-        raise ConfigurationError(f"{exc} (options from {source})") from None
+    options = task_options(
+        task,
+        getattr(cls, "_redlock_configured", None),
+        source=getattr(cls, "_redlock_source", None),
+        read_attributes=getattr(cls, "_redlock_read_attributes", True),
+    )
     cls._redlock_options = options
     return options
 
 
-def _resolve_options(task: Task, option: Any) -> TaskLockOptions:
-    settings = app_settings(task.app)
+def task_options(
+    task: Task,
+    entry: Mapping[str, Any] | None,
+    *,
+    source: str | None,
+    read_attributes: bool,
+) -> TaskLockOptions:
+    """``task``'s lock options from a ``redlock_tasks`` entry and its attributes (uncached).
 
-    def pick(name: str, default: Any) -> Any:
-        value = option(name)
-        return default if value is None else value
-
-    where = f"task {task.name}: lock_"
-    lock_args = option("args")
-    if lock_args is not None:
-        check_lock_args(task.name, task.run, lock_args)
-    options = TaskLockOptions(
-        ttl=pick("ttl", settings.ttl),
-        renew_interval=pick("renew_interval", settings.renew_interval),
-        args=None if lock_args is None else tuple(lock_args),
-        key=option("key"),
-        on_busy=pick("on_busy", settings.on_busy),
-        on_lost=pick("on_lost", settings.on_lost),
-        retry_countdown=pick("retry_countdown", settings.retry_countdown),
-        wait_timeout=pick("wait_timeout", settings.wait_timeout),
-        mode=option("mode"),
-        limit=option("limit"),
-        fair=bool(option("fair")),
-    )
-    timing(
-        options.ttl,
-        options.renew_interval,
-        settings.node_timeout,
-        settings.drift_factor,
-        source=where,
-    )
-    for name in ("retry_countdown", "wait_timeout"):
-        if option(name) is not None:
-            OPTIONS[name].parse(f"{where}{name}", option(name))
-    for name, value, allowed in (
-        ("on_busy", options.on_busy, ON_BUSY),
-        ("on_lost", options.on_lost, ON_LOST),
-    ):
-        if value not in allowed:
-            raise ConfigurationError(
-                f"{where}{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
-            )
-    key = options.key
-    if key is not None and not (
-        callable(key)
-        or isinstance(key, str)
-        or (isinstance(key, (list, tuple)) and key and all(isinstance(k, str) for k in key))
-    ):
-        raise ConfigurationError(
-            f"{where}key must be a callable (args, kwargs) -> str (or a list of them, for "
-            "several resources), a format string over the argument names, or a list of "
-            f"format strings, got {key!r}"
-        )
-    templates = [key] if isinstance(key, str) else key if isinstance(key, (list, tuple)) else []
-    for template in templates:
-        check_key_template(task.name, task.run, template)
-    resources = len(key) if isinstance(key, (list, tuple)) else 1
-    try:
-        check_kind(resources, options.mode, options.limit, options.fair)
-    except ConfigurationError as exc:
-        raise ConfigurationError(
-            f"task {task.name}: lock_mode / lock_limit / lock_fair / lock_key: {exc}"
-        ) from None
-    return options
-
-
-def check_key_template(task_name: str, run: Any, template: str) -> None:
-    """Refuse a ``lock_key`` format string that could not format any call of ``run``.
-
-    Every replacement field must start with a parameter name of ``run`` (``{doc}``,
-    ``{doc[id]}``, ``{doc.id}``); positional fields (``{}``, ``{0}``) and unknown
-    names would fail every run of the task, so they are refused at worker start.
-
-    Raises:
-        ConfigurationError: naming the task, the key and the field.
+    With ``read_attributes``, the task's ``lock_*`` attributes are options of ours
+    (a :class:`LockedTask` written for celery_redlock); the entry overrides them.
     """
-    parameters = signature(run).parameters
-    try:
-        fields = [
-            (field, conversion)
-            for _, field, _, conversion in string.Formatter().parse(template)
-            if field is not None
-        ]
-    except ValueError as exc:
-        raise ConfigurationError(
-            f"task {task_name}: lock_key {template!r} is not a valid format string: {exc}"
-        ) from None
-    for field, conversion in fields:
-        name = re.split(r"[.\[]", field, maxsplit=1)[0]
-        if name not in parameters or name == "":
-            raise ConfigurationError(
-                f"task {task_name}: lock_key {template!r} uses the field {{{field}}}, but "
-                f"{name or 'a positional field'!s} is not a parameter of "
-                f"run{signature(run)}; name the task's arguments, e.g. "
-                f"{{{next(iter(parameters), 'arg')}}}"
-            )
-        if conversion not in (None, "r", "s", "a"):
-            raise ConfigurationError(
-                f"task {task_name}: lock_key {template!r}: unknown conversion !{conversion} "
-                f"in {{{field}}}"
-            )
+
+    def attribute(name: str) -> Any:
+        return getattr(task, TASK_OPTIONS[name].attribute, None)
+
+    return resolve_task_options(
+        app_settings(task.app),
+        task.name,
+        task.run,
+        entry,
+        attribute if read_attributes else None,
+        source=source,
+    )
+
+
+def forget_options(task: Task) -> None:
+    """Drop the cached options of ``task``'s class (its configuration changed)."""
+    type(task)._redlock_options = None
 
 
 class LockedTask(Task):
@@ -327,7 +228,7 @@ class LockedTask(Task):
             )
         return lock
 
-    def before_start(self, task_id: str, args: tuple, kwargs: dict) -> None:
+    def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Take the lock before the body runs (see the module docs for busy locks)."""
         super().before_start(task_id, args, kwargs)
         acquire_for(self, task_id, args, kwargs)
@@ -342,7 +243,8 @@ class LockedTask(Task):
         except LockLost:
             # The threads pool raises a bare LockLost class: give the result the
             # key, reason and fence.
-            lease_lost = lock._lease.lost if lock._lease is not None else None
+            lease = lock.lease
+            lease_lost = lease.lost if lease is not None else None
             if lease_lost is not None:
                 raise lease_lost from None
             raise
@@ -379,7 +281,9 @@ class LockedTask(Task):
         return EagerResult(result.id, skipped.busy, states.FAILURE, name=self.name)
 
 
-def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock | None:
+def acquire_for(
+    task: Task, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Redlock | None:
     """Take ``task``'s lock for this execution, or apply the busy/unavailable policy."""
     settings = app_settings(task.app)
     options = lock_options(task)
@@ -396,10 +300,7 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
     lock = Redlock(
         name,
         nodes=settings.node_urls(),
-        ttl=options.ttl,
-        renew_interval=options.renew_interval,
-        node_timeout=settings.node_timeout,
-        drift_factor=settings.drift_factor,
+        timing=options.timing,
         key_prefix=settings.key_prefix,
         min_replicas=settings.min_replicas,
         task_id=task_id,
@@ -439,12 +340,12 @@ def acquire_for(task: Task, task_id: str, args: tuple, kwargs: dict) -> Redlock 
         )
         raise Ignore("already finished")
     push_lock(task_id, lock)
-    abort.track(lock._lease, task_id)
+    abort.track(lock.lease, task_id)
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
     return lock
 
 
-def _binds(task: Task, args: tuple, kwargs: dict) -> bool:
+def _binds(task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``args`` and ``kwargs`` bind to the task body's signature."""
     try:
         signature(task.run).bind(*args, **kwargs)
@@ -567,5 +468,5 @@ def _on_lost(task: Task, task_id: str, policy: str, lock: Redlock, exc: LockLost
         except Exception:  # broker unreachable: stopping the body must not depend on it
             logger.exception("Task %s[%s]: revoke failed; aborting instead", task.name, task_id)
     logger.error("Task %s[%s] lost its lock (%s); aborting it", task.name, task_id, exc)
-    if not abort.abort(lock._lease, exc):
+    if not abort.abort(lock.lease, exc):
         logger.debug("Task %s[%s] had already ended", task.name, task_id)

@@ -29,7 +29,9 @@ import socket
 import threading
 import time
 from collections import deque
+from typing import Any
 
+from redis.connection import AbstractConnection
 from redis.exceptions import RedisError
 
 from .nodes import Node
@@ -92,7 +94,7 @@ class _Listener:
         self._requests: deque[tuple[str, str]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._conn = None
+        self._conn: AbstractConnection | None = None
         self._run_lock = threading.Lock()
         self._started_at = -START_GRACE
 
@@ -216,11 +218,12 @@ class _Listener:
             self._send_requests(conn)
             while conn.can_read(0):
                 self._dispatch(conn.read_response())
-            ready, _, _ = select.select([conn._sock, self._wake_r], [], [])
+            readable: list[Any] = [conn._sock, self._wake_r]
+            ready, _, _ = select.select(readable, [], [])
             if self._wake_r in ready:
                 self._drain_wake()
 
-    def _send_requests(self, conn) -> None:
+    def _send_requests(self, conn: AbstractConnection) -> None:
         while True:
             with self._mutex:
                 if not self._requests:
@@ -228,7 +231,7 @@ class _Listener:
                 command, channel = self._requests.popleft()
             conn.send_command(command, channel)
 
-    def _dispatch(self, message) -> None:
+    def _dispatch(self, message: Any) -> None:
         if not isinstance(message, list) or len(message) < 2:
             return
         kind, channel = message[0], message[1]

@@ -34,7 +34,6 @@ from . import abort, config_only, metrics, reaper
 from .nodes import NodeSet, safe_url
 from .reaper import Reaper
 from .renewal import get_renewer
-from .settings import timing
 from .task import LockedTask, announce_lock, app_settings, lock_options, pop_lock
 
 __all__ = ["RedlockStep", "install"]
@@ -65,10 +64,8 @@ class RedlockStep(bootsteps.StartStopStep):
         self.prefork = _is_prefork(worker)
         self.reaper = None
         if locked and self.prefork:
-            node_timeout = timing(
-                settings.ttl, settings.renew_interval, settings.node_timeout, settings.drift_factor
-            ).node_timeout
-            self.reaper = _reaper = Reaper(NodeSet.get(settings.node_urls(), timeout=node_timeout))
+            nodeset = NodeSet.get(settings.node_urls(), timeout=settings.timing.node_timeout)
+            self.reaper = _reaper = Reaper(nodeset)
         logger.info(
             "celery_redlock: %d locked task(s) on %s",
             len(locked),
@@ -128,7 +125,7 @@ def _on_task_postrun(task: Any = None, task_id: str | None = None, **kwargs: Any
     lock = pop_lock(task_id)
     if lock is None:
         return
-    abort.untrack(lock._lease)
+    abort.untrack(lock.lease)
     try:
         lock.release()
     except Exception:  # the lease ends by itself within one TTL

@@ -23,6 +23,7 @@ from click.testing import CliRunner, Result
 
 import tests.apps
 from celery_redlock import LockLost, Redlock
+from celery_redlock import keys as redis_keys
 from celery_redlock.cli import (
     LockView,
     NodeView,
@@ -297,7 +298,7 @@ def test_ls_exits_unavailable_when_the_node_is_down(redis_factory, cli):
 def test_inspect_shows_every_field_per_node_with_pttl_and_fence_counter(redis_node, cli):
     """inspect KEY (or the lock name) shows the hash, PTTL and the fence counter."""
     lock = lock_on(redis_node, "proj:sync:1", task_id="task-1", task_name="proj.tasks.sync")
-    token = lock._lease.token
+    token = lock.lease.token
 
     by_key = cli(redis_node.url, "inspect", "redlock:{proj:sync:1}", "--json")
     by_name = cli(redis_node.url, "inspect", "proj:sync:1", "--json")
@@ -450,7 +451,7 @@ def test_release_lock_deletes_only_the_token_it_read(redis_factory):
     lock = Redlock("r", nodes=urls, ttl=30, auto_renew=False)
     assert lock.acquire(blocking=False)
     (view,) = read_locks(nodeset, ["redlock:{r}"], "redlock:")
-    assert view.token == lock._lease.token and view.held_on == 3
+    assert view.token == lock.lease.token and view.held_on == 3
     with servers[1].client() as conn:  # node 1 now holds someone else's token
         conn.hset("redlock:{r}", "token", "someone-else")
     with servers[2].client() as conn:  # node 2 lost it
@@ -572,6 +573,21 @@ def test_keys_and_names_resolve_to_the_lock_key():
     assert not is_lock_key("redlock:{beat:x}:state", "redlock:")
     assert not is_lock_key("redlock:{x}:fence", "redlock:")
     assert not is_lock_key("redlock:{}", "redlock:")
+
+
+@pytest.mark.parametrize(
+    "which", ["lock", "fence", "channel", "state", "shared", "holders", "queue", "waiting"]
+)
+def test_every_key_of_a_lock_resolves_to_its_lock_key(which):
+    """resolve_key("redlock:{x}:shared") used to return "redlock:{redlock:{x}:shared}", a key
+    that does not exist: every key of a lock (keys.SUFFIXES) names that lock."""
+    for name in ("x", "a:b", "}odd", "x}:shared"):
+        keys = redis_keys.lock_keys(name)
+        assert resolve_key(getattr(keys, which), "redlock:") == keys.lock
+        assert (
+            resolve_key(getattr(redis_keys.lock_keys(name, "app1:"), which), "app1:")
+            == redis_keys.lock_keys(name, "app1:").lock
+        )
 
 
 def test_release_usage_errors(redis_node, cli):

@@ -132,7 +132,7 @@ def test_acquire_extend_release_on_the_master_of_the_slot(cluster):
         fences.append(lock.fence)
         assert lock.owned() and lock.locked()
         with owner.client() as conn:
-            assert conn.hget(lock.keys.lock, "token") == lock._lease.token
+            assert conn.hget(lock.keys.lock, "token") == lock.lease.token
             assert int(conn.get(lock.keys.fence)) == lock.fence
         lock.extend()
         (view,) = lock.inspect()
@@ -156,7 +156,7 @@ def test_a_lock_whose_name_holds_braces_lives_in_one_slot(cluster, name):
     assert lock.acquire(blocking=False)
     assert not waiter.acquire(blocking=False)
     lock.extend()
-    Renewer().renew([lock._lease])
+    Renewer().renew([lock.lease])
     (view,) = lock.inspect()
     assert int(view["fence"]) == lock.fence
     owner = cluster.master_for(lock.keys.lock)
@@ -176,7 +176,7 @@ def test_renewal_is_one_pipelined_request_per_master(cluster):
     locks = [Redlock(n, nodes=[cluster.url()], ttl=30, auto_renew=False) for n in names]
     for lock in locks:
         assert lock.acquire(blocking=False)
-    leases = [lock._lease for lock in locks]
+    leases = [lock.lease for lock in locks]
     renewer = Renewer()
     renewer.renew(leases)  # loads the script on every master (NOSCRIPT, then SCRIPT LOAD)
     for server in cluster.masters:
@@ -214,7 +214,7 @@ def test_split_renew_many_reply_is_merged_in_key_order(cluster):
     keys, args = [], []
     for lock, other in zip(held, free, strict=True):
         keys += [lock.keys.lock, other]
-        args += [lock._lease.token, 30_000, "x", "no-such-token", 30_000, "x"]
+        args += [lock.lease.token, 30_000, "x", "no-such-token", 30_000, "x"]
     nodeset = NodeSet.get([cluster.url()], timeout=1.0)
     (reply,) = nodeset.call([Call(RENEW_MANY, tuple(keys), tuple(args))])
     assert reply.values == [[1, 0] * 3]
@@ -298,7 +298,7 @@ def test_rediss_cluster_url_with_a_verified_certificate(tmp_path, certificates):
         for lock in locks:
             assert lock.acquire(blocking=False)
             lock.extend()
-        Renewer().renew([lock._lease for lock in locks])
+        Renewer().renew([lock.lease for lock in locks])
         for lock in locks:
             assert exists(cluster, lock.keys.lock)
             lock.release()
@@ -343,7 +343,7 @@ def test_a_slot_migrated_mid_hold_keeps_the_lock_through_ask_and_moved(redis_clu
     lost: list[LockLost] = []
     lock = Redlock("migrating", nodes=[redis_cluster.url()], ttl=1.5, on_lost=lost.append)
     assert lock.acquire(blocking=False)
-    lease = lock._lease
+    lease = lock.lease
     slot = slot_of(lock.keys.lock)
     source = redis_cluster.master_for(lock.keys.lock)
     target = next(s for s in redis_cluster.masters if s is not source)
@@ -439,7 +439,7 @@ def test_a_split_call_reports_the_dead_master_per_key(redis_cluster):
     victim = redis_cluster.masters[0]
     victim.kill()
     keys = tuple(lock.keys.lock for lock in locks.values())
-    args = tuple(a for lock in locks.values() for a in (lock._lease.token, 30_000, "x"))
+    args = tuple(a for lock in locks.values() for a in (lock.lease.token, 30_000, "x"))
     (reply,) = NodeSet.get([url], timeout=1.0).call([Call(RENEW_MANY, keys, args)])
     codes = dict(zip(locks, reply.values[0], strict=True))
     assert isinstance(codes.pop(victim.port), MasterUnavailable)
@@ -454,7 +454,7 @@ def test_renewal_of_locks_on_healthy_masters_survives_a_dead_master(redis_cluste
     locks = [Redlock(n[0], nodes=[url], ttl=30, auto_renew=False) for n in names.values()]
     for lock in locks:
         assert lock.acquire(blocking=False)
-    leases = [lock._lease for lock in locks]  # the dead master's lease is in the middle
+    leases = [lock.lease for lock in locks]  # the dead master's lease is in the middle
     before = [lease.deadline for lease in leases]
     victim.kill()
 
@@ -478,7 +478,7 @@ def test_a_lock_held_across_a_master_failover_follows_the_promoted_replica(tmp_p
         assert lock.acquire(blocking=False)
         old = cluster.master_for(lock.keys.lock)
         replica = cluster.replicas[cluster.masters.index(old)]
-        lease = lock._lease
+        lease = lock.lease
 
         old.kill()
         wait_for(

@@ -15,13 +15,13 @@ from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner, Result
 
 import tests.apps
-from celery_redlock import LockedTask, Redlock
+from celery_redlock import ConfigurationError, LockedTask, Redlock
 from celery_redlock.doctor import (
     ERROR,
     OK,
     WARN,
     Finding,
-    Lease,
+    LeaseInUse,
     NodeFacts,
     TaskLocking,
     check_beat_leader,
@@ -197,7 +197,7 @@ def test_unreachable_node_is_an_error():
 
 
 def test_uptime_below_the_longest_lease_warns_unless_writes_are_fsynced():
-    longest = Lease("task proj.sync", 300.0)
+    longest = LeaseInUse("task proj.sync", 300.0)
     fresh = check_uptime(NODE, {"uptime_in_seconds": "42"}, {"appendonly": "no"}, longest)
     assert (fresh.level, fresh.code) == (WARN, "recent-restart")
     assert "42s" in fresh.message and "300s, task proj.sync" in fresh.message
@@ -326,6 +326,44 @@ def test_task_locking_reads_locked_tasks_and_configured_patterns_without_changin
     findings = check_settings(conf, tasks, unmatched)
     assert codes(findings, ERROR) == {"invalid-task-options"}
     assert {"on-lost-ignore", "wait-exceeds-limit", "unmatched-pattern"} <= codes(findings, WARN)
+    app.close()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"on_busy": "bogus"},
+        {"on_lost": "never"},
+        {"retry_countdown": -1},
+        {"mode": "sharde"},
+        {"limit": 0},
+        {"fair": True, "mode": "shared"},
+        {"key": "{missing}"},
+        {"args": ["missing"]},
+    ],
+)
+def test_doctor_refuses_exactly_what_the_worker_refuses(entry):
+    """A redlock_tasks entry the worker refuses at start is an invalid-task-options error
+    in doctor, with the worker's own message: {"on_busy": "bogus"} used to pass as sound."""
+    from celery_redlock import config_only
+    from celery_redlock.task import lock_options
+
+    app = celery.Celery("doctor-bogus", set_as_current=False)
+    app.conf.update(redlock_url=NODE, redlock_tasks={"proj.t": entry})
+
+    @app.task(name="proj.t", shared=False)
+    def t(account_id):
+        pass
+
+    conf = from_conf(app.conf)
+    tasks, _ = task_locking(app, conf)
+    assert [task.name for task in tasks] == ["proj.t"]
+    assert tasks[0].error is not None, "doctor passed options the worker refuses"
+    assert codes(check_settings(conf, tasks), ERROR) == {"invalid-task-options"}
+    with pytest.raises(ConfigurationError) as refused:
+        config_only.apply(app, conf)
+        lock_options(app.tasks["proj.t"])
+    assert tasks[0].error == str(refused.value)
     app.close()
 
 

@@ -85,7 +85,7 @@ def test_a_lock_an_earlier_test_left_held_does_not_move_the_metrics(redis_node, 
     try:
         redis_node.client().flushall()
         ticks = get_renewer().ticks
-        deadline = left._lease.deadline
+        deadline = left.lease.deadline
         wait_for(lambda: clock() > deadline + 0.3, timeout=5, message="the lease's deadline")
         assert not lost
         assert get_renewer().ticks == ticks, "nothing left to renew"

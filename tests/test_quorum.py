@@ -60,7 +60,7 @@ def test_busy_on_a_majority_is_busy(redis_factory):
     assert not b.acquire(blocking=False)
     # b's attempt must not have left its token on any node
     for server in servers:
-        assert server.client().hget("redlock:{job}", "token") == a._lease.token
+        assert server.client().hget("redlock:{job}", "token") == a.lease.token
     a.release()
 
 

@@ -27,7 +27,7 @@ def test_ten_thousand_locks_cost_one_call_per_node_per_chunk_per_tick(redis_fact
         check_one_tick(renewer, servers, locks)
     finally:
         for lock in locks:
-            lock._lease.released = True
+            lock.lease.released = True
 
 
 def ours(before):
@@ -45,15 +45,15 @@ def check_one_tick(renewer, servers, locks):
     # at handing 10,000 leases over.
     due = clock() + 0.5
     for lock in locks:
-        renewer._schedule(lock._lease, due)
+        renewer._schedule(lock.lease, due)
     renewer.start()
     wait_for(lambda: renewer._thread is not None, timeout=5)  # start() does not wait for it
     assert ours(threads_before) == [renewer._thread], "one renewer thread for all"
-    deadlines = [lock._lease.deadline for lock in locks]
+    deadlines = [lock.lease.deadline for lock in locks]
     wait_for(
         lambda: (
             renewer.ticks >= 1
-            and all(lock._lease.deadline > d for lock, d in zip(locks, deadlines, strict=True))
+            and all(lock.lease.deadline > d for lock, d in zip(locks, deadlines, strict=True))
         ),
         timeout=10,
     )
@@ -82,7 +82,7 @@ def test_node_unreachable_is_a_loss_before_the_local_deadline(redis_factory):
     wait_for(lambda: lost_at, timeout=10)
     when, exc = lost_at[0]
     assert isinstance(exc, LockLost)
-    assert when < lock._lease.deadline, "the loss must be reported before the lease ends"
+    assert when < lock.lease.deadline, "the loss must be reported before the lease ends"
     assert "renewal not confirmed" in exc.reason
 
 
@@ -94,7 +94,7 @@ def test_blackholed_node_is_a_loss_before_the_local_deadline(redis_node, fault_p
     assert lock.acquire()
     proxy.blackhole()
     wait_for(lambda: lost_at, timeout=10)
-    assert lost_at[0] < lock._lease.deadline
+    assert lost_at[0] < lock.lease.deadline
 
 
 def test_a_minority_failing_does_not_lose_the_lock(redis_factory):

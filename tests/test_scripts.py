@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from celery_redlock import scripts
-from celery_redlock.keys import LockKeys, lock_keys
+from celery_redlock.keys import LockKeys, lock_keys, release_keys
 from celery_redlock.nodes import Call, Node, fan_out
 from celery_redlock.scripts import (
     ACQUIRE,
@@ -47,6 +47,22 @@ def test_scripts_load_from_the_installed_package():
         assert script.source.startswith("-- ")
         assert "-- KEYS[" in script.source
         assert len(script.sha) == 40
+
+
+def test_scripts_build_no_key_names_and_share_the_writer_mark():
+    """Every key a script touches comes in KEYS (keys.py builds them all): no script
+    appends ':released' to a key; the writer mark is keys.WRITER_MARK, not a copy."""
+    from importlib import resources
+
+    from celery_redlock.keys import WRITER_MARK
+
+    for path in resources.files(scripts).iterdir():
+        if path.name.endswith(".lua"):
+            text = path.read_text("utf-8")
+            assert ".. ':" not in text and ":released'" not in text, path.name
+            assert WRITER_MARK not in text, path.name
+    for script in (s for s in vars(scripts).values() if isinstance(s, scripts.Script)):
+        assert f"local WRITER_MARK = '{WRITER_MARK}'" in script.source
 
 
 def test_acquire_grants_a_growing_fence_and_names_the_holder(redis_node):
@@ -137,13 +153,13 @@ def test_release_deletes_only_its_own_token_and_announces_it(redis_node):
     pubsub = c.pubsub()
     pubsub.subscribe(KEYS.channel)
     assert pubsub.get_message(timeout=1)["type"] == "subscribe"
-    assert c.eval(RELEASE.source, 1, KEYS.lock, "intruder") == -1
+    assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), "intruder") == -1
     assert c.exists(KEYS.lock)
-    assert c.eval(RELEASE.source, 1, KEYS.lock, "a") == 1
+    assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), "a") == 1
     assert not c.exists(KEYS.lock)
     message = pubsub.get_message(timeout=1)
     assert (message["type"], message["channel"]) == ("message", KEYS.channel)
-    assert c.eval(RELEASE.source, 1, KEYS.lock, "a") == 0
+    assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), "a") == 0
     assert pubsub.get_message(timeout=0.2) is None, "no announcement for a no-op release"
     pubsub.close()
 
@@ -152,12 +168,13 @@ def test_release_if_matches_task_id_and_pid(redis_node):
     """The parent's cleanup frees a lock only for the dead child's task id and pid."""
     c = redis_node.client()
     acquire(c, "a", task_id="t1", pid=100)
-    assert c.eval(RELEASE_IF.source, 1, KEYS.lock, "t1", 101) == -1, "a redelivery elsewhere"
-    assert c.eval(RELEASE_IF.source, 1, KEYS.lock, "t2", 100) == -1
-    assert c.eval(RELEASE_IF.source, 1, KEYS.lock, "t1", 100) == 1
-    assert c.eval(RELEASE_IF.source, 1, KEYS.lock, "t1", 100) == 0
+    keys = (KEYS.lock, KEYS.channel)
+    assert c.eval(RELEASE_IF.source, 2, *keys, "t1", 101) == -1, "a redelivery elsewhere"
+    assert c.eval(RELEASE_IF.source, 2, KEYS.lock, KEYS.channel, "t2", 100) == -1
+    assert c.eval(RELEASE_IF.source, 2, KEYS.lock, KEYS.channel, "t1", 100) == 1
+    assert c.eval(RELEASE_IF.source, 2, KEYS.lock, KEYS.channel, "t1", 100) == 0
     with pytest.raises(redis.ResponseError, match="empty task id"):
-        c.eval(RELEASE_IF.source, 1, KEYS.lock, "", 100)
+        c.eval(RELEASE_IF.source, 2, KEYS.lock, KEYS.channel, "", 100)
 
 
 def test_fence_sync_only_raises_the_counter(redis_node):
@@ -231,7 +248,7 @@ def test_acquire_takes_several_resources_all_or_none(redis_node):
     c.delete(b.lock)
     assert acquire(c, "mine", keys=[a, b]) == [1, 1, 2]
     assert acquire(c, "mine", keys=[a, b]) == [2, 1, 2], "the same token refreshes both"
-    assert c.eval(RELEASE.source, 2, a.lock, b.lock, "mine") == 1
+    assert c.eval(RELEASE.source, 4, *release_keys([a, b]), "mine") == 1
     assert c.exists(a.lock, b.lock) == 0
 
 
@@ -245,9 +262,9 @@ def test_shares_exclude_writers_and_respect_the_limit(redis_node):
     assert code == 0 and 0 < wait <= 10_000, "the limit is reached"
     code, wait, holder = acquire(c, "w")
     assert (code, holder) == (0, "") and wait > 0, "a writer waits for the shares"
-    assert c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r1") == 1
-    assert c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r1") == 0
-    assert c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r2") == 1
+    assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r1") == 1
+    assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r1") == 0
+    assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r2") == 1
     assert acquire(c, "w")[0] == 1
     code, _, holder = share(c, "r4", task_id="t5")
     assert (code, holder) == (0, "t1"), "no share while a writer holds it"
@@ -261,8 +278,8 @@ def test_a_waiting_writer_stops_new_shares(redis_node):
     assert share(c, "r2")[0] == 1, "a writer that only tried does not block readers"
     assert acquire(c, "w", writer="1")[0] == 0
     assert share(c, "r3")[0] == 0, "the waiting writer is served first"
-    c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r1")
-    c.eval(RELEASE_SHARED.source, 3, KEYS.lock, KEYS.shared, KEYS.holders, "r2")
+    c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r1")
+    c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r2")
     assert acquire(c, "w", writer="1")[0] == 1
     assert c.zrange(KEYS.shared, 0, -1) == [], "the writer's mark is gone with it"
 
@@ -291,9 +308,9 @@ def test_release_if_frees_a_dead_childs_share(redis_node):
     """The parent's cleanup finds a share by task id and pid too."""
     c = redis_node.client()
     share(c, "r1", task_id="t1")
-    keys = (KEYS.lock, KEYS.shared, KEYS.holders)
-    assert c.eval(RELEASE_IF.source, 3, *keys, "t1", 8) == 0, "another pid"
-    assert c.eval(RELEASE_IF.source, 3, *keys, "t1", 7) == 1
+    keys = KEYS.release_if
+    assert c.eval(RELEASE_IF.source, 4, *keys, "t1", 8) == 0, "another pid"
+    assert c.eval(RELEASE_IF.source, 4, *keys, "t1", 7) == 1
     assert c.zcard(KEYS.shared) == 0
 
 
@@ -308,16 +325,16 @@ def test_fair_queue_serves_arrival_order(redis_node):
     pubsub = c.pubsub()
     pubsub.subscribe(KEYS.channel)
     pubsub.get_message(timeout=1)
-    fair_keys = (KEYS.lock, KEYS.queue, KEYS.waiting)
-    assert c.eval(RELEASE.source, 3, *fair_keys, "holder", "fair") == 1
+    fair_keys = release_keys([KEYS], fair=True)
+    assert c.eval(RELEASE.source, 4, *fair_keys, "holder", "fair") == 1
     assert pubsub.get_message(timeout=1)["data"] == "w1", "the release names the head"
     assert acquire(c, "w2", fair="10000")[0] == 0, "not w2's turn"
     assert acquire(c, "try", fair="0")[0] == 0
     assert acquire(c, "w1", fair="10000")[0] == 1
     assert c.zrange(KEYS.queue, 0, -1) == ["w2"]
-    c.eval(RELEASE.source, 3, *fair_keys, "w1", "fair")
+    c.eval(RELEASE.source, 4, *fair_keys, "w1", "fair")
     assert pubsub.get_message(timeout=1)["data"] == "w2"
-    assert c.eval(FAIR_LEAVE.source, 3, *fair_keys, "w2") == 1
+    assert c.eval(FAIR_LEAVE.source, 4, *KEYS.fair_leave, "w2") == 1
     assert acquire(c, "try", fair="0")[0] == 1, "an empty queue lets a try in"
     pubsub.close()
 
@@ -328,6 +345,6 @@ def test_a_dead_fair_waiter_leaves_the_queue(redis_node):
     acquire(c, "holder", fair="10000")
     acquire(c, "dead", fair="10000")
     c.zadd(KEYS.waiting, {"dead": 0})  # its deadline passes
-    c.eval(RELEASE.source, 3, KEYS.lock, KEYS.queue, KEYS.waiting, "holder", "fair")
+    c.eval(RELEASE.source, 4, *release_keys([KEYS], fair=True), "holder", "fair")
     assert acquire(c, "next", fair="10000")[0] == 1
     assert c.zcard(KEYS.queue) == 0

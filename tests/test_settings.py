@@ -11,8 +11,9 @@ from celery_redlock.settings import (
     MIN_RENEW_INTERVAL,
     MIN_TTL,
     OPTIONS,
+    TASK_OPTIONS,
+    Timing,
     from_conf,
-    timing,
 )
 
 
@@ -77,6 +78,21 @@ def test_every_option_is_documented():
     """The table that generates the reference has a doc line for every setting."""
     for option in OPTIONS.values():
         assert option.setting.startswith("redlock_") and option.doc.endswith(".")
+
+
+def test_every_task_option_is_in_the_table_and_in_the_reference():
+    """One table of task options: redlock_tasks' documentation lists every key a worker
+    accepts (mode, limit and fair were missing), and LockedTask has each as lock_<name>."""
+    from celery_redlock import LockedTask
+    from celery_redlock.settings import reference
+
+    assert {"mode", "limit", "fair"} <= set(TASK_OPTIONS)
+    tasks_row = next(line for line in reference().splitlines() if "`redlock_tasks`" in line)
+    for name, option in TASK_OPTIONS.items():
+        assert name in tasks_row, name
+        assert option.doc, name
+        assert option.setting is None or option.setting in OPTIONS, name
+        assert hasattr(LockedTask, option.attribute), option.attribute
 
 
 def test_readme_settings_table_is_current():
@@ -145,7 +161,10 @@ def test_every_value_inside_the_ranges_is_accepted(conf):
     """The bounds themselves are valid, and a short renew interval alone needs nothing
     else set (the node timeout's default shrinks to fit it)."""
     settings = from_conf(conf)
-    t = timing(settings.ttl, settings.renew_interval, settings.node_timeout, settings.drift_factor)
+    t = settings.timing
+    assert t == Timing.of(
+        settings.ttl, settings.renew_interval, settings.node_timeout, settings.drift_factor
+    )
     assert t.node_timeout < t.renew_interval < t.ttl
     assert t.drift + t.margin < t.ttl
 

@@ -6,12 +6,24 @@ Calls go out as EVALSHA; a node that answers NOSCRIPT (restarted, flushed, or a
 promoted replica) gets ``SCRIPT LOAD`` once, pipelined with the retried calls
 (see :mod:`celery_redlock.nodes`), so a batch of 10 renewal calls does not ship the
 source 10 times.
+
+The scripts build no key names: each gets every key it touches in ``KEYS``
+(:mod:`celery_redlock.keys` lists them per script). The one constant they share
+with Python, :data:`~celery_redlock.keys.WRITER_MARK`, is put in front of each
+script's code (after its header) as the Lua local ``WRITER_MARK`` (:data:`PRELUDE`).
+
+Each script's return codes are an :class:`enum.IntEnum` here, beside its loader,
+for every module that reads them.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
+from collections.abc import Sequence
 from importlib import resources
+
+from ..keys import WRITER_MARK
 
 __all__ = [
     "ACQUIRE",
@@ -24,25 +36,119 @@ __all__ = [
     "RELEASE_IF",
     "RELEASE_SHARED",
     "RENEW_MANY",
+    "AcquireStatus",
+    "BeatClaimStatus",
+    "FairLeaveStatus",
+    "FenceSyncStatus",
+    "ReleaseIfStatus",
+    "ReleaseSharedStatus",
+    "ReleaseStatus",
+    "RenewStatus",
     "Script",
 ]
+
+
+# -- return codes, one enum per script (see each script's header) --------------------
+
+
+class AcquireStatus(enum.IntEnum):
+    """First element of an ``acquire.lua`` / ``acquire_shared.lua`` reply."""
+
+    BUSY = 0  #: kept out by another holder (or, fair, by the queue)
+    ACQUIRED = 1
+    REENTERED = 2  #: this token held it already; lease refreshed
+
+
+class ReleaseStatus(enum.IntEnum):
+    """Reply of ``release.lua``."""
+
+    TAKEN = -1  #: a lock is held by another token: left alone
+    GONE = 0  #: expired or released already, wholly or in part
+    RELEASED = 1
+
+
+class ReleaseIfStatus(enum.IntEnum):
+    """Reply of ``release_if.lua``."""
+
+    TAKEN = -1  #: held by another task or process: left alone
+    GONE = 0
+    RELEASED = 1
+
+
+class ReleaseSharedStatus(enum.IntEnum):
+    """Reply of ``release_shared.lua``."""
+
+    GONE = 0  #: expired, or dropped after expiring
+    RELEASED = 1
+
+
+class FairLeaveStatus(enum.IntEnum):
+    """Reply of ``fair_leave.lua``."""
+
+    ABSENT = 0  #: was not in the queue
+    LEFT = 1
+
+
+class FenceSyncStatus(enum.IntEnum):
+    """Reply of ``fence_sync.lua``."""
+
+    NOT_HELD = 0  #: the counter is >= F but the token no longer holds the lock
+    SYNCED = 1
+
+
+class RenewStatus(enum.IntEnum):
+    """One code per key of a ``renew_many.lua`` reply."""
+
+    TAKEN = -1  #: held by another token: the lease is lost
+    GONE = 0  #: expired or released: the lease is lost
+    RENEWED = 1
+
+
+class BeatClaimStatus(enum.IntEnum):
+    """First element of a ``beat_claim.lua`` reply."""
+
+    NOT_LEADER = -1
+    TAKEN = 0  #: a later run was already claimed; the reply's second element is it
+    CLAIMED = 1
+
+
+def _lua_string(text: str) -> str:
+    if any(c in text for c in "'\\\n"):
+        raise ValueError(f"not a plain Lua string: {text!r}")
+    return f"'{text}'"
+
+
+#: Lua put between every script's header and its code: the constants shared with
+#: Python. One line, so error line numbers past the header are one more than in the file.
+PRELUDE = f"local WRITER_MARK = {_lua_string(WRITER_MARK)}\n"
 
 
 class Script:
     """A Lua script shipped with the package, addressed by its SHA1."""
 
-    __slots__ = ("name", "per_key_args", "sha", "source")
+    __slots__ = ("name", "per_key_args", "sha", "source", "status")
 
-    def __init__(self, name: str, *, per_key_args: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        status: type[enum.IntEnum] | None = None,
+        per_key_args: int | None = None,
+    ) -> None:
         self.name = name
+        #: The script's return codes (None: it returns data, not a status).
+        self.status = status
         #: For a script whose keys are independent of each other (each key with this
         #: many ARGV entries of its own, and one reply entry per key), so that a call
         #: may be split by key, e.g. per Redis Cluster master. None: keys go together.
         self.per_key_args = per_key_args
-        self.source = resources.files(__package__).joinpath(f"{name}.lua").read_text("utf-8")
+        text = resources.files(__package__).joinpath(f"{name}.lua").read_text("utf-8")
+        lines = text.splitlines(keepends=True)
+        header = next((i for i, line in enumerate(lines) if not line.startswith("--")), 0)
+        self.source = "".join([*lines[:header], PRELUDE, *lines[header:]])
         self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
 
-    def evalsha(self, keys: tuple | list, args: tuple | list) -> tuple:
+    def evalsha(self, keys: Sequence[str], args: Sequence[object]) -> tuple[object, ...]:
         """The EVALSHA command that runs this script."""
         return ("EVALSHA", self.sha, len(keys), *keys, *args)
 
@@ -50,13 +156,13 @@ class Script:
         return f"<Script {self.name} {self.sha[:8]}>"
 
 
-ACQUIRE = Script("acquire")
-FENCE_SYNC = Script("fence_sync")
-RENEW_MANY = Script("renew_many", per_key_args=3)
-RELEASE = Script("release")
-ACQUIRE_SHARED = Script("acquire_shared")
-RELEASE_SHARED = Script("release_shared")
-FAIR_LEAVE = Script("fair_leave")
-RELEASE_IF = Script("release_if")
+ACQUIRE = Script("acquire", status=AcquireStatus)
+FENCE_SYNC = Script("fence_sync", status=FenceSyncStatus)
+RENEW_MANY = Script("renew_many", status=RenewStatus, per_key_args=3)
+RELEASE = Script("release", status=ReleaseStatus)
+ACQUIRE_SHARED = Script("acquire_shared", status=AcquireStatus)
+RELEASE_SHARED = Script("release_shared", status=ReleaseSharedStatus)
+FAIR_LEAVE = Script("fair_leave", status=FairLeaveStatus)
+RELEASE_IF = Script("release_if", status=ReleaseIfStatus)
 INSPECT = Script("inspect")
-BEAT_CLAIM = Script("beat_claim")
+BEAT_CLAIM = Script("beat_claim", status=BeatClaimStatus)

@@ -16,7 +16,7 @@
 -- ARGV[6]  acquired-at, unix seconds on the client's clock (display only)
 -- ARGV[7]  holder task name ('' when the holder is not a task)
 -- ARGV[8]  '1': a blocking writer; if shared holders keep it out, mark it waiting
---          ('!writer' in the shared set) so that no new shared holder gets in
+--          (WRITER_MARK in the shared set) so that no new shared holder gets in
 -- ARGV[9]  fair waiting: '' off; else the waiter's lease in ms ('0': a try that
 --          does not queue). Only the head of the queue may take a free lock.
 -- ARGV[10] arrival order for the queue ('' : this node numbers arrivals)
@@ -74,7 +74,7 @@ local function shared_wait(shared, holders)
     end
     local first = redis.call('ZRANGE', shared, 0, 1, 'WITHSCORES')
     for j = 1, #first, 2 do
-        if first[j] ~= '!writer' then
+        if first[j] ~= WRITER_MARK then
             return math.max(0, tonumber(first[j + 1]) - clock())
         end
     end
@@ -97,7 +97,7 @@ for i = 1, n do
         local wait = shared_wait(shared, KEYS[4 * i])
         if wait then
             if ARGV[8] == '1' then
-                redis.call('ZADD', shared, clock() + ttl, '!writer')
+                redis.call('ZADD', shared, clock() + ttl, WRITER_MARK)
                 if redis.call('PTTL', shared) < ttl then
                     redis.call('PEXPIRE', shared, ttl)
                 end
@@ -159,7 +159,7 @@ for i = 1, n do
         redis.call('HSET', lock, 'token', token, 'fence', fence, 'task_id', ARGV[3],
                    'task_name', ARGV[7] or '', 'host', ARGV[4], 'pid', ARGV[5],
                    'acquired_at', ARGV[6], 'ttl', ttl)
-        redis.call('ZREM', KEYS[4 * i - 1], '!writer')
+        redis.call('ZREM', KEYS[4 * i - 1], WRITER_MARK)
     end
     redis.call('PEXPIRE', lock, ttl)
     result[i + 1] = fence

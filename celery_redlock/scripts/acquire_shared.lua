@@ -2,7 +2,7 @@
 --
 -- Any number of shared holders (at most `limit` when it is > 0) may hold a resource
 -- together, never while an exclusive holder has it. A writer waiting for the shared
--- holders to leave marks itself ('!writer' in the shared set, see acquire.lua): new
+-- holders to leave marks itself (WRITER_MARK in the shared set, see acquire.lua): new
 -- shares are then refused, so a stream of readers cannot starve writers.
 --
 -- KEYS[1]  lock hash (the exclusive holder)   KEYS[2]  fence counter
@@ -29,7 +29,7 @@ local limit = tonumber(ARGV[3])
 if not limit or limit < 0 or limit ~= math.floor(limit) then
     return redis.error_reply('ERR celery_redlock acquire_shared: limit must be an integer >= 0')
 end
-if ARGV[1] == nil or ARGV[1] == '' or ARGV[1] == '!writer' then
+if ARGV[1] == nil or ARGV[1] == '' or ARGV[1] == WRITER_MARK then
     return redis.error_reply('ERR celery_redlock acquire_shared: bad owner token')
 end
 local token = ARGV[1]
@@ -59,7 +59,7 @@ if redis.call('ZSCORE', shared, token) then
     extend_keys()
     return {2, cjson.decode(redis.call('HGET', holders, token) or '{"fence":0}').fence}
 end
-local writer = redis.call('ZSCORE', shared, '!writer')
+local writer = redis.call('ZSCORE', shared, WRITER_MARK)
 if writer then
     return {0, math.max(0, tonumber(writer) - now), ''}
 end

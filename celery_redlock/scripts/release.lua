@@ -1,11 +1,11 @@
 -- release: delete the locks this token holds, and wake the waiters.
 --
--- KEYS[1..n]  lock hashes (one per resource)
--- With fair waiting (ARGV[2] = 'fair', one resource): KEYS[2] queue, KEYS[3] waiter
+-- KEYS[2i-1]  lock hash of resource i (i = 1..n)   KEYS[2i]  its release channel
+-- With fair waiting (ARGV[2] = 'fair', one resource): KEYS[3] queue, KEYS[4] waiter
 --             deadlines; the announcement then names the head of the queue.
 -- ARGV[1]     owner token
 --
--- Publishes on KEYS[i] .. ':released' for each lock it deletes: '' (wake one waiter
+-- Publishes on KEYS[2i] for each lock it deletes: '' (wake one waiter
 -- per process), or the token of the waiter whose turn it is (fair waiting).
 -- Returns  1  released (every lock was held by this token)
 --          0  gone already (expired or released), wholly or in part
@@ -14,17 +14,17 @@ if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock release: empty owner token')
 end
 local fair = ARGV[2] == 'fair'
-local n = fair and #KEYS - 2 or #KEYS
+local n = fair and 1 or #KEYS / 2
 local released, taken = 0, false
 for i = 1, n do
-    local current = redis.call('HGET', KEYS[i], 'token')
+    local current = redis.call('HGET', KEYS[2 * i - 1], 'token')
     if current == ARGV[1] then
-        redis.call('DEL', KEYS[i])
+        redis.call('DEL', KEYS[2 * i - 1])
         local message = ''
         if fair then
-            message = redis.call('ZRANGE', KEYS[n + 1], 0, 0)[1] or ''
+            message = redis.call('ZRANGE', KEYS[3], 0, 0)[1] or ''
         end
-        redis.call('PUBLISH', KEYS[i] .. ':released', message)
+        redis.call('PUBLISH', KEYS[2 * i], message)
         released = released + 1
     elseif current then
         taken = true

@@ -5,11 +5,11 @@
 -- the pair names one execution attempt (a redelivery of the same task id runs in
 -- another process, or in the same process only after this one has ended).
 --
--- KEYS[1]  lock hash
--- KEYS[2]  shared set, KEYS[3] shared holders' details (optional: shares too)
+-- KEYS[1]  lock hash   KEYS[2]  its release channel
+-- KEYS[3]  shared set, KEYS[4] shared holders' details (optional: shares too)
 -- ARGV[1]  task id   ARGV[2]  pid
 --
--- Publishes '' on KEYS[1] .. ':released' when it deletes the lock or the share.
+-- Publishes '' on KEYS[2] when it deletes the lock or the share.
 -- Returns  1  released
 --          0  gone already
 --         -1  held by another task or process: left alone
@@ -22,17 +22,17 @@ if holder[1] ~= false then
         return -1
     end
     redis.call('DEL', KEYS[1])
-    redis.call('PUBLISH', KEYS[1] .. ':released', '')
+    redis.call('PUBLISH', KEYS[2], '')
     return 1
 end
-if #KEYS >= 3 then
-    local details = redis.call('HGETALL', KEYS[3])
+if #KEYS >= 4 then
+    local details = redis.call('HGETALL', KEYS[4])
     for j = 2, #details, 2 do
         local holder_details = cjson.decode(details[j])
         if holder_details.task_id == ARGV[1] and tostring(holder_details.pid) == ARGV[2] then
-            redis.call('ZREM', KEYS[2], details[j - 1])
-            redis.call('HDEL', KEYS[3], details[j - 1])
-            redis.call('PUBLISH', KEYS[1] .. ':released', '')
+            redis.call('ZREM', KEYS[3], details[j - 1])
+            redis.call('HDEL', KEYS[4], details[j - 1])
+            redis.call('PUBLISH', KEYS[2], '')
             return 1
         end
     end

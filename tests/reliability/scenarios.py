@@ -82,7 +82,7 @@ def majority_down(lab: Lab, nodes: int = 3, down: int = 2) -> Outcome:
     wait_for(lost, timeout=10 * TTL, message="the holder to learn of the loss")
     learned = clock()
     outcome.stats["lost_before_deadline"] += learned < deadline
-    assert holder._lease is not None and holder._lease.lost is not None
+    assert holder.lease is not None and holder.lease.lost is not None
     contender = Redlock("majority", nodes=urls, ttl=TTL)
     for blocking in (False, True):
         try:
@@ -147,7 +147,7 @@ def restart_without_persistence(lab: Lab, *, delayed: bool) -> Outcome:
         Section("restart", a_fence, a_start, clock(), 1, lease_deadline(a), a_lost, id="A")
     )
     for lock in (a, b):
-        if lock._lease is not None and not lock._lease.released:
+        if lock.lease is not None and not lock.lease.released:
             lock.release()
     outcome.acquisitions = 1 + bool(granted)
     outcome.violations = history.check()

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from celery_redlock import ConfigurationError, LockKeyError
-from celery_redlock.keys import MAX_DEPTH, lock_keys, task_lock_name
+from celery_redlock.keys import MAX_DEPTH, lock_keys, release_keys, task_lock_name
 from celery_redlock.scripts import (
     ACQUIRE,
     ACQUIRE_SHARED,
@@ -224,13 +224,13 @@ SCRIPTS = {
     "acquire (fair)": (ACQUIRE, [*KEYS.resource, KEYS.queue, KEYS.waiting]),
     "acquire_shared": (ACQUIRE_SHARED, list(KEYS.resource)),
     "renew_many": (RENEW_MANY, [KEYS.lock]),
-    "release": (RELEASE, [KEYS.lock]),
-    "release (fair)": (RELEASE, [KEYS.lock, KEYS.queue, KEYS.waiting]),
-    "release_shared": (RELEASE_SHARED, [KEYS.lock, KEYS.shared, KEYS.holders]),
-    "fair_leave": (FAIR_LEAVE, [KEYS.lock, KEYS.queue, KEYS.waiting]),
-    "release_if": (RELEASE_IF, [KEYS.lock, KEYS.shared, KEYS.holders]),
-    "fence_sync": (FENCE_SYNC, [KEYS.lock, KEYS.fence, KEYS.holders]),
-    "inspect": (INSPECT, [KEYS.lock, KEYS.fence]),
+    "release": (RELEASE, list(release_keys([KEYS]))),
+    "release (fair)": (RELEASE, list(release_keys([KEYS], fair=True))),
+    "release_shared": (RELEASE_SHARED, list(KEYS.release_shared)),
+    "fair_leave": (FAIR_LEAVE, list(KEYS.fair_leave)),
+    "release_if": (RELEASE_IF, list(KEYS.release_if)),
+    "fence_sync": (FENCE_SYNC, list(KEYS.fence_sync)),
+    "inspect": (INSPECT, list(KEYS.inspect)),
     "beat_claim": (BEAT_CLAIM, [KEYS.lock, KEYS.state]),
 }
 argv_item = st.one_of(

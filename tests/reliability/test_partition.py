@@ -61,15 +61,15 @@ def test_a_majority_cut_off_stops_the_holder_in_time_and_fails_closed(nodes):
     lost = []
     holder = lock_on(nodes, on_lost=lambda exc: lost.append(clock()))
     assert holder.acquire(timeout=5)
-    fence, deadline = holder.fence, holder._lease.deadline
+    fence, deadline = holder.fence, holder.lease.deadline
     nodes[0].partition()
     nodes[1].partition()
     try:
         wait_for(lambda: lost, timeout=3 * TTL, message="the holder's loss")
         # The nodes' keys could expire at the earliest at the deadline (send time of the
         # last confirmed renewal + TTL - drift): the holder knew before then.
-        assert lost[0] < holder._lease.deadline
-        assert holder._lease.deadline >= deadline
+        assert lost[0] < holder.lease.deadline
+        assert holder.lease.deadline >= deadline
         other = lock_on(nodes)
         with pytest.raises(NodeUnavailable):
             other.acquire(timeout=1)

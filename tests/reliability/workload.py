@@ -176,7 +176,7 @@ def lease_deadline(lock: Redlock) -> float:
     Read from the lease itself: ``remaining()`` says 0 once the loss is known, but the
     checker needs when the lease really ended, even for a holder paused past it.
     """
-    lease = lock._lease  # the harness's one look inside: the public API hides it on loss
+    lease = lock.lease  # the harness's one look inside: the public API hides it on loss
     return lease.deadline if lease is not None else clock()
 
 
