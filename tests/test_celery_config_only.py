@@ -18,7 +18,6 @@ def app(celery_redis):
     close_app(app)
 
 
-@pytest.mark.smoke
 def test_project_attributes_and_hooks_survive_configuration_only_locking(
     app, celery_redis, inprocess_worker_factory
 ):
