@@ -201,7 +201,8 @@ TINY_APP = textwrap.dedent(
 
     @app.task(base=LockedTask, bind=True, lock_args=("n",))
     def double(self, n):
-        return {"n": 2 * n, "fence": self.lock.fence, "module": __import__("celery_redlock").__file__}
+        module = __import__("celery_redlock").__file__
+        return {"n": 2 * n, "fence": self.lock.fence, "module": module}
 
 
     @app.task
