@@ -132,14 +132,14 @@ def main() -> None:
     try:
         url = os.environ.get("REDLOCK_URL")
         if not url:
-            started.append(RedisProcess())
+            started.append(RedisProcess("REDLOCK_URL"))
             url = started[0].url
-            say(f"started redis-server at {url} (set REDLOCK_URL to use yours)")
+            say(f"started {started[0].description} at {url} (set REDLOCK_URL to use yours)")
         contention(url)
         long_task(url)
         lost_lock(url)
         handoff(url)
-        extra = [RedisProcess(), RedisProcess()]
+        extra = [RedisProcess("REDLOCK_URL"), RedisProcess("REDLOCK_URL")]
         started.extend(extra)
         redlock(extra, url)
         print("\nDemo finished.", flush=True)

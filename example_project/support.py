@@ -77,5 +77,6 @@ def redis_base(stack, say_started: bool = True) -> str:
     server = RedisProcess()
     stack.callback(server.stop)
     if say_started:
-        say(f"started redis-server on port {server.port} (set EXAMPLE_REDIS_URL to use yours)")
+        say(f"started {server.description} on port {server.port}")
+        say("(set EXAMPLE_REDIS_URL to use a Redis of yours)")
     return f"redis://127.0.0.1:{server.port}"

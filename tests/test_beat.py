@@ -153,6 +153,7 @@ def test_three_beats_elect_one_leader_and_survive_kill_and_stop(
     assert elected >= 3
 
 
+@pytest.mark.smoke
 def test_two_beats_only_one_sends(celery_redis, beats, worker, stamps):
     """With two healthy beats, the standby never sends."""
     group = beats(2)

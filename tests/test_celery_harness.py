@@ -160,6 +160,7 @@ def test_inprocess_worker_fails_fast_on_an_unreachable_broker():
         InProcessWorker(app, "threads", 2).start()
 
 
+@pytest.mark.smoke
 def test_prefork_worker_process_runs_task_in_a_pool_child(worker_process_factory, plain):
     """A prefork WorkerProcess runs pid() in one of its pool children."""
     worker = worker_process_factory(pool="prefork", concurrency=2)

@@ -48,6 +48,7 @@ def locked_worker(worker_process_factory, pool="prefork", ttl="1.0", **kw):
     )
 
 
+@pytest.mark.smoke
 def test_parent_releases_the_lock_of_a_sigkilled_child_at_once(
     celery_redis, client, worker_process_factory
 ):
@@ -88,6 +89,7 @@ def test_a_sigkilled_childs_lock_is_freed_whatever_its_task_name_and_id(
 
 
 @pytest.mark.parametrize("pool", ["prefork", "solo"])
+@pytest.mark.smoke
 def test_lost_lock_interrupts_a_body_blocked_in_sleep(
     celery_redis, client, worker_process_factory, pool, tmp_path
 ):
@@ -159,6 +161,7 @@ def test_revoked_before_start_leaves_no_lock(celery_redis, client, worker_proces
     assert not list(celery_redis.client().scan_iter("redlock:*"))
 
 
+@pytest.mark.smoke
 def test_configuration_only_enablement(celery_redis, worker_process_factory, tmp_path):
     """redlock_tasks locks plain tasks in a worker that only lists celery_redlock in imports."""
     worker_process_factory("tests.apps.configonly", pool="prefork", concurrency=3)

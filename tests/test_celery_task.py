@@ -31,6 +31,7 @@ def get(result, timeout=30, **kwargs):
     return result.get(timeout=timeout, disable_sync_subtasks=False, **kwargs)
 
 
+@pytest.mark.smoke
 def test_skip_refuses_a_duplicate_and_records_lockbusy(
     app, celery_redis, inprocess_worker_factory, tmp_path, caplog
 ):
@@ -93,6 +94,7 @@ def test_raise_policy_fails_with_lockbusy_through_the_result_backend(
     get(first)
 
 
+@pytest.mark.smoke
 def test_wait_policy_runs_right_after_the_release(app, inprocess_worker_factory, tmp_path):
     """lock_on_busy='wait' is woken by the release: it starts soon after the holder ends."""
     inprocess_worker_factory(app, pool="threads", concurrency=2)
@@ -111,6 +113,7 @@ def test_wait_policy_runs_right_after_the_release(app, inprocess_worker_factory,
 
 
 @pytest.mark.parametrize("kind", ["fail", "retry", "ignore", "reject", "ok"])
+@pytest.mark.smoke
 def test_every_outcome_releases_the_lock(app, celery_redis, inprocess_worker_factory, kind):
     """task_postrun releases after SUCCESS, FAILURE, RETRY, IGNORED and REJECTED."""
     inprocess_worker_factory(app, pool="solo")
@@ -155,6 +158,7 @@ def test_unkeyable_argument_fails_naming_task_and_argument(celery_redis, inproce
     assert info.value.args[1] == "value"
 
 
+@pytest.mark.smoke
 def test_redis_down_fails_closed(celery_redis, inprocess_worker_factory, tmp_path):
     """Lock nodes unreachable: the body does not run and the task fails with NodeUnavailable."""
     app = create_app(
@@ -205,6 +209,7 @@ def test_long_task_keeps_its_lock_while_a_competitor_is_refused(
     assert set(read_intervals(path)) == {"long"}
 
 
+@pytest.mark.smoke
 def test_lost_lock_aborts_the_body_in_the_threads_pool(
     app, celery_redis, inprocess_worker_factory, tmp_path
 ):

@@ -107,6 +107,7 @@ def get(result: Any, timeout: float = 30, **kwargs: Any) -> Any:
 # -- registration ----------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_redlock_is_a_celery_subcommand_through_the_entry_point():
     """`pip install` registered celery.commands: redlock is Celery's own sub-command."""
     assert celery_cli.commands.get("redlock") is redlock, (
@@ -118,6 +119,7 @@ def test_redlock_is_a_celery_subcommand_through_the_entry_point():
 # -- ls ----------------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_ls_shows_a_task_lock_with_its_holder_age_ttl_and_fence(redis_node, cli):
     """The table names key, task, task id, holder host:pid, age, TTL and fence; no KEYS."""
     Redlock("warm-up", nodes=[redis_node.url], auto_renew=False).acquire()
@@ -295,6 +297,7 @@ def test_ls_exits_unavailable_when_the_node_is_down(redis_factory, cli):
 # -- inspect -----------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_inspect_shows_every_field_per_node_with_pttl_and_fence_counter(redis_node, cli):
     """inspect KEY (or the lock name) shows the hash, PTTL and the fence counter."""
     lock = lock_on(redis_node, "proj:sync:1", task_id="task-1", task_name="proj.tasks.sync")
@@ -467,6 +470,7 @@ def test_release_lock_deletes_only_the_token_it_read(redis_factory):
 # -- stale ---------------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_stale_locks_are_listed_and_released_and_running_ones_kept(
     celery_redis, inprocess_worker_factory, cli
 ):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.harness import free_port
 
 PRETEND_CELERY_55 = """
@@ -18,6 +20,9 @@ import celery.bin.base
 if hasattr(celery.bin.base, "handle_remote_command_error"):
     del celery.bin.base.handle_remote_command_error
 """
+
+
+pytestmark = pytest.mark.smoke
 
 
 def test_cli_loads_and_reports_a_dead_broker_without_celery_5_6():

@@ -19,6 +19,7 @@ from celery_redlock import (
 from tests.harness.servers import free_port, wait_for
 
 
+@pytest.mark.smoke
 def test_acquire_release_and_fences_grow(redis_node):
     """Each acquisition gets a larger fence; locked/owned follow the holder."""
     a = Redlock("job", nodes=[redis_node.url], ttl=5)
@@ -35,6 +36,7 @@ def test_acquire_release_and_fences_grow(redis_node):
     assert fences == sorted(fences) and len(set(fences)) == 3
 
 
+@pytest.mark.smoke
 def test_busy_lock_names_its_holder(redis_node):
     """A second owner is refused; LockBusy carries key, holder task id and TTL in args."""
     a = Redlock("job", nodes=[redis_node.url], ttl=5, task_id="task-1")
@@ -85,6 +87,7 @@ def test_release_after_expiry_leaves_the_new_holders_lock_alone(redis_node):
     new.release()
 
 
+@pytest.mark.smoke
 def test_waiter_is_woken_by_the_release_not_by_the_ttl(redis_node):
     """With the holder's lease 30 s out, a waiter gets the lock within 2 s of the release."""
     holder = Redlock("job", nodes=[redis_node.url], ttl=30)
@@ -153,6 +156,7 @@ def test_extend_and_check(redis_node):
         lock.check()
 
 
+@pytest.mark.smoke
 def test_key_deleted_behind_the_holders_back_is_a_loss_within_one_interval(redis_node):
     """The watchdog reports a stolen lock at its next tick, through on_lost."""
     lost = []
@@ -206,6 +210,7 @@ def test_unreachable_node_is_named():
             lock.acquire(blocking=blocking)
 
 
+@pytest.mark.smoke
 def test_wrong_password_is_named(redis_factory):
     """A bad password is reported as an authentication failure, with the password hidden."""
     (server,) = redis_factory(1, "--requirepass", "right")

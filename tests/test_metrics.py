@@ -40,6 +40,7 @@ def test_metrics_are_off_and_free_by_default():
     assert out.stdout.strip() == "ok"
 
 
+@pytest.mark.smoke
 def test_acquire_busy_release_lost_and_renewal_are_counted(redis_node, registry):
     """Each lock event moves its counter; the held gauge follows; ticks are timed."""
     lock = Redlock("job", nodes=[redis_node.url], ttl=1.2, task_name="proj.sync")

@@ -21,6 +21,9 @@ from celery_redlock.scripts import (
     RENEW_MANY,
 )
 
+# Every script against every server binary of the compatibility matrix.
+pytestmark = pytest.mark.smoke
+
 KEYS = lock_keys("job")
 
 
