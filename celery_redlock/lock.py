@@ -901,12 +901,14 @@ def _finalize(holds: dict[int, _Hold], name: str, release_call: Callable[[str], 
                 continue  # auto_renew=False: the lease runs out by itself
             lease.released = True
             get_renewer().release_later(lease.nodeset, release_call(lease.token))
-            warnings.warn(
+            message = (
                 f"Lock({name}) was garbage-collected while held by {lease.owner}: released. "
-                "Release locks explicitly (a with block), or keep a reference while held.",
-                ResourceWarning,
-                stacklevel=2,
+                "Release locks explicitly (a with block), or keep a reference while held."
             )
+            # Python shows ResourceWarning only in development mode: log it as well, so
+            # that a production worker says why its lock ended early.
+            logger.warning(message)
+            warnings.warn(message, ResourceWarning, stacklevel=2)
 
 
 class _Waiter:
