@@ -56,7 +56,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
 from .exceptions import ConfigurationError
-from .nodes import Call, Leg, Node, parse_hosts
+from .nodes import Call, Leg, Node, parse_hosts, register_node_kind
 
 __all__ = [
     "CLUSTER_FORM",
@@ -392,3 +392,6 @@ def _part(call: Call, indices: list[int]) -> Call:
     keys = tuple(call.keys[i] for i in indices)
     args = tuple(a for i in indices for a in call.args[i * per_key : (i + 1) * per_key])
     return Call(call.script, keys, args)
+
+
+register_node_kind(is_cluster_url, ClusterNode, sanitize_url)

@@ -71,7 +71,8 @@ from redis.exceptions import RedisError, ResponseError
 from .exceptions import ConfigurationError
 from .keys import lock_keys
 from .nodes import Call, Node, NodeSet, fan_out
-from .settings import Settings, drift_allowance, from_conf
+from .settings import Settings, from_conf
+from .timing import drift_allowance
 
 __all__ = [
     "ERROR",

@@ -87,7 +87,7 @@ from .scripts import (
     ReleaseStatus,
     RenewStatus,
 )
-from .settings import MODES, Timing, check_kind
+from .timing import MODES, Timing, check_kind
 from .waiting import Subscription
 
 __all__ = ["DEFAULT_URL", "MODES", "Redlock", "check_kind"]

@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qsl, quote, unquote
 
 from kombu.utils.url import maybe_sanitize_url
@@ -67,7 +67,6 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from .exceptions import ConfigurationError
-from .scripts import Script
 
 __all__ = ["Call", "Leg", "Node", "NodeSet", "Reply", "fan_out", "make_node", "safe_url"]
 
@@ -85,6 +84,45 @@ SENTINEL_FORM = (
 )
 #: Seconds between two checks of a sentinel node's master address on checkout.
 MASTER_RECHECK = 1.0
+
+
+class Script(Protocol):
+    """What the node layer needs of a Lua script.
+
+    Its source and SHA1 (for EVALSHA with a NOSCRIPT fallback), and whether its keys
+    may be split (Redis Cluster).
+
+    The scripts themselves belong to the lock engine (:mod:`celery_redlock.scripts`),
+    a layer above this one.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def sha(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def per_key_args(self) -> int | None: ...
+    def evalsha(self, keys: Sequence[str], args: Sequence[object]) -> tuple[object, ...]: ...
+
+
+#: Other kinds of lock node, registered by their modules (a Redis Cluster:
+#: :mod:`celery_redlock.cluster`): (does this URL name one?, its factory, its sanitizer).
+_NODE_KINDS: list[tuple[Callable[[str], bool], Callable[..., Any], Callable[[str], str]]] = []
+
+
+def register_node_kind(
+    matches: Callable[[str], bool],
+    factory: Callable[..., Any],
+    sanitize: Callable[[str], str],
+) -> None:
+    """Let :func:`make_node` and :func:`safe_url` handle another kind of URL.
+
+    A higher module registers itself here, so this module never imports it: the node
+    layer stays free of import cycles.
+    """
+    _NODE_KINDS.append((matches, factory, sanitize))
 
 
 @dataclass(frozen=True)
@@ -536,21 +574,20 @@ def _closed_by_peer(conn: AbstractConnection) -> bool:
 
 def safe_url(url: str) -> str:
     """``url`` with its passwords masked, for any lock node URL form."""
-    from .cluster import is_cluster_url, sanitize_url  # noqa: PLC0415 (cluster imports this module)
-
     if url.startswith(f"{SENTINEL_SCHEME}://"):
         return _sanitize_sentinel_url(url)
-    if is_cluster_url(url):
-        return sanitize_url(url)
+    for matches, _, sanitize in _NODE_KINDS:
+        if matches(url):
+            return sanitize(url)
     return str(maybe_sanitize_url(url))
 
 
 def make_node(url: str, *, timeout: float) -> Node:
-    """The lock node for ``url``: a :class:`Node`, or a cluster node for a cluster URL."""
-    from .cluster import ClusterNode, is_cluster_url  # noqa: PLC0415 (cluster imports this module)
-
-    if is_cluster_url(url):
-        return ClusterNode(url, timeout=timeout)  # type: ignore[return-value]
+    """The lock node for ``url``: a :class:`Node`, or a registered kind (a cluster)."""
+    for matches, factory, _ in _NODE_KINDS:
+        if matches(url):
+            node: Node = factory(url, timeout=timeout)
+            return node
     return Node(url, timeout=timeout)
 
 

@@ -46,7 +46,7 @@ from .threads import START_GRACE, start_daemon
 if TYPE_CHECKING:
     from .keys import LockKeys
     from .nodes import NodeSet, Reply
-    from .settings import Timing
+    from .timing import Timing
 
 __all__ = ["CHUNK", "Lease", "Renewer", "clock", "get_renewer", "lease_verdict", "renew_call"]
 
