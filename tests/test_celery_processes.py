@@ -179,7 +179,7 @@ def test_configuration_only_enablement(celery_redis, worker_process_factory, tmp
     assert free.get(timeout=RESULT_TIMEOUT) == "free"
     assert first.get(timeout=RESULT_TIMEOUT) == "first"
     assert set(read_intervals(path)) == {"first", "other", "free"}
-    app.close()
+    close_app(app)
 
 
 def test_invalid_setting_stops_a_worker_process(celery_redis, worker_process_factory):
