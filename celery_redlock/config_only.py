@@ -17,8 +17,8 @@ module stay untouched.
 How: the task's class is replaced by a subclass of ``LockedTask`` and the original
 class. Celery builds its tracer after this, and sees the overridden
 ``before_start`` and ``__call__`` as it would for ``base=LockedTask``; they call the
-task class's own ``before_start`` and ``__call__`` (through ``super()``), so those
-still run, as do its ``on_failure`` and every other hook.
+task class's own ``before_start``, ``__call__`` and ``push_request`` (through
+``super()``), so those still run, as do its ``on_failure`` and every other hook.
 
 No change to task code: an attribute the task class already has is never
 shadowed. A project base class with its own ``lock`` method or ``lock_key``
@@ -105,7 +105,7 @@ def lockify(task: Any, options: dict[str, Any], *, source: str = "options") -> N
 
 #: LockedTask members that call the task class's own version (through super()), so
 #: both run: they are not taken from the task class.
-_COOPERATIVE = frozenset({"before_start", "__call__", "apply"})
+_COOPERATIVE = frozenset({"before_start", "__call__", "apply", "push_request"})
 
 
 def _kept_attributes(cls: type) -> dict[str, Any]:

@@ -253,6 +253,19 @@ class LockedTask(Task):
         lock.check()
         return result
 
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """Push a request for the body that keeps the running execution's fields.
+
+        The tracer calls ``__call__`` rather than ``run`` for a task that overrides
+        it, as LockedTask does, and ``Task.__call__`` pushes the body's request
+        through this method. Before Celery 5.5 that request held only the arguments
+        (celery/celery#9208): the body saw no id, no retries, ``called_directly``,
+        so ``self.lock`` found no lock and ``self.retry()`` raised instead of
+        retrying. Celery 5.5 merges the current request the same way; explicit
+        fields win.
+        """
+        super().push_request(**{**vars(self.request), **dict(*args, **kwargs)})
+
     def apply(
         self,
         args: Any = None,

@@ -21,7 +21,7 @@ def app(celery_redis):
 def test_project_attributes_and_hooks_survive_configuration_only_locking(
     app, celery_redis, inprocess_worker_factory
 ):
-    """self.lock(name), lock_key, before_start, __call__ and on_failure stay the project's."""
+    """self.lock(name), lock_key and the project's hooks (push_request too) stay the project's."""
     inprocess_worker_factory(app, pool="solo")
     result = app.tasks["custom.sync"].delay(7)
     value = get(result)
@@ -30,6 +30,9 @@ def test_project_attributes_and_hooks_survive_configuration_only_locking(
     assert value["held"].startswith("redlock:{custom.sync:"), "and the task ran locked"
     assert ("before_start", result.id) in configonly_custom.EVENTS
     assert ("__call__", result.id) in configonly_custom.EVENTS
+    # Task.__call__ pushes the body's request through push_request: the project's
+    # runs, and gets the execution's fields (LockedTask's merges them in first).
+    assert ("push_request", result.id) in configonly_custom.EVENTS
     failed = app.tasks["custom.explode"].delay(3)
     with pytest.raises(ValueError):
         get(failed)

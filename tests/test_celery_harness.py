@@ -21,6 +21,7 @@ from tests.harness import (
     InProcessWorker,
     RedisServer,
     WorkerProcess,
+    close_app,
     free_port,
     make_app,
     pid_exists,
@@ -36,7 +37,7 @@ def plain(celery_redis: RedisServer) -> Iterator[PlainTasks]:
     """The plain tasks, registered on an app of this test's server (closed at the end)."""
     app = make_app(celery_redis.url)
     yield register_plain_tasks(app)
-    app.close()
+    close_app(app)
 
 
 def _file_contains(path: str, text: str) -> bool:

@@ -161,13 +161,25 @@ def test_revoked_before_start_leaves_no_lock(celery_redis, client, worker_proces
     assert not list(celery_redis.client().scan_iter("redlock:*"))
 
 
+@pytest.fixture
+def sender(celery_redis):
+    """A bare app that sends tasks by name and reads their results.
+
+    Closed by the fixture, after the test's results are gone and before its server
+    stops: an AsyncResult collected later would talk to a stopped server (on Celery
+    before 5.7, an error in whichever test then collects it).
+    """
+    app = make_app(celery_redis.url)
+    yield app
+    close_app(app)
+
+
 @pytest.mark.smoke
-def test_configuration_only_enablement(celery_redis, worker_process_factory, tmp_path):
+def test_configuration_only_enablement(celery_redis, sender, worker_process_factory, tmp_path):
     """redlock_tasks locks plain tasks in a worker that only lists celery_redlock in imports."""
     worker_process_factory("tests.apps.configonly", pool="prefork", concurrency=3)
-    app = make_app(celery_redis.url)
     path = str(tmp_path / "runs")
-    send = app.send_task
+    send = sender.send_task
     first = send("tests.apps.configonly_tasks.sync_account", (7, path, "first", 1.5))
     wait_for(lambda: lock_keys(celery_redis), timeout=20)
     second = send("tests.apps.configonly_tasks.sync_account", (7, path, "second", 0))
@@ -179,7 +191,6 @@ def test_configuration_only_enablement(celery_redis, worker_process_factory, tmp
     assert free.get(timeout=RESULT_TIMEOUT) == "free"
     assert first.get(timeout=RESULT_TIMEOUT) == "first"
     assert set(read_intervals(path)) == {"first", "other", "free"}
-    app.close()
 
 
 def test_invalid_setting_stops_a_worker_process(celery_redis, worker_process_factory):

@@ -1,7 +1,7 @@
 """Plain tasks on a project's own base class, locked by configuration alone.
 
 The base class has its own ``lock(name)`` method, ``lock_key`` attribute and
-``before_start`` / ``__call__`` / ``on_failure`` overrides: enabling the lock by
+``before_start`` / ``__call__`` / ``push_request`` / ``on_failure`` overrides: enabling the lock by
 ``redlock_tasks`` must leave every one of them working as the project wrote it.
 """
 
@@ -34,6 +34,10 @@ class ProjectTask(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         EVENTS.append(("__call__", self.request.id))
         return super().__call__(*args, **kwargs)
+
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        EVENTS.append(("push_request", dict(*args, **kwargs).get("id")))
+        super().push_request(*args, **kwargs)
 
     def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         EVENTS.append(("on_failure", task_id))

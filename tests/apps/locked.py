@@ -154,6 +154,18 @@ def create_app(redis_url: str = REDIS_URL, **conf: object) -> Celery:
             raise self.retry(countdown=0, max_retries=3)
         return "done"
 
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("resource",))
+    def whoami(self, resource, retry=False):
+        """What the body sees of its own request; retries once first when asked."""
+        if retry and self.request.retries == 0:
+            raise self.retry(countdown=0, max_retries=1)
+        return {
+            "id": self.request.id,
+            "retries": self.request.retries,
+            "called_directly": self.request.called_directly,
+            "fence": self.lock.fence,
+        }
+
     # -- the lock family ------------------------------------------------------------
 
     family = {"base": LockedTask, "bind": True, "shared": False, "lock_wait_timeout": 30}
