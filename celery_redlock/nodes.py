@@ -484,7 +484,7 @@ class Node:
         now = time.monotonic()
         still: list[list[Any]] = []
         draining, self._draining = self._draining, []
-        for item in draining:
+        for index, item in enumerate(draining):
             conn, owed, give_up_at, _ = item
             try:
                 while owed and conn.can_read(0):
@@ -495,10 +495,10 @@ class Node:
                 conn.disconnect()
                 continue
             except BaseException:
-                # Interrupted mid-reply: the connection is out of step, close it; the
-                # others stay owed.
+                # Interrupted mid-reply: the connection is out of step, close it. Those
+                # not reached yet stay owed; those before it are already settled.
                 conn.disconnect()
-                self._draining = still + [i for i in draining if i is not item and i not in still]
+                self._draining = still + draining[index + 1 :]
                 raise
             if not owed:
                 if len(self._idle) < MAX_IDLE:
