@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.exceptions import WorkerLostError
 
 from tests.apps import PlainTasks, register_plain_tasks
@@ -67,6 +69,27 @@ def test_make_app_uses_db1_for_broker_and_db2_for_results(celery_redis: RedisSer
     finally:
         app.close()
     assert make_app(celery_redis.url).conf.broker_transport_options == {}  # the default
+
+
+@pytest.mark.smoke
+def test_a_result_collected_after_close_app_does_no_io(redis_factory, monkeypatch):
+    """A result still reachable at close_app and collected once its Redis is gone is quiet.
+
+    Celery before 5.7 unsubscribes in AsyncResult.__del__ and raises (an unraisable error
+    in whichever later test collects it) when the server is gone.
+    """
+    [server] = redis_factory()
+    app = make_app(server.url)
+    result = app.AsyncResult("never-sent")
+    with pytest.raises(CeleryTimeoutError):
+        result.get(timeout=0.05)  # subscribes: the result consumer now has a pubsub
+    close_app(app)
+    server.stop()
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    del result
+    gc.collect()
+    assert not unraisable, [u.exc_value for u in unraisable]
 
 
 def test_inprocess_solo_worker_runs_add(inprocess_worker_factory, plain: PlainTasks):

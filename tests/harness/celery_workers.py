@@ -893,8 +893,15 @@ def close_app(app: celery.Celery) -> None:
     AsyncResult.__del__ talks to the result backend, and sockets of Celery's pools may be
     collected only at the next GC: left to chance, both happen during a later test,
     whose Redis is another one (an unraisable error or a ResourceWarning there). Sockets
-    this app leaves unclosed are collected here, quietly.
+    this app leaves unclosed are collected here, quietly. Results that stay reachable
+    (Celery keeps apps alive past ``close()``) unsubscribe through the result consumer
+    when collected; it is closed here, so that they do no I/O then.
     """
+    backend = getattr(app._local, "backend", None) or getattr(app, "_backend_cache", None)
+    consumer = getattr(backend, "result_consumer", None)
+    if getattr(consumer, "_pubsub", None) is not None:
+        consumer.stop()
+        consumer._pubsub = None
     app.close()
     collect_garbage()
 

