@@ -13,9 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .exceptions import ConfigurationError
-from .keys import DEFAULT_PREFIX, check_key_template, check_lock_args, validate_prefix
-from .timing import (
+from .engine.keys import DEFAULT_PREFIX, check_key_template, check_lock_args, validate_prefix
+from .engine.timing import (
     DEFAULT_NODE_TIMEOUT,
     MAX_SECONDS,
     MIN_NODE_TIMEOUT,
@@ -25,9 +24,10 @@ from .timing import (
     Timing,
     check_kind,
 )
-from .timing import fraction as _fraction
-from .timing import lease_seconds as _lease
-from .timing import seconds as _seconds
+from .engine.timing import fraction as _fraction
+from .engine.timing import lease_seconds as _lease
+from .engine.timing import seconds as _seconds
+from .exceptions import ConfigurationError
 
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",

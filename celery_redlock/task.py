@@ -57,10 +57,10 @@ from celery.exceptions import Ignore
 from celery.result import EagerResult
 
 from . import abort, reaper
+from .engine.keys import _signature as signature
+from .engine.keys import task_lock_name
+from .engine.lock import Redlock
 from .exceptions import LockBusy, LockKeyError, LockLost, NodeUnavailable
-from .keys import _signature as signature
-from .keys import task_lock_name
-from .lock import Redlock
 from .settings import TASK_OPTIONS, Settings, TaskLockOptions, from_conf, resolve_task_options
 
 __all__ = ["LockedTask", "TaskLockOptions", "announce_lock", "app_settings", "lock_options"]
