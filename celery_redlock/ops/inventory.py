@@ -233,7 +233,7 @@ def scan_lock_keys(
     node whose cursor is not back at 0 (every master, for a Redis Cluster node).
     ``TYPE hash`` leaves out fence counters (strings) on the server;
     :func:`is_lock_key` drops beat state hashes. With ``field`` (a
-    :class:`~celery_redlock.keys.LockKeys` field, e.g. ``"shared"`` with
+    :class:`~celery_redlock.engine.keys.LockKeys` field, e.g. ``"shared"`` with
     ``key_type="zset"``) it finds that key of every lock instead.
 
     Returns:
