@@ -2,24 +2,26 @@
 
 A share is a member of ``<lock key>:shared`` (a sorted set: token -> deadline in ms on
 the node's clock) with its holder's details in ``<lock key>:holders``; see
-:mod:`celery_redlock.keys`. Reading them takes no lock and changes nothing.
+:mod:`celery_redlock.engine.keys`. Reading them takes no lock and changes nothing.
+The exclusive locks' side of the read model is :mod:`celery_redlock.ops.inventory`,
+whose SCAN finds the shared sets.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.keys import WRITER_MARK, LockKeys, lock_name_of, parse_key
 from ..nodes import Call, NodeSet
+from .inventory import scan_lock_keys, to_float, to_int
 
-__all__ = ["ShareView", "read_shares", "to_float", "to_int"]
+__all__ = ["ShareView", "held_shares", "read_shares"]
 
 #: Shared sets read per round trip.
 READ_CHUNK = 200
-
-#: The mark of a writer waiting for the shares to end: not a holder.
 
 
 @dataclass
@@ -134,6 +136,23 @@ def read_shares(
     return shares, errors
 
 
+def held_shares(
+    nodeset: NodeSet, prefix: str, task: str | None, *, timeout: float | None = None
+) -> tuple[list[ShareView], dict[str, str]]:
+    """The live shares on the nodes (of tasks matching the glob ``task``, if given).
+
+    Returns:
+        (shares, {node url: error}) for every node that failed the SCAN or a read.
+    """
+    keys, errors = scan_lock_keys(nodeset, prefix, timeout=timeout, field="shared", key_type="zset")
+    shares, read_errors = read_shares(nodeset, keys, prefix, timeout=timeout)
+    for node, error in read_errors.items():
+        errors.setdefault(node, error)
+    if task is not None:
+        shares = [s for s in shares if fnmatch.fnmatchcase(s.task_name or "", task)]
+    return shares, errors
+
+
 def _lock_of(key: str, prefix: str) -> LockKeys:
     """The keys of the lock whose shared set is ``key``."""
     parsed = parse_key(key, prefix)
@@ -148,19 +167,3 @@ def _details(raw: str | None) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def to_int(value: Any) -> int | None:
-    """``int(value)``, or None when it is not a number (fields read from Redis)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def to_float(value: Any) -> float | None:
-    """``float(value)``, or None when it is not a number (fields read from Redis)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None

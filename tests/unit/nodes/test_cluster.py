@@ -31,7 +31,6 @@ from tests.unit.nodes.test_topologies import (
     certificates,  # noqa: F401 (fixture)
     exercise,
 )
-from tests.unit.ops.test_cli import cli  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -521,7 +520,7 @@ def test_a_locked_task_runs_with_a_cluster_url(
         close_app(app)
 
 
-def test_ls_lists_locks_on_every_master(cluster, celery_redis, cli):  # noqa: F811
+def test_ls_lists_locks_on_every_master(cluster, celery_redis, cli):
     names = names_on(cluster, 1)
     locks = [Redlock(n[0], nodes=[cluster.url()], ttl=30, auto_renew=False) for n in names.values()]
     for lock in locks:

@@ -33,7 +33,8 @@ def test_cli_loads_and_reports_a_dead_broker_without_celery_5_6():
         f"""
         from celery import Celery
         from celery.exceptions import CeleryCommandException
-        from celery_redlock.ops.cli import ask_workers, redlock
+        from celery_redlock.ops.cli import redlock
+        from celery_redlock.ops.workers import ask_workers
 
         assert set(redlock.commands) == {{"ls", "inspect", "release", "doctor"}}
         app = Celery("compat", broker="redis://127.0.0.1:{port}/1", set_as_current=False)
