@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import celery
 import pytest
-from celery.bin.celery import celery as celery_cli
-from click.testing import CliRunner, Result
+from click.testing import Result
 
-import tests.apps
 from celery_redlock import Redlock
 from celery_redlock.ops.doctor import ERROR, diagnose
-from tests.apps.cli_app import CONF_ENV
-from tests.harness import APP_URL_ENV, wait_for
-
-APP_MODULE = "tests.apps.cli_app"
+from tests.harness import wait_for
 
 
 def test_invalid_settings_are_one_error_and_no_node_is_asked():
@@ -35,26 +29,9 @@ def test_invalid_settings_are_one_error_and_no_node_is_asked():
 
 
 @pytest.fixture
-def doctor_cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Result]]:
+def doctor_cli(cli: Callable[..., Result]) -> Callable[..., Result]:
     """``doctor_cli(url, *args, conf=None)``: ``celery -A cli_app redlock doctor *args``."""
-    apps = []
-
-    def run(url: str, *args: str, conf: dict | None = None) -> Result:
-        monkeypatch.setenv(APP_URL_ENV, url)
-        monkeypatch.setenv(CONF_ENV, json.dumps(conf or {}))
-        monkeypatch.delitem(sys.modules, APP_MODULE, raising=False)
-        monkeypatch.delattr(tests.apps, "cli_app", raising=False)
-        try:
-            return CliRunner().invoke(
-                celery_cli, ["-A", APP_MODULE, "redlock", "doctor", *args], catch_exceptions=False
-            )
-        finally:
-            if APP_MODULE in sys.modules:
-                apps.append(sys.modules[APP_MODULE].app)
-
-    yield run
-    for app in apps:
-        app.close()
+    return lambda url, *args, conf=None: cli(url, "doctor", *args, conf=conf)
 
 
 def findings_of(result: Result) -> list[dict[str, Any]]:
