@@ -65,7 +65,7 @@ MAX_NAME_LENGTH = 512
 
 #: The member of a lock's shared set that marks a writer waiting for the shared
 #: holders to leave (never a token: tokens are hex). The scripts get it as the Lua
-#: constant ``WRITER_MARK`` (see :mod:`celery_redlock.scripts`).
+#: constant ``WRITER_MARK`` (see :mod:`celery_redlock.engine.scripts`).
 WRITER_MARK = "!writer"
 
 
