@@ -24,7 +24,17 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("engine", {"engine"}),
     (
         "integration",
-        {"settings", "options", "task", "worker", "beat", "config_only", "abort", "reaper"},
+        {
+            "settings",
+            "options",
+            "task",
+            "policies",
+            "worker",
+            "beat",
+            "config_only",
+            "abort",
+            "reaper",
+        },
     ),
     ("ops", {"ops"}),
 ]

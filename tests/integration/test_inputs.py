@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from celery_redlock import ConfigurationError, LockedTask
-from celery_redlock.engine.keys import check_key_template
+from celery_redlock.engine.names import check_key_template
 from tests.apps import configonly_custom
 from tests.apps.locked import create_app
 from tests.harness import InProcessWorker

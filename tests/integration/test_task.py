@@ -314,7 +314,8 @@ def test_invalid_setting_stops_the_worker_with_a_clear_error(celery_redis):
 
 def test_redelivery_after_the_holder_died_still_runs(app, celery_redis, inprocess_worker_factory):
     """Same task id, lock left by a dead delivery: the new delivery waits, then runs."""
-    from celery_redlock.engine.keys import lock_keys, task_lock_name
+    from celery_redlock.engine.keys import lock_keys
+    from celery_redlock.engine.names import task_lock_name
 
     hold = app.tasks["tests.apps.locked.hold"]
     key = lock_keys(

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from celery_redlock import ConfigurationError, LockKeyError
-from celery_redlock.engine.keys import MAX_DEPTH, lock_keys, release_keys, task_lock_name
+from celery_redlock.engine.keys import lock_keys, release_keys
+from celery_redlock.engine.names import MAX_DEPTH, task_lock_name
 from celery_redlock.engine.scripts import (
     ACQUIRE,
     ACQUIRE_SHARED,

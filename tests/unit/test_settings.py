@@ -5,16 +5,14 @@ from __future__ import annotations
 import pytest
 
 from celery_redlock import ConfigurationError, NodeUnavailable, Redlock
-from celery_redlock.settings import (
+from celery_redlock.engine.timing import (
     MAX_SECONDS,
     MIN_NODE_TIMEOUT,
     MIN_RENEW_INTERVAL,
     MIN_TTL,
-    OPTIONS,
-    TASK_OPTIONS,
     Timing,
-    from_conf,
 )
+from celery_redlock.settings import OPTIONS, from_conf
 
 
 def test_defaults():
@@ -78,21 +76,6 @@ def test_every_option_is_documented():
     """The table that generates the reference has a doc line for every setting."""
     for option in OPTIONS.values():
         assert option.setting.startswith("redlock_") and option.doc.endswith(".")
-
-
-def test_every_task_option_is_in_the_table_and_in_the_reference():
-    """One table of task options: redlock_tasks' documentation lists every key a worker
-    accepts (mode, limit and fair were missing), and LockedTask has each as lock_<name>."""
-    from celery_redlock import LockedTask
-    from celery_redlock.settings import reference
-
-    assert {"mode", "limit", "fair"} <= set(TASK_OPTIONS)
-    tasks_row = next(line for line in reference().splitlines() if "`redlock_tasks`" in line)
-    for name, option in TASK_OPTIONS.items():
-        assert name in tasks_row, name
-        assert option.doc, name
-        assert option.setting is None or option.setting in OPTIONS, name
-        assert hasattr(LockedTask, option.attribute), option.attribute
 
 
 def test_readme_settings_table_is_current():
