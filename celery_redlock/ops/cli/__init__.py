@@ -77,7 +77,7 @@ from ...engine.keys import (
 )
 from ...engine.scripts import INSPECT, RELEASE, ReleaseStatus
 from ...exceptions import ConfigurationError
-from ...nodes import Call, Node, NodeSet, fan_out
+from ...nodes import Call, NodeSet, Server, fan_out
 from ...settings import Settings, from_conf
 from .. import doctor as doctor_module
 from ..shares import ShareView, read_shares
@@ -312,7 +312,7 @@ def scan_lock_keys(
     """
     pattern = _glob_escape(prefix) + "{*}" + _glob_escape(SUFFIXES[field])
     # A cluster node is scanned on every master; its errors are reported under its URL.
-    servers: list[Node] = []
+    servers: list[Server] = []
     owners: list[str] = []
     errors: dict[str, str] = {}
     for node in nodeset.nodes:

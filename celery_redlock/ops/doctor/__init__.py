@@ -71,7 +71,7 @@ from redis.exceptions import RedisError, ResponseError
 from ...engine.keys import lock_keys
 from ...engine.timing import drift_allowance
 from ...exceptions import ConfigurationError
-from ...nodes import Call, Node, NodeSet, fan_out
+from ...nodes import Call, NodeSet, Server, fan_out
 from ...settings import Settings, from_conf
 
 __all__ = [
@@ -945,7 +945,7 @@ def probe_nodes(
     """
     nodeset = NodeSet(urls, timeout=timeout)
     try:
-        servers: list[Node] = []
+        servers: list[Server] = []
         owners: list[str] = []
         unreachable: dict[str, str] = {}
         for node in nodeset.nodes:
@@ -998,7 +998,7 @@ def _facts(reply: Any) -> NodeFacts:
 
 
 def _measure_clock(
-    server: Node, facts: NodeFacts, clock: Callable[[], float], timeout: float
+    server: Server, facts: NodeFacts, clock: Callable[[], float], timeout: float
 ) -> None:
     """Skew from the TIME sample with the shortest round trip (least uncertainty)."""
     best: tuple[float, float] | None = None
