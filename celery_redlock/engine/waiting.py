@@ -34,7 +34,7 @@ from typing import Any
 from redis.connection import AbstractConnection
 from redis.exceptions import RedisError
 
-from ..nodes import Node
+from ..nodes import LockNode
 from .threads import START_GRACE, start_daemon
 
 __all__ = ["Subscription", "Wakeup", "get_listener"]
@@ -84,7 +84,7 @@ class Wakeup:
 class _Listener:
     """Owns the pub/sub connection to one node and wakes waiters on releases."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: LockNode) -> None:
         self.name = f"celery_redlock-listener {node.safe_url}"
         self.node = node
         self._mutex = threading.Lock()
@@ -261,7 +261,7 @@ class Subscription:
 
     def __init__(
         self,
-        nodes: tuple[Node, ...],
+        nodes: tuple[LockNode, ...],
         channel: str,
         *,
         confirm_timeout: float,
@@ -309,7 +309,7 @@ _listeners: dict[str, _Listener] = {}
 _listeners_lock = threading.Lock()
 
 
-def get_listener(node: Node) -> _Listener:
+def get_listener(node: LockNode) -> _Listener:
     """The listener for ``node`` in this process, started on first use."""
     listener = _listeners.get(node.url)
     if listener is None:

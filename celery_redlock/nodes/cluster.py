@@ -17,7 +17,7 @@ How requests travel (:func:`celery_redlock.nodes.fan_out` does the I/O):
 * The node learns the slot map with ``CLUSTER SLOTS`` from any master it knows or
   any seed, lazily (constructing a node does no I/O), each try bounded by the
   node timeout and the caller's budget.
-* :meth:`ClusterNode.route` turns a request into one :class:`~celery_redlock.nodes.Leg`
+* :meth:`ClusterNode.route` turns a request into one :class:`~celery_redlock.nodes.calls.Leg`
   per master: the calls for that master, pipelined on one connection of its own
   per-master :class:`~celery_redlock.nodes.Node` (so the per-connection ordering
   guarantees of plain nodes hold per master, e.g. an undo queued behind the
@@ -52,11 +52,14 @@ from collections.abc import Sequence
 from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode
 
+from redis.connection import AbstractConnection
 from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
 from ..exceptions import ConfigurationError
-from . import Call, Leg, Node, parse_hosts, register_node_kind
+from .calls import Call, Leg
+from .node import Node
+from .urls import parse_hosts, register_node_kind
 
 __all__ = [
     "CLUSTER_FORM",
@@ -363,7 +366,7 @@ class ClusterNode:
 
     # -- the Node API used outside fan-outs ------------------------------------------
 
-    def new_connection(self) -> Any:
+    def new_connection(self) -> AbstractConnection:
         """An unconnected connection to one of the masters, in rotation.
 
         Used by the release listener: in a cluster, PUBLISH is broadcast to every

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from ..engine.keys import SUFFIXES, keys_of, lock_keys, lock_name_of, parse_key, release_keys
 from ..engine.scripts import INSPECT, RELEASE, ReleaseStatus
-from ..nodes import Call, Node, NodeSet, fan_out
+from ..nodes import Call, NodeSet, Server, fan_out
 
 __all__ = [
     "LockView",
@@ -241,7 +241,7 @@ def scan_lock_keys(
     """
     pattern = _glob_escape(prefix) + "{*}" + _glob_escape(SUFFIXES[field])
     # A cluster node is scanned on every master; its errors are reported under its URL.
-    servers: list[Node] = []
+    servers: list[Server] = []
     owners: list[str] = []
     errors: dict[str, str] = {}
     for node in nodeset.nodes:

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 from ...engine.keys import lock_keys
 from ...exceptions import ConfigurationError
-from ...nodes import Call, Node, NodeSet, fan_out
+from ...nodes import Call, NodeSet, Server, fan_out
 from ...settings import Settings, from_conf
 from .facts import (
     CONFIG_PARAMETERS,
@@ -122,7 +122,7 @@ def probe_nodes(
     """
     nodeset = NodeSet(urls, timeout=timeout)
     try:
-        servers: list[Node] = []
+        servers: list[Server] = []
         owners: list[str] = []
         unreachable: dict[str, str] = {}
         for node in nodeset.nodes:
@@ -157,7 +157,7 @@ def probe_nodes(
 
 
 def _measure_clock(
-    server: Node, facts: NodeFacts, clock: Callable[[], float], timeout: float
+    server: Server, facts: NodeFacts, clock: Callable[[], float], timeout: float
 ) -> None:
     """Skew from the TIME sample with the shortest round trip (least uncertainty)."""
     best: tuple[float, float] | None = None

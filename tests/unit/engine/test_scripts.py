@@ -19,7 +19,6 @@ from celery_redlock.engine.scripts import (
     RELEASE_SHARED,
     RENEW_MANY,
 )
-from celery_redlock.nodes import Call, Node, fan_out
 
 # Every script against every server binary of the compatibility matrix.
 pytestmark = pytest.mark.smoke
@@ -201,26 +200,6 @@ def test_inspect_snapshot(redis_node):
     fields = dict(zip(flat[::2], flat[1::2], strict=True))
     assert 0 < pttl <= 10_000 and counter == 1
     assert fields["token"] == "a" and fields["task_id"] == "t9" and fields["pid"] == "42"
-
-
-def test_scripts_go_by_evalsha_and_reload_after_a_flush(redis_node):
-    """Calls use EVALSHA; after SCRIPT FLUSH one SCRIPT LOAD restores it for good."""
-    node = Node(redis_node.url, timeout=1.0)
-    call = [Call(INSPECT, KEYS[:2])]
-    redis_node.reset_stats()
-    fan_out([node], [call], timeout=1.0)
-    stats = redis_node.commandstats()
-    assert stats.get("script|load", stats.get("script")) == 1, "a new connection loads first"
-    assert stats.get("evalsha") == 1, "so the first call does not hit NOSCRIPT"
-    redis_node.client().script_flush()
-    redis_node.reset_stats()
-    for _ in range(3):
-        (reply,) = fan_out([node], [call], timeout=1.0)
-        assert reply.ok and reply.values[0] == [-2, 0]
-    stats = redis_node.commandstats()
-    assert stats.get("script|load", stats.get("script")) == 1, stats
-    assert "eval" not in stats
-    assert stats.get("evalsha") == 4, "three calls plus the one that answered NOSCRIPT"
 
 
 def test_beat_claim_checks_leadership_and_advances_once(redis_node):

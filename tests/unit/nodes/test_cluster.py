@@ -11,14 +11,13 @@ import json
 import threading
 
 import pytest
-from redis.connection import Connection
 
 from celery_redlock import LockBusy, LockLost, NodeUnavailable, Redlock
 from celery_redlock.engine.keys import lock_keys
 from celery_redlock.engine.renewal import Renewer
 from celery_redlock.engine.scripts import RELEASE, RENEW_MANY
 from celery_redlock.exceptions import ConfigurationError
-from celery_redlock.nodes import Call, NodeSet, _pack, safe_url
+from celery_redlock.nodes import Call, NodeSet, safe_url
 from celery_redlock.nodes import cluster as cluster_module
 from celery_redlock.nodes.cluster import CrossSlotError, MasterUnavailable
 from celery_redlock.ops.doctor import diagnose
@@ -97,19 +96,6 @@ def test_cluster_url_is_accepted_as_one_node_and_passwords_are_masked():
     assert len(nodeset) == 1 and nodeset.quorum == 1
     assert "s3cret" not in repr(nodeset) and "app:**@" in nodeset.nodes[0].safe_url
     assert safe_url(url) == nodeset.nodes[0].safe_url  # what the worker logs at start
-
-
-@pytest.mark.parametrize(
-    "commands",
-    [
-        [("EVALSHA", "ab12", 2, "redlock:{é}", b"\x00\xff", "tok", 30_000, -1, 0)],
-        [("SCRIPT", "LOAD", "x" * 10_000), ("ASKING",), ("WAIT", 1, 250)],
-        [("SET", "k", 1.5)],  # a float: left to redis-py
-    ],
-)
-def test_fast_packing_writes_what_redis_py_writes(commands):
-    conn = Connection()
-    assert b"".join(_pack(conn, commands)) == b"".join(conn.pack_commands(commands))
 
 
 def test_a_cluster_url_naming_a_plain_server_fails_closed_and_says_why(redis_node):
