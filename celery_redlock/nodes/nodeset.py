@@ -96,3 +96,13 @@ class NodeSet:
             timeout=self.timeout if timeout is None else timeout,
             decided=decided,
         )
+
+    def close(self) -> None:
+        """Close the connections of nodes this process will not use again.
+
+        For a short-lived owner (a CLI command, doctor) that built this NodeSet alone:
+        nodes shared through :meth:`get` are pooled per process, and closing them under
+        another user would pull sockets from under it.
+        """
+        for node in self.nodes:
+            node.close()

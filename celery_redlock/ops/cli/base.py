@@ -19,7 +19,6 @@ from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 from ...exceptions import ConfigurationError
 from ...nodes import NodeSet
 from ...settings import Settings, from_conf
-from ..doctor import close_nodeset
 from .output import warn
 
 __all__ = [
@@ -52,7 +51,7 @@ class Session:
 
     def close(self) -> None:
         """Close the NodeSet's connections: the command is done with the nodes."""
-        close_nodeset(self.nodeset)
+        self.nodeset.close()
 
 
 def open_session(ctx: click.Context, node_timeout: float) -> Session:

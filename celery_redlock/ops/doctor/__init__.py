@@ -86,7 +86,7 @@ from .checks_nodes import (
     durable,
 )
 from .checks_settings import check_settings, invalid_settings, leases
-from .collect import beat_leader, close_nodeset, collect, probe_nodes, task_locking
+from .collect import beat_leader, collect, probe_nodes, task_locking
 from .facts import BeatLeaderFacts, LeaderLock, LeaseInUse, NodeFacts, TaskLocking, parse_info
 from .report import ERROR, LEVELS, OK, WARN, Finding, Report, exit_code
 
@@ -116,7 +116,6 @@ __all__ = [
     "check_replication",
     "check_settings",
     "check_uptime",
-    "close_nodeset",
     "collect",
     "diagnose",
     "durable",

@@ -34,7 +34,6 @@ from .facts import (
 __all__ = [
     "CLOCK_SAMPLES",
     "beat_leader",
-    "close_nodeset",
     "collect",
     "probe_nodes",
     "task_locking",
@@ -153,7 +152,7 @@ def probe_nodes(
                 facts.append(server_facts)
         return facts
     finally:
-        close_nodeset(nodeset)
+        nodeset.close()
 
 
 def _measure_clock(
@@ -200,7 +199,7 @@ def beat_leader(app: Any, settings: Settings, *, timeout: float) -> BeatLeaderFa
     try:
         replies = nodeset.call([Call.command("HGET", key, "task_name") for key in keys])
     finally:
-        close_nodeset(nodeset)
+        nodeset.close()
     holders: list[list[str]] = [[] for _ in keys]
     for reply in replies:
         if reply is None or reply.error is not None:
@@ -213,11 +212,3 @@ def beat_leader(app: Any, settings: Settings, *, timeout: float) -> BeatLeaderFa
         for i, (key, found) in enumerate(zip(keys, holders, strict=True))
     )
     return BeatLeaderFacts(broker, tuple(locks))
-
-
-def close_nodeset(nodeset: NodeSet) -> None:
-    """Close the connections of a NodeSet this process will not use again."""
-    for node in nodeset.nodes:
-        # A short-lived command owns this NodeSet alone, so closing its pooled
-        # connections cannot pull a socket from under anyone.
-        node.close()
