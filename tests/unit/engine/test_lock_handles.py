@@ -21,7 +21,8 @@ import warnings
 import pytest
 
 from celery_redlock import LockLost, LockNotOwned, Redlock
-from celery_redlock.engine.renewal import clock, get_renewer
+from celery_redlock.engine.lease import clock
+from celery_redlock.engine.renewal import get_renewer
 from tests.harness.servers import wait_for
 
 
@@ -318,7 +319,7 @@ def _async_raise(thread_id: int) -> None:
 
 
 def _holding(lock: Redlock) -> bool:
-    return lock._hold() is not None
+    return lock._holds.live() is not None
 
 
 def _landed_in(exc: BaseException, function) -> bool:
