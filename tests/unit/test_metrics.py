@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from celery_redlock import LockLost, Redlock, metrics
-from celery_redlock.engine.renewal import clock, get_renewer
+from celery_redlock.engine.lease import clock
+from celery_redlock.engine.renewal import get_renewer
 from tests.harness import wait_for
 
 

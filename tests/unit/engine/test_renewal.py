@@ -8,7 +8,8 @@ import threading
 import time
 
 from celery_redlock import LockLost, LockNotOwned, Redlock
-from celery_redlock.engine.renewal import CHUNK, Renewer, clock, get_renewer
+from celery_redlock.engine.lease import CHUNK, clock
+from celery_redlock.engine.renewal import Renewer, get_renewer
 from tests.harness.servers import wait_for
 
 

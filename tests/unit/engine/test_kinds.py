@@ -1,5 +1,7 @@
-"""The lock family against real servers and processes: shares and limits, writers among
-readers, several resources at once, fair waiting, and holders that die."""
+"""The lock kinds (``engine/kinds.py``): what each kind sends and how it reads the
+answers, without a server; then the family against real servers and processes:
+shares and limits, writers among readers, several resources at once, fair waiting,
+and holders that die."""
 
 from __future__ import annotations
 
@@ -16,8 +18,147 @@ import redis
 
 from celery_redlock import ConfigurationError, Redlock
 from celery_redlock.engine.keys import lock_keys
+from celery_redlock.engine.kinds import Exclusive, Fair, Holder, Shared, kind_of
 from celery_redlock.engine.renewal import get_renewer
+from celery_redlock.engine.scripts import (
+    ACQUIRE,
+    ACQUIRE_SHARED,
+    FAIR_LEAVE,
+    FENCE_SYNC,
+    RELEASE,
+    RELEASE_SHARED,
+)
+from celery_redlock.nodes import Call
 from tests.harness import wait_for
+
+# -- each kind's calls and answers (no server) -----------------------------------------
+
+UNREACHABLE = ["redis://127.0.0.1:1/0"]
+HOLDER = Holder("task-1", "host", 42, "1700000000.000", "tasks.report")
+
+
+@pytest.mark.parametrize(
+    ("args", "kind", "mode", "limit", "fair"),
+    [
+        ({"names": ["a"]}, Exclusive, "exclusive", None, False),
+        ({"names": ["a", "b"]}, Exclusive, "exclusive", None, False),
+        ({"names": ["a"], "fair": True}, Fair, "exclusive", None, True),
+        ({"names": ["a"], "mode": "shared"}, Shared, "shared", None, False),
+        ({"names": ["a"], "limit": 3}, Shared, "shared", 3, False),
+    ],
+)
+def test_the_arguments_pick_one_kind_and_redlock_keeps_its_shape(args, kind, mode, limit, fair):
+    """kind_of picks the kind once; Redlock's mode, limit and fair are the kind's."""
+    names = args.pop("names")
+    picked = kind_of(
+        names, "redlock:", args.get("mode"), args.get("limit"), args.get("fair", False)
+    )
+    assert type(picked) is kind
+    assert [r.lock for r in picked.resources] == [lock_keys(n).lock for n in names]
+    lock = Redlock(names, nodes=UNREACHABLE, **args)
+    assert (type(lock.kind), lock.mode, lock.limit, lock.fair) == (kind, mode, limit, fair)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "limit", "quorum"),
+    [
+        (1, None, 1),
+        (3, None, 2),
+        (5, None, 3),
+        (7, None, 4),
+        (3, 1, 2),
+        (3, 2, 3),
+        (5, 2, 4),
+        (5, 3, 4),
+        (5, 4, 5),
+        (5, 100, 5),
+    ],
+)
+def test_a_limit_above_one_needs_more_than_a_majority(nodes, limit, quorum):
+    """limit + 1 holders must not fit on the nodes' limit * N admissions (docs/design.md)."""
+    assert Shared(lock_keys("a"), limit).quorum(nodes) == quorum
+    if limit is None:
+        assert Exclusive((lock_keys("a"),)).quorum(nodes) == quorum
+
+
+def test_an_exclusive_lock_on_two_resources_takes_and_frees_both_in_one_call():
+    """Every resource's keys in one acquire and one release; one fence store per resource."""
+    a, b = lock_keys("a"), lock_keys("b")
+    kind = Exclusive((a, b))
+    waiter = kind.new_waiter(True, 3)
+    call = kind.acquire_call(waiter, 5000, HOLDER)
+    assert call.script is ACQUIRE and call.keys == a.resource + b.resource
+    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "")
+    assert kind.release_call("tok") == Call(
+        RELEASE, (a.lock, a.channel, b.lock, b.channel), ("tok",)
+    )
+    assert kind.fence_sync_calls("tok", (3, 9)) == [
+        Call(FENCE_SYNC, a.fence_sync, ("tok", 3, "")),
+        Call(FENCE_SYNC, b.fence_sync, ("tok", 9, "")),
+    ]
+    assert kind.renew_entries() == ((a.lock, "x"), (b.lock, "x"))
+    assert kind.leave_call("tok") is None and kind.wake_token(waiter) is None
+    assert kind.refreshes_while_waiting and not kind.admits_others
+
+
+def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
+    """Blocking: queued for one lease; a try does not queue; arrival stamped on several nodes."""
+    keys = lock_keys("a")
+    kind = Fair(keys)
+    one_node = kind.new_waiter(True, 1)
+    several = kind.new_waiter(True, 3)
+    assert one_node.arrival == "" and float(several.arrival) > 0
+    call = kind.acquire_call(several, 5000, HOLDER)
+    assert call.keys == keys.resource + keys.fair
+    assert call.args[-3:] == ("1", "5000", several.arrival)
+    assert kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER).args[-3:] == ("", "0", "")
+    assert kind.release_call("tok").args == ("tok", "fair")
+    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.fair)
+    leave = kind.leave_call("tok")
+    assert leave is not None and (leave.script, leave.keys) == (FAIR_LEAVE, keys.fair_leave)
+    assert kind.wake_token(several) == several.token
+
+
+def test_a_share_is_its_own_set_entry_and_a_full_limit_reads_as_locked():
+    """Shares: acquire_shared with the limit, two renewal entries, and held = writer or full."""
+    keys = lock_keys("a")
+    limited, unlimited = Shared(keys, 2), Shared(keys)
+    waiter = limited.new_waiter(True, 3)
+    assert limited.acquire_call(waiter, 5000, HOLDER).args == (waiter.token, 5000, 2, *HOLDER)
+    assert limited.acquire_call(waiter, 5000, HOLDER).script is ACQUIRE_SHARED
+    assert unlimited.acquire_call(waiter, 5000, HOLDER).args[2] == 0
+    assert limited.release_call("tok").script is RELEASE_SHARED
+    assert limited.fence_sync_calls("tok", (4,))[0].args == ("tok", 4, "s")
+    assert limited.renew_entries() == ((keys.shared, "s"), (keys.holders, "d"))
+    assert limited.admits_others and not limited.refreshes_while_waiting
+    assert limited.held([0, 2]) and limited.held([1, 0]) and not limited.held([0, 1])
+    assert not unlimited.held([0, 100]) and unlimited.held([1, 0])
+    assert limited.owns(["1700000000"], "tok") and not limited.owns([None], "tok")
+
+
+def test_an_exclusive_node_answer_owns_only_if_every_resource_has_the_token():
+    """owned() on two resources: one node counts only if both hold this token."""
+    kind = Exclusive((lock_keys("a"), lock_keys("b")))
+    assert kind.owns(["tok", "tok"], "tok")
+    assert not kind.owns(["tok", "other"], "tok") and not kind.owns(["tok", None], "tok")
+    assert kind.held([1]) and not kind.held([0])
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        ({}, "<Redlock 'redlock:{a}'"),
+        ({"fair": True}, "<Redlock 'redlock:{a}'"),
+        ({"mode": "shared"}, "<Redlock shared 'redlock:{a}'"),
+        ({"limit": 2}, "<Redlock shared limit=2 'redlock:{a}'"),
+    ],
+)
+def test_repr_names_the_kind(args, shown):
+    """A lock's repr says shared (and its limit); exclusive locks, fair or not, say nothing."""
+    assert repr(Redlock("a", nodes=UNREACHABLE, **args)).startswith(shown + " on 1 node(s)")
+
+
+# -- the family against real servers and processes ------------------------------------
 
 PROCESSES = 4
 
