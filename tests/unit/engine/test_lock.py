@@ -181,8 +181,6 @@ def test_threads_sharing_one_object_still_exclude_each_other(redis_node):
     lock.release()
 
 
-
-
 def test_release_warning_says_another_owner_holds_it(redis_node, caplog):
     """A release that finds another owner's lock says so; it does not promise an expiry."""
     lock = Redlock("job", nodes=[redis_node.url], ttl=30, auto_renew=False)
