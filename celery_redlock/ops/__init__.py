@@ -1,5 +1,7 @@
-"""Operations: the ``celery redlock`` command line and ``doctor``.
+"""Operations: what an operator asks of a running system.
 
-The top layer: it reads what the lower ones wrote (locks, shares, beat leadership)
-and presents it. Nothing below imports it.
+The top layer: ``inventory`` and ``shares`` read what the lower layers wrote to Redis
+(locks, shares, beat leadership), ``workers`` asks the workers whether a holder still
+runs, ``doctor/`` judges a deployment, and ``cli/`` presents all of it as
+``celery redlock``. Nothing below imports it.
 """
