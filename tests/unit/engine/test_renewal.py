@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import multiprocessing
 import threading
 import time
 
 from celery_redlock import LockLost, LockNotOwned, Redlock
+from celery_redlock.engine import renewal
 from celery_redlock.engine.lease import CHUNK, clock
 from celery_redlock.engine.renewal import Renewer, get_renewer
 from tests.harness.servers import wait_for
@@ -159,3 +161,11 @@ def test_a_forked_child_cannot_renew_or_release_its_parents_lock(redis_node):
     assert lock.owned(), "the parent still holds its lock"
     lock.check()
     lock.release()
+
+
+def test_the_drain_after_each_test_finds_the_renewer():
+    """conftest looks the renewer's module up by name after every test; a stale name
+    (the module moved) would silently stop draining the leases tests leave behind."""
+    from tests.conftest import RENEWAL_MODULE
+
+    assert importlib.import_module(RENEWAL_MODULE)._renewer is renewal._renewer
