@@ -1,4 +1,5 @@
-"""Redlock over several independent masters: quorum, budgets, fences, cleanup."""
+"""One attempt's vote (``engine/vote.py``) over several independent masters: quorum,
+budgets, fences stored back, and the undo of what a failed attempt was granted."""
 
 from __future__ import annotations
 
