@@ -13,7 +13,7 @@ another thread's lock::
 :class:`Holds` is one lock object's table of them. Each thread reads and writes its
 own entry only, with single dict operations (atomic): no lock is taken that an
 asynchronous exception could leave held. A forked child holds none of its parent's
-holds: a hold records the pid that made it.
+holds: a hold's lease records the pid that made it.
 
 :func:`finalize` runs when a held lock object is garbage-collected.
 """

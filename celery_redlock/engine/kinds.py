@@ -81,12 +81,13 @@ class Kind(abc.ABC):
     #: lease is longer.
     refreshes_while_waiting: ClassVar[bool] = False
 
-    def __init__(self, resources: Sequence[LockKeys], limit: int | None = None) -> None:
+    #: ``Redlock.limit``: at most this many shared holders (None: no limit).
+    limit: int | None = None
+
+    def __init__(self, resources: Sequence[LockKeys]) -> None:
         self.resources = tuple(resources)
         #: The first (for most kinds, the only) resource's keys.
         self.keys = self.resources[0]
-        #: ``Redlock.limit``: at most this many shared holders (None: no limit).
-        self.limit = limit
 
     def describe(self) -> str:
         """The kind as ``repr`` shows it (nothing for an exclusive lock, fair or not)."""
@@ -114,7 +115,11 @@ class Kind(abc.ABC):
 
     @abc.abstractmethod
     def release_call(self, token: str) -> Call:
-        """The call that releases ``token``'s hold (finalizers keep it: no lock in it)."""
+        """The call that releases ``token``'s hold.
+
+        A lock's finalizer keeps this bound method, so a kind never refers to its lock
+        object (the lock could then never be garbage-collected).
+        """
 
     @abc.abstractmethod
     def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
@@ -248,7 +253,8 @@ class Shared(Kind):
     admits_others = True
 
     def __init__(self, keys: LockKeys, limit: int | None = None) -> None:
-        super().__init__((keys,), limit)
+        super().__init__((keys,))
+        self.limit = limit
 
     def describe(self) -> str:
         """`` shared``, and the limit if there is one."""
