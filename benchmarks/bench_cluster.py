@@ -23,7 +23,8 @@ import time
 
 from benchmarks.common import environment, write_report
 from celery_redlock import Redlock
-from celery_redlock.renewal import CHUNK, CHUNK_BUDGET, Renewer
+from celery_redlock.engine.lease import CHUNK
+from celery_redlock.engine.renewal import CHUNK_BUDGET, Renewer
 from tests.harness import RedisServer
 from tests.harness.cluster import RedisCluster
 

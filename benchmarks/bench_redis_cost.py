@@ -42,7 +42,7 @@ from pottery import Redlock as PotteryRedlock
 from benchmarks.bench_latency import WatchLock
 from benchmarks.common import environment, server_label, write_report
 from celery_redlock import Redlock
-from celery_redlock.renewal import Renewer
+from celery_redlock.engine.renewal import Renewer
 from tests.harness import RedisServer
 
 #: Commands of the observer connection, never of a lock.

@@ -35,7 +35,8 @@ import redis_lock
 
 from benchmarks.common import environment, write_report
 from celery_redlock import Redlock
-from celery_redlock.renewal import CHUNK, Renewer, clock, get_renewer
+from celery_redlock.engine.lease import CHUNK, clock
+from celery_redlock.engine.renewal import Renewer, get_renewer
 from tests.harness import RedisServer
 
 SIZES = (10, 1_000, 10_000, 50_000)

@@ -6,6 +6,7 @@ Everything users import comes from here; the submodules are internal.
 from importlib.metadata import PackageNotFoundError, version
 
 from . import worker as _worker  # noqa: F401 (connects the worker signal receivers)
+from .engine.lock import Redlock
 from .exceptions import (
     ConfigurationError,
     LockBusy,
@@ -15,7 +16,6 @@ from .exceptions import (
     NodeUnavailable,
     RedlockError,
 )
-from .lock import Redlock
 from .task import LockedTask
 
 try:

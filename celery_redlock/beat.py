@@ -61,10 +61,10 @@ from celery.beat import PersistentScheduler
 from kombu.utils.url import url_to_parts
 from redis.exceptions import ResponseError
 
+from .engine.lock import Redlock
+from .engine.scripts import BEAT_CLAIM, BeatClaimStatus
 from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
-from .lock import Redlock
 from .nodes import Call
-from .scripts import BEAT_CLAIM, BeatClaimStatus
 from .task import app_settings
 
 __all__ = [

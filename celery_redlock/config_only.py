@@ -9,10 +9,10 @@
     }
 
 Each registered task whose name matches a key (exact name or :mod:`fnmatch` glob)
-becomes a :class:`~celery_redlock.LockedTask`, with the option dict's entries as
-its ``lock_*`` options; the first matching pattern wins, in the dict's order. This
-runs in the worker (and beat) before any task executes; the task code and the app
-module stay untouched.
+becomes a :class:`~celery_redlock.LockedTask`, with the option dict's entries (the
+names :data:`celery_redlock.options.TASK_OPTIONS` lists) as its ``lock_*`` options;
+the first matching pattern wins, in the dict's order. This runs in the worker (and
+beat) before any task executes; the task code and the app module stay untouched.
 
 How: the task's class is replaced by a subclass of ``LockedTask`` and the original
 class. Celery builds its tracer after this, and sees the overridden
@@ -40,15 +40,13 @@ from typing import Any
 
 from celery import Task
 
-from .settings import TASK_OPTIONS, Settings, parse_entry
+from .options import parse_entry
+from .settings import Settings
 from .task import LockedTask, forget_options
 
-__all__ = ["OPTION_NAMES", "apply", "lockify"]
+__all__ = ["apply", "lockify"]
 
 logger = logging.getLogger("celery_redlock.config_only")
-
-#: Keys accepted in a ``redlock_tasks`` entry; each sets ``lock_<key>``.
-OPTION_NAMES = tuple(TASK_OPTIONS)
 
 
 def apply(app: Any, settings: Settings) -> list[str]:

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from . import metrics
-from .keys import keys_of
+from .engine.keys import keys_of
+from .engine.scripts import RELEASE_IF, ReleaseIfStatus
 from .nodes import Call, NodeSet
-from .scripts import RELEASE_IF, ReleaseIfStatus
 
 __all__ = ["Reaper", "announce", "encode", "forget", "in_pool_child"]
 

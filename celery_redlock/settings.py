@@ -1,10 +1,11 @@
 """Every ``redlock_*`` setting in one table: default, parser, and documentation.
 
 The table is the single source of truth: :func:`from_conf` reads Celery's
-configuration through it, the per-task options fall back to it, and the
-configuration reference in the docs is generated from it. A value that cannot be
-used raises :class:`~celery_redlock.exceptions.ConfigurationError` naming the
-setting and what it accepts; nothing is silently replaced by a default.
+configuration through it, the per-task options fall back to it (their own table is
+:mod:`celery_redlock.options`), and the configuration reference in the docs is
+generated from it. A value that cannot be used raises
+:class:`~celery_redlock.exceptions.ConfigurationError` naming the setting and what
+it accepts; nothing is silently replaced by a default.
 """
 
 from __future__ import annotations
@@ -13,51 +14,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .exceptions import ConfigurationError
-from .keys import DEFAULT_PREFIX, check_key_template, check_lock_args, validate_prefix
-from .timing import (
+from .engine.keys import DEFAULT_PREFIX, validate_prefix
+from .engine.timing import (
     DEFAULT_NODE_TIMEOUT,
-    MAX_SECONDS,
     MIN_NODE_TIMEOUT,
     MIN_RENEW_INTERVAL,
-    MIN_TTL,
-    MODES,
     Timing,
-    check_kind,
 )
-from .timing import fraction as _fraction
-from .timing import lease_seconds as _lease
-from .timing import seconds as _seconds
+from .engine.timing import fraction as _fraction
+from .engine.timing import lease_seconds as _lease
+from .engine.timing import seconds as _seconds
+from .exceptions import ConfigurationError
+from .options import ON_BUSY, ON_LOST, TASK_OPTIONS, choice
 
-__all__ = [
-    "DEFAULT_NODE_TIMEOUT",
-    "MAX_SECONDS",
-    "MIN_NODE_TIMEOUT",
-    "MIN_RENEW_INTERVAL",
-    "MIN_TTL",
-    "MODES",
-    "ON_BUSY",
-    "ON_LOST",
-    "OPTIONS",
-    "TASK_OPTIONS",
-    "Option",
-    "Settings",
-    "TaskLockOptions",
-    "TaskOption",
-    "Timing",
-    "check_kind",
-    "from_conf",
-    "parse_entry",
-    "reference",
-    "resolve_task_options",
-]
-
-ON_BUSY = ("skip", "retry", "raise", "wait")
-ON_LOST = ("abort", "revoke", "ignore")
-
-
-def _positive(name: str, value: Any) -> float:
-    return _seconds(name, value)
+__all__ = ["OPTIONS", "Option", "Settings", "from_conf", "reference"]
 
 
 def _renew_interval(name: str, value: Any) -> float | None:
@@ -72,17 +42,6 @@ def _non_negative_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}")
     return value
-
-
-def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
-    def parse(name: str, value: Any) -> str:
-        if value not in choices:
-            allowed = ", ".join(repr(c) for c in choices)
-            raise ConfigurationError(f"{name} must be one of {allowed}, got {value!r}")
-        chosen: str = value
-        return chosen
-
-    return parse
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -164,51 +123,6 @@ def _tasks(name: str, value: Any) -> dict[str, dict[str, Any]]:
 
 
 @dataclass(frozen=True)
-class TaskOption:
-    """One lock option of a task: ``lock_<name>`` on the task, ``<name>`` in ``redlock_tasks``.
-
-    ``setting`` names the :data:`OPTIONS` entry it defaults from (None: no default
-    setting); ``parse`` validates a value given for one task (None: checked with the
-    other options by :func:`resolve_task_options`).
-    """
-
-    name: str
-    setting: str | None
-    parse: Callable[[str, Any], Any] | None
-    doc: str
-
-    @property
-    def attribute(self) -> str:
-        """The task attribute (and ``@app.task`` keyword) that sets it."""
-        return f"lock_{self.name}"
-
-
-#: Every per-task option, in the order error messages list them.
-TASK_OPTIONS: dict[str, TaskOption] = {
-    o.name: o
-    for o in (
-        TaskOption("ttl", "ttl", None, "lease in seconds, renewed while the body runs"),
-        TaskOption("args", None, None, "argument names the key uses; None all, () none"),
-        TaskOption(
-            "key",
-            None,
-            None,
-            "(args, kwargs) -> str, or a format string over argument names (a list of "
-            "either: several resources)",
-        ),
-        TaskOption("on_busy", "on_busy", _choice(ON_BUSY), "skip, retry, raise or wait"),
-        TaskOption("on_lost", "on_lost", _choice(ON_LOST), "abort, revoke or ignore"),
-        TaskOption("retry_countdown", "retry_countdown", _positive, "seconds before a retry"),
-        TaskOption("wait_timeout", "wait_timeout", _positive, "longest wait for a busy lock"),
-        TaskOption("renew_interval", "renew_interval", None, "seconds between renewals"),
-        TaskOption("mode", None, None, "exclusive (default) or shared"),
-        TaskOption("limit", None, None, "at most this many shared holders per key"),
-        TaskOption("fair", None, None, "serve waiters in arrival order"),
-    )
-}
-
-
-@dataclass(frozen=True)
 class Option:
     """One setting: ``redlock_<name>`` in Celery's configuration."""
 
@@ -257,23 +171,23 @@ OPTIONS: dict[str, Option] = {
         Option(
             "on_busy",
             "skip",
-            _choice(ON_BUSY),
+            choice(ON_BUSY),
             "What a task does when its lock is held: skip, retry, raise or wait.",
         ),
         Option(
             "on_lost",
             "abort",
-            _choice(ON_LOST),
+            choice(ON_LOST),
             "What happens to a running task whose lock is lost: abort, revoke or ignore.",
         ),
         Option(
             "retry_countdown",
             5.0,
-            _positive,
+            _seconds,
             "Seconds before a retry, with on_busy='retry' (up to 30 days).",
         ),
         Option(
-            "wait_timeout", 60.0, _positive, "Longest wait, with on_busy='wait' (up to 30 days)."
+            "wait_timeout", 60.0, _seconds, "Longest wait, with on_busy='wait' (up to 30 days)."
         ),
         Option(
             "drift_factor",
@@ -413,157 +327,6 @@ def from_conf(conf: Mapping[str, Any]) -> Settings:
         values["ttl"], values["renew_interval"], values["node_timeout"], values["drift_factor"]
     )
     return Settings(**values)
-
-
-# -- one task's lock options ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TaskLockOptions:
-    """One task's lock options, resolved against the app settings and validated."""
-
-    timing: Timing
-    args: tuple[str, ...] | None
-    key: Any
-    on_busy: str
-    on_lost: str
-    retry_countdown: float
-    wait_timeout: float
-    mode: str = "exclusive"
-    limit: int | None = None
-    fair: bool = False
-
-
-def parse_entry(task_name: str, entry: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """A ``redlock_tasks`` entry's options, checked for names and ``args``' shape.
-
-    ``args`` becomes a tuple of names; a string is refused, not split into letters.
-
-    Raises:
-        ConfigurationError: an unknown option, or ``args`` that is not a list of
-            argument names; naming ``source`` (the setting's entry) and the task.
-    """
-    unknown = set(entry) - set(TASK_OPTIONS)
-    if unknown:
-        raise ConfigurationError(
-            f"{source}: unknown option(s) {', '.join(sorted(map(repr, unknown)))}; "
-            f"allowed: {', '.join(TASK_OPTIONS)}"
-        )
-    parsed = dict(entry)
-    names = parsed.get("args")
-    if names is not None:
-        if not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
-            hint = f" (did you mean [{names!r}]?)" if isinstance(names, str) else ""
-            raise ConfigurationError(
-                f"{source}: task {task_name}: 'args' must be a list of argument names, "
-                f"got {names!r}{hint}"
-            )
-        parsed["args"] = tuple(names)
-    return parsed
-
-
-def resolve_task_options(
-    settings: Settings,
-    task_name: str,
-    run: Callable[..., Any],
-    entry: Mapping[str, Any] | None = None,
-    attribute: Callable[[str], Any] | None = None,
-    *,
-    source: str | None = None,
-) -> TaskLockOptions:
-    """Resolve and validate one task's lock options: what the worker runs it with.
-
-    The one place that knows how: the worker (:func:`celery_redlock.task.lock_options`),
-    configuration-only enablement and ``celery redlock doctor`` all call it, so doctor
-    reports exactly what a worker would refuse.
-
-    Arguments:
-        settings: the app's settings; each option not given defaults to the setting
-            its :data:`TASK_OPTIONS` row names.
-        task_name: for error messages.
-        run: the task body, whose parameters ``args`` and ``key`` must name.
-        entry: the ``redlock_tasks`` entry that locks the task, if any (first).
-        attribute: reads an option from the task (``lock_<name>``), if it has ours.
-        source: where ``entry`` comes from (``redlock_tasks['proj.*']``), appended to
-            every error.
-
-    Raises:
-        ConfigurationError: naming the task, the option and the accepted values (and
-            ``source``).
-    """
-    given = {} if entry is None else parse_entry(task_name, entry, source or "options")
-
-    def option(name: str) -> Any:
-        if name in given:
-            return given[name]
-        return None if attribute is None else attribute(name)
-
-    try:
-        return _resolve(settings, task_name, run, option)
-    except ConfigurationError as exc:
-        if source is None:
-            raise
-        raise ConfigurationError(f"{exc} (options from {source})") from None
-
-
-def _resolve(
-    settings: Settings, task_name: str, run: Callable[..., Any], option: Callable[[str], Any]
-) -> TaskLockOptions:
-    where = f"task {task_name}: lock_"
-    values = {name: option(name) for name in TASK_OPTIONS}
-    lock_args = values["args"]
-    if lock_args is not None:
-        check_lock_args(task_name, run, lock_args)
-    resolved = {
-        name: getattr(settings, row.setting) if values[name] is None else values[name]
-        for name, row in TASK_OPTIONS.items()
-        if row.setting is not None
-    }
-    timing = Timing.of(
-        resolved["ttl"],
-        resolved["renew_interval"],
-        settings.node_timeout,
-        settings.drift_factor,
-        source=where,
-    )
-    for name, row in TASK_OPTIONS.items():
-        if row.parse is not None and values[name] is not None:
-            row.parse(f"{where}{name}", values[name])
-    key = values["key"]
-    if key is not None and not (
-        callable(key)
-        or isinstance(key, str)
-        or (isinstance(key, (list, tuple)) and key and all(isinstance(k, str) for k in key))
-    ):
-        raise ConfigurationError(
-            f"{where}key must be a callable (args, kwargs) -> str (or a list of them, for "
-            "several resources), a format string over the argument names, or a list of "
-            f"format strings, got {key!r}"
-        )
-    templates = [key] if isinstance(key, str) else key if isinstance(key, (list, tuple)) else []
-    for template in templates:
-        check_key_template(task_name, run, template)
-    resources = len(key) if isinstance(key, (list, tuple)) else 1
-    try:
-        mode, limit, fair = check_kind(
-            resources, values["mode"], values["limit"], bool(values["fair"])
-        )
-    except ConfigurationError as exc:
-        raise ConfigurationError(
-            f"task {task_name}: lock_mode / lock_limit / lock_fair / lock_key: {exc}"
-        ) from None
-    return TaskLockOptions(
-        timing=timing,
-        args=None if lock_args is None else tuple(lock_args),
-        key=key,
-        on_busy=resolved["on_busy"],
-        on_lost=resolved["on_lost"],
-        retry_countdown=resolved["retry_countdown"],
-        wait_timeout=resolved["wait_timeout"],
-        mode=mode,
-        limit=limit,
-        fair=fair,
-    )
 
 
 def reference() -> str:

@@ -17,26 +17,9 @@ Everything about one execution lives in thread-local (greenlet-local under geven
 storage keyed by the execution's task id, never on the task object, which the threads
 pool shares between runs.
 
-What a busy lock does (``lock_on_busy``):
-
-=========  ======================================================================
-``skip``   The body does not run. Logged at INFO with the holder's task id. The
-           result is stored as FAILURE with :class:`~celery_redlock.LockBusy`, so
-           ``AsyncResult.get()`` raises ``LockBusy`` at once (``propagate=False``
-           returns it); no callbacks or errbacks run; the worker logs it as ignored.
-           ``apply()`` returns the same: an eager result in state FAILURE.
-``retry``  ``self.retry(countdown=lock_retry_countdown, exc=LockBusy(...))``;
-           counts against ``max_retries``, after which the task fails with LockBusy.
-``raise``  The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
-``wait``   Waits up to ``lock_wait_timeout`` seconds, woken by the holder's release;
-           then fails with ``LockBusy`` if still held.
-=========  ======================================================================
-
-A second delivery of a task id whose first delivery still holds the lock (acks_late
-redelivery, ``retry(countdown=0)`` picked up before the release, redelivery after the
-first delivery's worker died) is put back on the queue with a growing delay, whatever
-the policy, storing nothing; it runs once the lock is free, unless the first delivery
-stored a final result meanwhile.
+What a busy lock (``lock_on_busy``), a second delivery of a task id that holds its
+lock, and a lost lock (``lock_on_lost``) do is told, and applied, in
+:mod:`celery_redlock.policies`.
 
 Redis unreachable: the body does not run and the task fails with
 :class:`~celery_redlock.NodeUnavailable` (or retries, with ``lock_on_busy="retry"``),
@@ -57,13 +40,25 @@ from celery.exceptions import Ignore
 from celery.result import EagerResult
 
 from . import abort, reaper
+from .engine.lock import Redlock
+from .engine.names import signature, task_lock_name
 from .exceptions import LockBusy, LockKeyError, LockLost, NodeUnavailable
-from .keys import _signature as signature
-from .keys import task_lock_name
-from .lock import Redlock
-from .settings import TASK_OPTIONS, Settings, TaskLockOptions, from_conf, resolve_task_options
+from .options import TASK_OPTIONS, TaskLockOptions, resolve_task_options
+from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, requeues
+from .settings import Settings, from_conf
 
-__all__ = ["LockedTask", "TaskLockOptions", "announce_lock", "app_settings", "lock_options"]
+__all__ = [
+    "LockedTask",
+    "acquire_for",
+    "announce_lock",
+    "app_settings",
+    "forget_options",
+    "held_lock",
+    "lock_options",
+    "pop_lock",
+    "push_lock",
+    "task_options",
+]
 
 logger = logging.getLogger("celery_redlock.task")
 
@@ -125,7 +120,7 @@ def lock_options(task: Task) -> TaskLockOptions:
     come first. A task class made lockable by configuration from a project's own
     base class has no ``lock_*`` options of ours besides those: its attributes of
     that name, if any, are the project's. The work is
-    :func:`celery_redlock.settings.resolve_task_options`'s, which ``doctor`` calls too.
+    :func:`celery_redlock.options.resolve_task_options`'s, which ``doctor`` calls too.
 
     Raises:
         ConfigurationError: naming the task, the option and the accepted values (and
@@ -287,7 +282,7 @@ class LockedTask(Task):
         """
         result = super().apply(args, kwargs, link, link_error, task_id, retries, throw, **options)
         skipped = result.result if result.state == states.IGNORED else None
-        if not isinstance(skipped, _Skipped):
+        if not isinstance(skipped, Skipped):
             return result
         if self.app.conf.task_eager_propagates if throw is None else throw:
             raise skipped.busy
@@ -322,7 +317,7 @@ def acquire_for(
         limit=options.limit,
         fair=options.fair,
     )
-    lock.on_lost = partial(_on_lost, task, task_id, options.on_lost, lock)
+    lock.on_lost = partial(apply_on_lost, task, task_id, options.on_lost, lock)
     announce_lock(reaper.announce, lock, task_id)
     try:
         waited = _take(lock, options, task_id)
@@ -338,9 +333,9 @@ def acquire_for(
         raise
     except LockBusy as busy:
         announce_lock(reaper.forget, lock, task_id)
-        _busy(task, task_id, busy, options)
-    maybe_duplicate = waited or task.request.retries or _header(task.request, REQUEUES_HEADER)
-    if maybe_duplicate and _already_done(task, task_id):
+        apply_on_busy(task, task_id, busy, options)
+    maybe_duplicate = waited or task.request.retries or requeues(task.request)
+    if maybe_duplicate and already_done(task, task_id):
         # Another delivery of this task id finished while this one waited: behind the
         # lock (wait), on the queue (retry, or requeued as a duplicate). Running it again
         # would run the task twice.
@@ -388,98 +383,3 @@ def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> bool:
             lock.try_acquire()
         return True
     return False
-
-
-#: Header counting how often a duplicate delivery was put back; sets its backoff.
-REQUEUES_HEADER = "redlock_requeues"
-
-
-def _requeue_duplicate(task: Task, task_id: str, busy: LockBusy) -> None:
-    """The lock is held under this very task id: put this delivery back for later.
-
-    This is a second delivery of a message whose first delivery holds the lock: an
-    acks_late redelivery while it runs, a ``retry(countdown=0)`` picked up before the
-    first attempt released, or a redelivery after the first delivery's worker died
-    and before its lock expired. Running now would overlap; dropping the message
-    would lose the task in the last two cases. So the message is published again
-    with a growing delay (never beyond the holder's lease) and this delivery ends as
-    ignored, storing nothing. When the copy runs and the task id already has a final
-    result from the first delivery, it does not run again (see :func:`acquire_for`).
-    """
-    requeues = _header(task.request, REQUEUES_HEADER) + 1
-    countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(requeues, 8))
-    signature = task.signature_from_request(task.request, countdown=countdown)
-    signature.set(headers={REQUEUES_HEADER: requeues})
-    signature.apply_async()
-    logger.info(
-        "Task %s[%s] is held by an earlier delivery of itself; trying again in %.2fs: %s",
-        task.name,
-        task_id,
-        countdown,
-        busy,
-    )
-    raise Ignore(str(busy))
-
-
-def _header(request: Any, name: str) -> int:
-    value = getattr(request, name, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name)
-    try:
-        return int(value or 0)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _already_done(task: Task, task_id: str) -> bool:
-    """Whether an earlier delivery of ``task_id`` stored a final result."""
-    if task.ignore_result:
-        return False
-    try:
-        state = task.backend.get_task_meta(task_id).get("status")
-    except Exception:  # no usable backend: run (at least once beats at most once)
-        return False
-    return state in states.READY_STATES
-
-
-def _busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
-    """Apply ``lock_on_busy``; always raises."""
-    if busy.holder == task_id:
-        _requeue_duplicate(task, task_id, busy)
-    policy = options.on_busy
-    if policy == "retry":
-        logger.info(
-            "Task %s[%s] retries in %ss: %s", task.name, task_id, options.retry_countdown, busy
-        )
-        raise task.retry(exc=busy, countdown=options.retry_countdown)
-    if policy == "skip":
-        logger.info("Task %s[%s] skipped: %s", task.name, task_id, busy)
-        if not task.ignore_result:
-            task.backend.mark_as_failure(task_id, busy, request=task.request, call_errbacks=False)
-        raise _Skipped(busy)
-    raise busy
-
-
-class _Skipped(Ignore):
-    """The Ignore a skipped run ends with; carries the LockBusy for an eager result."""
-
-    def __init__(self, busy: LockBusy) -> None:
-        super().__init__(str(busy))
-        self.busy = busy
-
-
-def _on_lost(task: Task, task_id: str, policy: str, lock: Redlock, exc: LockLost) -> None:
-    """Called by the renewer when the lease of a running task is lost."""
-    if policy == "ignore":
-        logger.error("Task %s[%s] lost its lock (%s); it keeps running", task.name, task_id, exc)
-        return
-    if policy == "revoke" and reaper.in_pool_child():
-        logger.error("Task %s[%s] lost its lock (%s); revoking it", task.name, task_id, exc)
-        try:
-            task.app.control.revoke(task_id, terminate=True, signal="SIGTERM")
-            return
-        except Exception:  # broker unreachable: stopping the body must not depend on it
-            logger.exception("Task %s[%s]: revoke failed; aborting instead", task.name, task_id)
-    logger.error("Task %s[%s] lost its lock (%s); aborting it", task.name, task_id, exc)
-    if not abort.abort(lock.lease, exc):
-        logger.debug("Task %s[%s] had already ended", task.name, task_id)

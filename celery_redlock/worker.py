@@ -31,9 +31,9 @@ from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
 from . import abort, config_only, metrics, reaper
+from .engine.renewal import get_renewer
 from .nodes import NodeSet, safe_url
 from .reaper import Reaper
-from .renewal import get_renewer
 from .task import LockedTask, announce_lock, app_settings, lock_options, pop_lock
 
 __all__ = ["RedlockStep", "install"]

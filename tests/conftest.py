@@ -44,6 +44,11 @@ from tests.harness import (  # noqa: E402
 from tests.harness.cluster import RedisCluster  # noqa: E402
 from tests.harness.servers import close_all, wait_for  # noqa: E402
 
+#: The module of the process's renewer, looked up after every test by that name (a
+#: name a move of the module would leave stale: tests/unit/engine/test_renewal.py
+#: checks it).
+RENEWAL_MODULE = "celery_redlock.engine.renewal"
+
 
 @pytest.fixture(autouse=True)
 def no_leftover_leases() -> Iterator[None]:
@@ -58,8 +63,8 @@ def no_leftover_leases() -> Iterator[None]:
     their keys expire on their own. The renewer and its thread stay, as in production.
     """
     yield
-    renewal = sys.modules.get("celery_redlock.renewal")  # never import it: that connects
-    if renewal is not None:  # the worker signals, and changes what plain tests see
+    renewal = sys.modules.get(RENEWAL_MODULE)  # never import it: that connects the
+    if renewal is not None:  # worker signals, and changes what plain tests see
         _drain(renewal._renewer)
 
 

@@ -1,10 +1,10 @@
 """The package's layers: a module never imports a module of a higher layer.
 
-From the bottom: shared basics; the nodes (how to talk to Redis masters); the lock
-engine; the Celery integration; operations (CLI, doctor). ``docs/design.md`` draws
-them. Every import counts, including those inside functions and under
-``TYPE_CHECKING``: a lazy import is still a dependency (and was the package's one
-import cycle, nodes <-> cluster).
+From the bottom: shared basics (``exceptions``, ``metrics``); ``nodes/`` (how to talk
+to Redis masters); ``engine/`` (the lock); the Celery integration (the top-level
+modules); ``ops/`` (the CLI and doctor). ``docs/design.md`` draws them. Every import
+counts, including those inside functions and under ``TYPE_CHECKING``: a lazy import is
+still a dependency (and was the package's one import cycle, nodes <-> cluster).
 """
 
 from __future__ import annotations
@@ -16,86 +16,127 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "celery_redlock"
 
-#: Lowest first. A module may import its own layer and the ones before it.
+#: Lowest first. A module may import its own layer and the ones before it. A layer is a
+#: subpackage or a set of top-level modules.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"exceptions", "metrics", "threads"}),
-    ("nodes", {"nodes", "cluster"}),
-    ("engine", {"keys", "timing", "scripts", "renewal", "waiting", "lock"}),
-    ("integration", {"settings", "task", "worker", "beat", "config_only", "abort", "reaper"}),
-    ("ops", {"cli", "doctor", "shares"}),
+    ("base", {"exceptions", "metrics"}),
+    ("nodes", {"nodes"}),
+    ("engine", {"engine"}),
+    (
+        "integration",
+        {
+            "settings",
+            "options",
+            "task",
+            "policies",
+            "worker",
+            "beat",
+            "config_only",
+            "abort",
+            "reaper",
+        },
+    ),
+    ("ops", {"ops"}),
 ]
-LAYER_OF = {module: rank for rank, (_, modules) in enumerate(LAYERS) for module in modules}
+LAYER_OF = {unit: rank for rank, (_, units) in enumerate(LAYERS) for unit in units}
+#: ``celery_redlock`` itself (its ``__init__``) imports the Celery integration.
+ROOT_RANK = LAYER_OF["task"]
+
+#: Within a layer, modules that only the named ones may import: the node factory
+#: registry is how ``nodes`` reaches the cluster node without importing it.
+PRIVATE_TO = {
+    "celery_redlock.nodes.cluster": {"celery_redlock.engine.lock"},
+}
 
 
-def _module_of(path: Path) -> str:
-    relative = path.relative_to(PACKAGE).with_suffix("")
-    parts = [p for p in relative.parts if p != "__init__"]
-    return parts[0] if parts else ""  # "" is the package itself: it may import anything
+def _dotted(path: Path) -> tuple[str, bool]:
+    """``path``'s module name and whether it is a package's ``__init__``."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
 
 
-def _imports(path: Path) -> set[str]:
-    """The package's top-level modules ``path`` imports (relative or absolute)."""
-    depth = len(path.relative_to(PACKAGE).parts) - 1  # 0 for celery_redlock/x.py
-    return _imported(path.read_text("utf-8"), depth)
-
-
-def _imported(source: str, depth: int) -> set[str]:
+def _imported(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Absolute names of what ``source`` (the text of ``module``) imports from the package."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                if node.level - 1 < depth:
-                    continue  # within a subpackage (scripts/...)
-                if node.module:
-                    found.add(node.module.split(".")[0])
-                else:
-                    found.update(alias.name for alias in node.names)
+                base = package[: len(package) - (node.level - 1)]
             elif node.module and node.module.split(".")[0] == "celery_redlock":
-                rest = node.module.split(".")[1:]
-                found.update(rest[:1] or [alias.name for alias in node.names])
+                base = []
+            else:
+                continue
+            target = [*base, *(node.module.split(".") if node.module else [])]
+            found.update(".".join([*target, alias.name]) for alias in node.names)
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == "celery_redlock" and len(parts) > 1:
-                    found.add(parts[1])
+            found.update(
+                alias.name for alias in node.names if alias.name.split(".")[0] == "celery_redlock"
+            )
     return found
 
 
+def _rank(name: str) -> int:
+    parts = name.split(".")
+    return LAYER_OF.get(parts[1], ROOT_RANK) if len(parts) > 1 else ROOT_RANK
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
 def test_every_module_has_a_layer():
-    """A new module must be placed in a layer (and docs/design.md) before it lands."""
-    modules = {_module_of(p) for p in PACKAGE.rglob("*.py")} - {""}
-    assert modules - set(LAYER_OF) == set(), "add these modules to LAYERS and docs/design.md"
+    """A new module or subpackage must be placed in a layer (and docs/design.md)."""
+    units = {_dotted(p)[0].split(".")[1] for p in _sources() if _dotted(p)[0] != "celery_redlock"}
+    assert units - set(LAYER_OF) == set(), "add these to LAYERS and docs/design.md"
 
 
-@pytest.mark.parametrize(
-    "path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE))
-)
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_module_imports_a_higher_layer(path):
     """Lower layers know nothing of higher ones: the engine runs without Celery."""
-    module = _module_of(path)
-    if not module:
+    module, is_package = _dotted(path)
+    if module == "celery_redlock":
         return
-    rank = LAYER_OF[module]
-    higher = sorted(
-        f"{imported} ({LAYERS[LAYER_OF[imported]][0]})"
-        for imported in _imports(path)
-        if imported in LAYER_OF and LAYER_OF[imported] > rank
-    )
+    rank = _rank(module)
+    imported = _imported(path.read_text("utf-8"), module, is_package)
+    higher = sorted(f"{name} ({LAYERS[_rank(name)][0]})" for name in imported if _rank(name) > rank)
     assert not higher, f"{module} ({LAYERS[rank][0]}) imports a higher layer: {higher}"
+    for name in imported:
+        for private, allowed in PRIVATE_TO.items():
+            if (name == private or name.startswith(private + ".")) and module != private:
+                assert module in allowed, f"{module} imports {private}, which only {allowed} may"
 
 
 def test_the_checker_sees_every_form_of_import():
     """Lazy, relative, absolute and TYPE_CHECKING imports all count (the old cycle was lazy)."""
     source = (
         "from typing import TYPE_CHECKING\n"
-        "from . import metrics\n"
+        "from .. import metrics\n"
         "import celery_redlock.beat\n"
-        "from celery_redlock.doctor import run\n"
+        "from celery_redlock.ops.doctor import run\n"
         "if TYPE_CHECKING:\n"
-        "    from .settings import Settings\n"
+        "    from ..settings import Settings\n"
         "def f():\n"
         "    from .cluster import ClusterNode\n"
     )
-    assert _imported(source, 0) == {"metrics", "beat", "doctor", "settings", "cluster"}
-    # Inside a subpackage, ``from . import x`` is a sibling there, ``..`` the package.
-    assert _imported("from . import a\nfrom ..keys import K\n", 1) == {"keys"}
+    assert _imported(source, "celery_redlock.nodes.calls") == {
+        "celery_redlock.metrics",
+        "celery_redlock.beat",
+        "celery_redlock.ops.doctor.run",
+        "celery_redlock.settings.Settings",
+        "celery_redlock.nodes.cluster.ClusterNode",
+    }
+    # In a package's __init__, ``from . import x`` is that package's x.
+    assert _imported("from . import a\n", "celery_redlock.engine", is_package=True) == {
+        "celery_redlock.engine.a"
+    }
+    assert _rank("celery_redlock.engine.keys.K") < _rank("celery_redlock.task")
+    assert _rank("celery_redlock.Redlock") == ROOT_RANK  # the package root: integration
+
+
+def test_a_violation_is_reported():
+    """The engine importing the Celery integration fails the check (it is not vacuous)."""
+    imported = _imported("from ..task import LockedTask\n", "celery_redlock.engine.lock")
+    assert [_rank(name) > _rank("celery_redlock.engine.lock") for name in imported] == [True]

@@ -58,7 +58,7 @@ def test_wheel_ships_lua_scripts_and_py_typed(dist, tmp_path):
     wheel = dist["wheel"]
     names = zipfile.ZipFile(wheel).namelist()
     lua = sorted(Path(n).name for n in names if n.endswith(".lua"))
-    shipped = sorted(p.name for p in (ROOT / "celery_redlock" / "scripts").glob("*.lua"))
+    shipped = sorted(p.name for p in (ROOT / "celery_redlock" / "engine" / "scripts").glob("*.lua"))
     assert lua == shipped
     assert "celery_redlock/py.typed" in names
     target = tmp_path / "site"
@@ -77,7 +77,7 @@ def test_wheel_ships_lua_scripts_and_py_typed(dist, tmp_path):
         check=True,
     )
     probe = (
-        "import celery_redlock, celery_redlock.scripts as s; "
+        "import celery_redlock, celery_redlock.engine.scripts as s; "
         f"assert celery_redlock.__file__.startswith({str(target)!r}), celery_redlock.__file__; "
         "print(len([s.ACQUIRE, s.RENEW_MANY, s.RELEASE, s.RELEASE_IF, s.FENCE_SYNC, "
         "s.INSPECT]))"
@@ -167,8 +167,8 @@ def test_sdist_ships_a_test_suite_that_runs(dist, tmp_path):
     assert re.search(r"^\d+ tests collected", collected.stdout, re.M), collected.stdout[-500:]
     probe = "import celery_redlock, sys; print(celery_redlock.__file__)"
     ran = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_scripts.py",
-         "-k", "acquire_grants or release_deletes"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/unit/engine/test_scripts.py", "-k", "acquire_grants or release_deletes"],
         cwd=tree, capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-2000:]

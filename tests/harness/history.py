@@ -12,7 +12,7 @@ lock nodes cannot touch the evidence):
 * increments of a **counter** protected by the lock, done non-atomically (GET, pause,
   SET) so that two sections running at once lose an update.
 
-All times come from one clock, :data:`celery_redlock.renewal.clock` (CLOCK_BOOTTIME on
+All times come from one clock, :data:`celery_redlock.engine.lease.clock` (CLOCK_BOOTTIME on
 Linux): it is system-wide, so processes of one host can be compared, and it is the clock
 of the library's own lease deadlines, so a section can be cut at the deadline its holder
 knew.
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import redis
 
-from celery_redlock.renewal import clock
+from celery_redlock.engine.lease import clock
 
 __all__ = [
     "REGISTER_SOURCE",

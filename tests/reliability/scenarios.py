@@ -18,7 +18,7 @@ from typing import Any
 from unittest import mock
 
 from celery_redlock import LockLost, NodeUnavailable, Redlock
-from celery_redlock.renewal import clock
+from celery_redlock.engine.lease import clock
 from tests.harness.history import History, Section
 from tests.harness.servers import wait_for
 from tests.reliability.workload import Lab, Outcome, Progress, lease_deadline, run_holders

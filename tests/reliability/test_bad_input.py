@@ -3,8 +3,8 @@
 What must hold whatever the input: nothing crashes (only the library's own, documented
 exceptions come out), every error names what was wrong (the task and argument, or the
 setting), argument values never reach Redis keys, and no script releases or extends a
-lock whose token it was not given. tests/test_keys.py, tests/test_settings.py and
-tests/test_scripts.py have the hand-picked cases; these are the generated ones.
+lock whose token it was not given. tests/unit/engine/test_keys.py, tests/unit/test_settings.py and
+tests/unit/engine/test_scripts.py have the hand-picked cases; these are the generated ones.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from celery_redlock import ConfigurationError, LockKeyError
-from celery_redlock.keys import MAX_DEPTH, lock_keys, release_keys, task_lock_name
-from celery_redlock.scripts import (
+from celery_redlock.engine.keys import lock_keys, release_keys
+from celery_redlock.engine.names import MAX_DEPTH, task_lock_name
+from celery_redlock.engine.scripts import (
     ACQUIRE,
     ACQUIRE_SHARED,
     BEAT_CLAIM,

@@ -1,9 +1,9 @@
 """Quick mode of the Celery scenario (see :mod:`tests.reliability.celery_scenario`).
 
 Covered elsewhere and not repeated here: Redis down at task start fails closed
-(``tests/test_celery_task.py::test_redis_down_fails_closed``), a redelivery after the
+(``tests/integration/test_task.py::test_redis_down_fails_closed``), a redelivery after the
 holder died (``test_redelivery_after_the_holder_died_still_runs``), the hard time limit
-(``tests/test_celery_processes.py::test_hard_time_limit_kill_releases_the_lock``).
+(``tests/integration/test_processes.py::test_hard_time_limit_kill_releases_the_lock``).
 """
 
 from __future__ import annotations

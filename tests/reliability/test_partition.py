@@ -12,7 +12,7 @@ import time
 import pytest
 
 from celery_redlock import NodeUnavailable, Redlock
-from celery_redlock.renewal import clock
+from celery_redlock.engine.lease import clock
 from tests.harness import wait_for
 from tests.harness.netns import NetnsRedisServer, available
 

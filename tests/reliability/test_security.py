@@ -7,7 +7,7 @@ from tests.apps.locked import create_app
 from tests.harness import close_app, lock_keys, wait_for
 from tests.reliability import scenarios
 from tests.reliability.workload import run_holders
-from tests.test_topologies import MINIMAL_ACL, acl_user
+from tests.unit.nodes.test_topologies import MINIMAL_ACL, acl_user
 
 SAMPLES = 1000
 
@@ -65,7 +65,7 @@ def test_argument_values_never_appear_in_keys(celery_redis, inprocess_worker_fac
 def test_an_acl_user_with_the_documented_commands_runs_a_full_scenario(lab):
     """Eight processes on 3 nodes, as a user allowed only the documented command set.
 
-    tests/test_topologies.py checks each operation one by one; this is the same user
+    tests/unit/nodes/test_topologies.py checks each operation one by one; this is the same user
     under contention, renewals and waiting for releases.
     """
     servers = lab.servers(3)

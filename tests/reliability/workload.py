@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_redlock import LockLost, NodeUnavailable, Redlock
-from celery_redlock.renewal import clock
+from celery_redlock.engine.lease import clock
 from tests.harness.faultproxy import FaultProxy
 from tests.harness.history import History, Section, Violation
 from tests.harness.servers import RedisServer, wait_for

@@ -1,0 +1,193 @@
+r"""Redis key names: the only module that builds them.
+
+A lock named ``NAME`` under the prefix ``redlock:`` uses::
+
+    redlock:{NAME}            hash: token, fence, task_id, task_name, host, pid,
+                              acquired_at, ttl
+    redlock:{NAME}:fence      fence counter (an integer that only grows; no TTL)
+    redlock:{NAME}:released   pub/sub channel: one message per release
+    redlock:{NAME}:state      hash of per-entry last run times (beat leader locks only)
+    redlock:{NAME}:shared     sorted set: shared holders (read locks, ``limit`` slots),
+                              token -> lease deadline in ms on the node's clock; the
+                              member :data:`WRITER_MARK` marks a writer waiting for them
+    redlock:{NAME}:holders    hash: shared holder token -> JSON object with fence,
+                              task_id, host, pid, acquired_at, task_name, ttl
+    redlock:{NAME}:queue      sorted set: fair waiters, token -> arrival order
+    redlock:{NAME}:waiting    sorted set: fair waiters, token -> deadline in ms
+
+The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
+and one script can touch them all. Redis hashes a key by the text between its first
+``{`` and the first ``}`` after it, and by the whole key when that text is empty; so
+a name that begins with ``}`` (``redlock:{}x}`` has an empty tag) or with the escape
+``\`` is written with a ``\`` in front: ``}x`` -> ``redlock:{\}x}``, ``\x`` ->
+``redlock:{\\x}``. Every other name appears as it is, and the tag is never empty:
+it is the name up to its first ``}``. The prefix may not contain braces (they would
+move the tag). :func:`lock_name_of` reads the name back from a lock key, and
+:func:`parse_key` tells which lock any of these keys belongs to.
+
+The scripts build no key: each receives every key it touches, the release channel
+included, in ``KEYS`` (:func:`release_keys` and the ``LockKeys`` methods give each
+script's list), so a key's layout is written here only.
+
+Names of task locks (from the task and its arguments) are made in
+:mod:`celery_redlock.engine.names`; this module takes any name as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ..exceptions import ConfigurationError
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "MAX_NAME_LENGTH",
+    "SUFFIXES",
+    "WRITER_MARK",
+    "LockKeys",
+    "is_lock_key",
+    "keys_of",
+    "lock_keys",
+    "lock_name_of",
+    "parse_key",
+    "release_keys",
+    "validate_prefix",
+]
+
+DEFAULT_PREFIX = "redlock:"
+
+#: Longest lock name accepted, in characters. Task locks hash their arguments, so
+#: their names stay short whatever the arguments are; this only guards hand-made
+#: names from growing keys without bound.
+MAX_NAME_LENGTH = 512
+
+
+#: The member of a lock's shared set that marks a writer waiting for the shared
+#: holders to leave (never a token: tokens are hex). The scripts get it as the Lua
+#: constant ``WRITER_MARK`` (see :mod:`celery_redlock.engine.scripts`).
+WRITER_MARK = "!writer"
+
+
+class LockKeys(NamedTuple):
+    """The Redis names one lock uses."""
+
+    lock: str
+    fence: str
+    channel: str  # redlock:{NAME}:released
+    state: str
+    shared: str
+    holders: str
+    queue: str
+    waiting: str
+
+    @property
+    def resource(self) -> tuple[str, str, str, str]:
+        """The keys every acquisition checks: lock, fence, shared holders, their info."""
+        return (self.lock, self.fence, self.shared, self.holders)
+
+    @property
+    def fair(self) -> tuple[str, str]:
+        """The fair waiting queue and its waiters' deadlines."""
+        return (self.queue, self.waiting)
+
+    @property
+    def release_shared(self) -> tuple[str, str, str]:
+        """KEYS of ``release_shared.lua``: the channel, the shared set and its details."""
+        return (self.channel, self.shared, self.holders)
+
+    @property
+    def fair_leave(self) -> tuple[str, str, str, str]:
+        """KEYS of ``fair_leave.lua``: the lock, the queue, its deadlines, the channel."""
+        return (self.lock, self.queue, self.waiting, self.channel)
+
+    @property
+    def release_if(self) -> tuple[str, str, str, str]:
+        """KEYS of ``release_if.lua``: the lock and channel, then the shares."""
+        return (self.lock, self.channel, self.shared, self.holders)
+
+    @property
+    def fence_sync(self) -> tuple[str, str, str]:
+        """KEYS of ``fence_sync.lua``: the lock, its fence counter, the shares' details."""
+        return (self.lock, self.fence, self.holders)
+
+    @property
+    def inspect(self) -> tuple[str, str]:
+        """KEYS of ``inspect.lua``: the lock and its fence counter."""
+        return (self.lock, self.fence)
+
+
+#: What follows the lock key in each of its keys (``""`` for the lock key itself).
+SUFFIXES: dict[str, str] = {
+    field: "" if field == "lock" else f":{'released' if field == 'channel' else field}"
+    for field in LockKeys._fields
+}
+
+
+def release_keys(resources: Sequence[LockKeys], *, fair: bool = False) -> tuple[str, ...]:
+    """KEYS of ``release.lua``: each lock with its channel (then the fair queue's keys)."""
+    keys = tuple(key for resource in resources for key in (resource.lock, resource.channel))
+    return keys + resources[0].fair if fair else keys
+
+
+def validate_prefix(prefix: str, setting: str = "redlock_key_prefix") -> str:
+    """Return ``prefix`` if it can prefix lock keys, else raise ConfigurationError.
+
+    ``setting`` is the name the error gives the prefix (``key_prefix`` for
+    :class:`~celery_redlock.Redlock`'s argument).
+    """
+    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+        raise ConfigurationError(
+            f"{setting} must be a string without '{{' or '}}' (they would change "
+            f"the cluster hash tag), got {prefix!r}"
+        )
+    return prefix
+
+
+#: Put in front of a name that begins with ``}`` (whose hash tag would be empty) or
+#: with this escape itself (so the escaping stays one-to-one).
+TAG_ESCAPE = "\\"
+
+
+def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
+    """The keys of the lock called ``name`` (every one in the slot of one hash tag)."""
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"a lock name must be a non-empty string, got {name!r}")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ConfigurationError(
+            f"lock name is {len(name)} characters long, the limit is {MAX_NAME_LENGTH}: "
+            "hash long names before using them"
+        )
+    validate_prefix(prefix, "key_prefix")
+    tagged = TAG_ESCAPE + name if name.startswith(("}", TAG_ESCAPE)) else name
+    return keys_of(f"{prefix}{{{tagged}}}")
+
+
+def is_lock_key(key: str, prefix: str = DEFAULT_PREFIX) -> bool:
+    """Whether ``key`` is a lock hash ``<prefix>{<name>}`` (not a fence counter or state)."""
+    return key.startswith(prefix + "{") and key.endswith("}") and len(key) > len(prefix) + 2
+
+
+def parse_key(key: str, prefix: str = DEFAULT_PREFIX) -> tuple[LockKeys, str] | None:
+    """The lock ``key`` belongs to, and which of its keys it is (a :class:`LockKeys` field).
+
+    None when ``key`` is none of a lock's keys under ``prefix``. A lock key always
+    ends with ``}``, so no other key of a lock can be read as one.
+    """
+    for field, suffix in SUFFIXES.items():
+        if key.endswith(suffix):
+            lock = key[: len(key) - len(suffix)]
+            if is_lock_key(lock, prefix):
+                return keys_of(lock), field
+    return None
+
+
+def lock_name_of(lock: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The lock name of a lock key ``<prefix>{<name>}``: :func:`lock_keys` undone."""
+    tagged = lock[len(prefix) + 1 : -1]
+    return tagged[len(TAG_ESCAPE) :] if tagged.startswith(TAG_ESCAPE) else tagged
+
+
+def keys_of(lock: str) -> LockKeys:
+    """Every key of a lock, from its lock key (``<prefix>{<name>}``)."""
+    return LockKeys(*(lock + SUFFIXES[field] for field in LockKeys._fields))

@@ -1,0 +1,326 @@
+"""The kinds of lock: what each one sends to the nodes and how it reads their answers.
+
+A :class:`~celery_redlock.Redlock` is of one kind, picked once from its arguments by
+:func:`kind_of`:
+
+* :class:`Exclusive`: one holder at a time, on one resource or on several taken
+  together (every exclusive script takes a list of resources; one resource is a list
+  of one, so several resources need no kind of their own);
+* :class:`Fair`: exclusive on one resource, and blocking waiters are served in
+  arrival order through a queue on the nodes;
+* :class:`Shared`: any number of holders, or at most ``limit``, never beside an
+  exclusive holder (``mode="shared"``, or ``limit=``).
+
+A kind builds the script calls of each step (acquire, release, leave the queue,
+store fences back), names the keys a renewal extends, reads the nodes' answers to
+``owned`` and ``locked``, and says how many nodes make a quorum. It keeps no state
+beyond the lock's keys and shape, and makes no network call: the lock sends what
+the kind builds, and keeps the vote, the lease and the per-thread holds, which are
+the same for every kind.
+"""
+
+from __future__ import annotations
+
+import abc
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+from ..nodes import Call
+from .keys import LockKeys, lock_keys, release_keys
+from .scripts import ACQUIRE, ACQUIRE_SHARED, FAIR_LEAVE, FENCE_SYNC, RELEASE, RELEASE_SHARED
+from .timing import check_kind
+
+__all__ = ["Exclusive", "Fair", "Holder", "Kind", "Shared", "Waiter", "kind_of", "majority"]
+
+
+class Holder(NamedTuple):
+    """Who acquires, as the acquire scripts record it (``celery redlock ls`` shows it)."""
+
+    task_id: str
+    host: str
+    pid: int
+    acquired_at: str  #: unix seconds on this host's clock, for display only
+    task_name: str
+
+
+class Waiter:
+    """One acquire call's identity across its attempts (a fair waiter keeps its place)."""
+
+    __slots__ = ("arrival", "blocking", "sent", "token")
+
+    def __init__(self, blocking: bool, arrival: str = "") -> None:
+        self.token = secrets.token_hex(16)
+        self.blocking = blocking
+        self.sent = False  # a request with this token went out
+        self.arrival = arrival
+
+
+def majority(nodes: int) -> int:
+    """Nodes that must grant an exclusive hold: two majorities always intersect."""
+    return nodes // 2 + 1
+
+
+class Kind(abc.ABC):
+    """What one kind of lock sends to the nodes, and how it reads their answers.
+
+    ``Redlock`` asks its kind these questions instead of testing its mode.
+    """
+
+    #: ``Redlock.mode``: ``exclusive`` or ``shared``.
+    mode: ClassVar[str]
+    #: ``Redlock.fair``: blocking waiters are served in arrival order.
+    fair: ClassVar[bool] = False
+    #: A hold leaves room for others (a share): when one waiter of this process gets
+    #: in, the next one is woken too, not only by the next release.
+    admits_others: ClassVar[bool] = False
+    #: A blocked attempt leaves a mark on the nodes that lapses after one ttl (a
+    #: writer waiting for shared holders, a place in the fair queue): the waiter
+    #: comes back within a renewal interval to refresh it, even if the holder's
+    #: lease is longer.
+    refreshes_while_waiting: ClassVar[bool] = False
+
+    #: ``Redlock.limit``: at most this many shared holders (None: no limit).
+    limit: int | None = None
+
+    def __init__(self, resources: Sequence[LockKeys]) -> None:
+        self.resources = tuple(resources)
+        #: The first (for most kinds, the only) resource's keys.
+        self.keys = self.resources[0]
+
+    def describe(self) -> str:
+        """The kind as ``repr`` shows it (nothing for an exclusive lock, fair or not)."""
+        return ""
+
+    def quorum(self, nodes: int) -> int:
+        """Nodes of ``nodes`` that must grant (and renew) a hold."""
+        return majority(nodes)
+
+    def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
+        """The identity of one acquire call on ``nodes`` nodes."""
+        return Waiter(blocking)
+
+    def wake_token(self, waiter: Waiter) -> str | None:
+        """The token a release announcement names to wake ``waiter`` (None: any waiter)."""
+        return None
+
+    def leave_call(self, token: str) -> Call | None:
+        """The call that gives up a waiter's place in a queue, if the kind queues."""
+        return None
+
+    @abc.abstractmethod
+    def acquire_call(self, waiter: Waiter, ttl_ms: int, holder: Holder) -> Call:
+        """One attempt of ``waiter`` to take a ``ttl_ms`` lease."""
+
+    @abc.abstractmethod
+    def release_call(self, token: str) -> Call:
+        """The call that releases ``token``'s hold.
+
+        A lock's finalizer keeps this bound method, so a kind never refers to its lock
+        object (the lock could then never be garbage-collected).
+        """
+
+    @abc.abstractmethod
+    def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
+        """Store ``fences`` (one per resource) back on a granting node."""
+
+    @abc.abstractmethod
+    def renew_entries(self) -> tuple[tuple[str, str], ...]:
+        """What a renewal extends: (key, kind) pairs, as ``renew_many.lua`` takes them."""
+
+    @abc.abstractmethod
+    def owned_calls(self, token: str) -> list[Call]:
+        """The query whose answer :meth:`owns` reads."""
+
+    @abc.abstractmethod
+    def owns(self, values: list[Any], token: str) -> bool:
+        """Whether one node's answer to :meth:`owned_calls` says ``token`` holds the lock."""
+
+    @abc.abstractmethod
+    def locked_calls(self) -> list[Call]:
+        """The query whose answer :meth:`held` reads."""
+
+    @abc.abstractmethod
+    def held(self, values: list[Any]) -> bool:
+        """Whether one node's answer to :meth:`locked_calls` would make ``acquire`` wait."""
+
+
+class Exclusive(Kind):
+    """One holder at a time, on one resource or on several taken together (all or none)."""
+
+    mode = "exclusive"
+    # A blocking writer kept out by shared holders marks itself waiting on the nodes.
+    refreshes_while_waiting = True
+
+    def acquire_call(self, waiter: Waiter, ttl_ms: int, holder: Holder) -> Call:
+        """``acquire.lua`` on every resource at once."""
+        keys = tuple(key for resource in self.resources for key in resource.resource)
+        return Call(
+            ACQUIRE,
+            keys + self._queue_keys(),
+            (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "",
+             self._queue_arg(waiter, ttl_ms), waiter.arrival),
+        )  # fmt: skip
+
+    def _queue_keys(self) -> tuple[str, ...]:
+        return ()
+
+    def _queue_arg(self, waiter: Waiter, ttl_ms: int) -> str:
+        return ""  # no fair waiting
+
+    def release_call(self, token: str) -> Call:
+        """``release.lua`` on every resource."""
+        return Call(RELEASE, release_keys(self.resources), (token,))
+
+    def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
+        """One ``fence_sync.lua`` call per resource."""
+        return [
+            Call(FENCE_SYNC, resource.fence_sync, (token, fence, ""))
+            for resource, fence in zip(self.resources, fences, strict=True)
+        ]
+
+    def renew_entries(self) -> tuple[tuple[str, str], ...]:
+        """Each resource's lock hash."""
+        return tuple((resource.lock, "x") for resource in self.resources)
+
+    def owned_calls(self, token: str) -> list[Call]:
+        """Each resource's holder token."""
+        return [Call.command("HGET", resource.lock, "token") for resource in self.resources]
+
+    def owns(self, values: list[Any], token: str) -> bool:
+        """``token`` holds every resource on the node."""
+        return all(value == token for value in values)
+
+    def locked_calls(self) -> list[Call]:
+        """How many of the resources are held exclusively."""
+        return [Call.command("EXISTS", *(resource.lock for resource in self.resources))]
+
+    def held(self, values: list[Any]) -> bool:
+        """Any of the resources is held exclusively."""
+        return bool(values[0] > 0)
+
+
+class Fair(Exclusive):
+    """Exclusive on one resource; blocking waiters queue on the nodes in arrival order.
+
+    A waiter refreshes its place while it waits, so one that dies leaves the queue
+    within one ttl; a release names the head of the queue, and only that waiter is
+    woken.
+    """
+
+    fair = True
+
+    def __init__(self, keys: LockKeys) -> None:
+        super().__init__((keys,))
+
+    def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
+        """A waiter with its arrival stamped, when several nodes must agree on the order.
+
+        One node numbers arrivals itself; several cannot, so the waiter stamps its
+        arrival (clocks of different hosts order it roughly).
+        """
+        return Waiter(blocking, f"{time.time() * 1000:.3f}" if nodes > 1 else "")
+
+    def wake_token(self, waiter: Waiter) -> str | None:
+        """A fair waiter is woken only by the release that names it."""
+        return waiter.token
+
+    def _queue_keys(self) -> tuple[str, ...]:
+        return self.keys.fair
+
+    def _queue_arg(self, waiter: Waiter, ttl_ms: int) -> str:
+        # The place lasts one lease unless refreshed; a non-blocking try does not queue.
+        return str(ttl_ms if waiter.blocking else 0)
+
+    def release_call(self, token: str) -> Call:
+        """The release also hands the lock's turn to the head of the queue."""
+        return Call(RELEASE, release_keys(self.resources, fair=True), (token, "fair"))
+
+    def leave_call(self, token: str) -> Call | None:
+        """A waiter that gives up leaves the queue (else it would hold it up for a ttl)."""
+        return Call(FAIR_LEAVE, self.keys.fair_leave, (token,))
+
+
+class Shared(Kind):
+    """Any number of holders of one resource, or at most ``limit``; never a writer too.
+
+    A share's lease is two entries (its place in the shared set and its details),
+    and a limit above 1 needs more than a majority of nodes (:meth:`quorum`).
+    """
+
+    mode = "shared"
+    admits_others = True
+
+    def __init__(self, keys: LockKeys, limit: int | None = None) -> None:
+        super().__init__((keys,))
+        self.limit = limit
+
+    def describe(self) -> str:
+        """`` shared``, and the limit if there is one."""
+        return " shared" + (f" limit={self.limit}" if self.limit else "")
+
+    def quorum(self, nodes: int) -> int:
+        """A majority keeps two exclusive holders apart, not ``limit + 1`` holders.
+
+        With 3 nodes and 2 slots, three holders can each win 2 nodes while every
+        node admits only 2 of them (measured by ``tests/unit/engine/test_kinds.py``).
+        ``limit + 1`` holds on ``q`` nodes each need more than the ``limit * N``
+        admissions the nodes have, so ``q > limit*N/(limit+1)``.
+        """
+        if not self.limit or self.limit == 1:
+            return majority(nodes)
+        return self.limit * nodes // (self.limit + 1) + 1
+
+    def acquire_call(self, waiter: Waiter, ttl_ms: int, holder: Holder) -> Call:
+        """Take one share (``acquire_shared.lua``); a limit of 0 means none."""
+        return Call(
+            ACQUIRE_SHARED, self.keys.resource, (waiter.token, ttl_ms, self.limit or 0, *holder)
+        )
+
+    def release_call(self, token: str) -> Call:
+        """Give back the share."""
+        return Call(RELEASE_SHARED, self.keys.release_shared, (token,))
+
+    def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
+        """Store the share's fence back (in its details, not the exclusive lock)."""
+        return [Call(FENCE_SYNC, self.keys.fence_sync, (token, fences[0], "s"))]
+
+    def renew_entries(self) -> tuple[tuple[str, str], ...]:
+        """The share in the shared set, and its details."""
+        return ((self.keys.shared, "s"), (self.keys.holders, "d"))
+
+    def owned_calls(self, token: str) -> list[Call]:
+        """Whether ``token`` has a place in the shared set."""
+        return [Call.command("ZSCORE", self.keys.shared, token)]
+
+    def owns(self, values: list[Any], token: str) -> bool:
+        """``token`` has a share on the node."""
+        return values[0] is not None
+
+    def locked_calls(self) -> list[Call]:
+        """The exclusive lock, and the number of shares taken."""
+        return [
+            Call.command("EXISTS", self.keys.lock),
+            Call.command("ZCOUNT", self.keys.shared, "-inf", "+inf"),
+        ]
+
+    def held(self, values: list[Any]) -> bool:
+        """Held exclusively, or every one of ``limit`` shares taken."""
+        return values[0] > 0 or bool(self.limit and values[1] >= self.limit)
+
+
+def kind_of(
+    names: Sequence[str], prefix: str, mode: str | None, limit: int | None, fair: bool
+) -> Kind:
+    """The kind of a lock on ``names`` (keys under ``prefix``), its shape validated first.
+
+    Raises:
+        ConfigurationError: naming the impossible combination (a shared lock on
+            several resources, a limit on an exclusive lock...) or the bad name.
+    """
+    mode, limit, fair = check_kind(len(names), mode, limit, fair)
+    resources = tuple(lock_keys(name, prefix) for name in names)
+    if mode == "shared":
+        return Shared(resources[0], limit)
+    return Fair(resources[0]) if fair else Exclusive(resources)

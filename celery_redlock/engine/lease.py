@@ -1,0 +1,274 @@
+"""A lease: the state of one acquisition, and how the nodes' renewal answers judge it.
+
+Shared by the lock that made it, the renewer that keeps it and the callbacks told of
+its loss. The deadline is local and monotonic (:data:`clock`): the time the granting
+request was *sent*, plus the lease, minus the drift allowance. A confirmation is
+judged when it is *read*: one read after the deadline is a loss, whatever it says.
+
+A renewal is one ``renew_many.lua`` call per node per :data:`CHUNK` entries (a lease
+has one entry per key it extends); :func:`renew_call` builds it and
+:func:`lease_verdict` reads one node's answer for one lease. The renewer
+(:mod:`.renewal`) batches many leases into those calls; ``Redlock.extend`` sends one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from redis.exceptions import ResponseError
+
+from .. import metrics
+from ..exceptions import LockLost
+from ..nodes import Call
+from .scripts import RENEW_MANY, RenewStatus
+
+if TYPE_CHECKING:
+    from ..nodes import NodeSet, Reply
+    from .keys import LockKeys
+    from .timing import Timing
+
+__all__ = ["CHUNK", "Lease", "Tally", "clock", "lease_verdict", "renew_call", "renew_entries"]
+
+# The renewer's logger: a loss is reported under it wherever it is detected.
+logger = logging.getLogger("celery_redlock.renewal")
+
+#: Keys renewed by one script call, so the layout of a renewal reply. Large enough
+#: that 1,000 locks cost one call per node, small enough that one call does not block
+#: Redis for long (~4 ms).
+CHUNK = 1000
+
+
+def _boottime() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+#: The clock of lease deadlines: like ``time.monotonic`` (never stepped by NTP or an
+#: operator), but on Linux it keeps counting while the machine is suspended, so a host
+#: that wakes from suspend knows its leases ran out. Elsewhere, ``time.monotonic``.
+clock = _boottime if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic
+
+
+class Tally(NamedTuple):
+    """How the nodes answered one renewal of one lease."""
+
+    renewed: int  #: nodes that renewed it
+    refused: int  #: nodes where it is gone, or held by another owner
+    errors: list[str]  #: why each of the other nodes gave no verdict
+
+
+class Lease:
+    """The state of one acquisition, shared by its lock, the renewer and callbacks.
+
+    The deadline is local and monotonic: the time the granting request was *sent*,
+    plus the lease, minus the drift allowance. Redis cannot have let anyone else in
+    before it, whatever the network did to the reply.
+    """
+
+    __slots__ = (
+        "_lock",
+        "deadline",
+        "entries",
+        "fence",
+        "fences",
+        "keys",
+        "lost",
+        "nodeset",
+        "on_lost",
+        "owner",
+        "pid",
+        "quorum",
+        "released",
+        "renewing",
+        "sent_at",
+        "task_name",
+        "timing",
+        "token",
+    )
+
+    def __init__(
+        self,
+        keys: LockKeys,
+        token: str,
+        fence: int,
+        nodeset: NodeSet,
+        timing: Timing,
+        sent_at: float,
+        on_lost: list[Callable[[LockLost], object]] | None = None,
+        *,
+        owner: str = "-",
+        task_name: str | None = None,
+        entries: tuple[tuple[str, str], ...] | None = None,
+        fences: tuple[int, ...] | None = None,
+        quorum: int | None = None,
+    ) -> None:
+        self.keys = keys
+        #: What each renewal extends: (key, kind) pairs as ``renew_many.lua`` takes
+        #: them; several for a lock on several resources, two for a share.
+        self.entries = entries or ((keys.lock, "x"),)
+        self.token = token
+        self.fence = fence
+        self.fences = fences or (fence,)
+        #: Nodes that must confirm a renewal (more than a majority for a limit > 1).
+        self.quorum = quorum or nodeset.quorum
+        self.nodeset = nodeset
+        self.timing = timing
+        self.sent_at = sent_at
+        self.deadline = sent_at + timing.ttl - timing.drift
+        self.owner = owner
+        self.task_name = task_name
+        self.on_lost = list(on_lost or ())
+        self.lost: LockLost | None = None
+        self.released = False
+        #: Handed to the renewer (``auto_renew``).
+        self.renewing = False
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.keys.lock} fence={self.fence} remaining={self.remaining():.3f}>"
+
+    @property
+    def give_up_at(self) -> float:
+        """When an unconfirmed lease counts as lost: the deadline minus the margin."""
+        return self.deadline - self.timing.margin
+
+    @property
+    def alive(self) -> bool:
+        """Neither lost nor released: still to be renewed."""
+        return self.lost is None and not self.released
+
+    def remaining(self) -> float:
+        """Seconds of lease left by the local deadline (0 once lost or released)."""
+        if self.lost is not None or self.released or self.pid != os.getpid():
+            return 0.0
+        return max(0.0, self.deadline - clock())
+
+    def renewed(self, sent_at: float, read_at: float) -> bool:
+        """A quorum confirmed, at ``read_at``, a renewal sent at ``sent_at``.
+
+        The confirmation is judged when it is read. If the holder was paused between
+        sending and reading (SIGSTOP, a VM pause, a stop-the-world GC), the renewed
+        lease may already have run out by the local clock: someone else may hold the
+        lock by now, so the lease is lost at once rather than at the next renewal.
+        Returns True if the lease is still held.
+        """
+        deadline = max(self.deadline, sent_at + self.timing.ttl - self.timing.drift)
+        if read_at >= deadline - self.timing.margin:
+            self.mark_lost(
+                f"renewal confirmed {read_at - sent_at:.3f}s after it was sent, "
+                "too late: the lease may have ended meanwhile"
+            )
+            return False
+        self.deadline = deadline
+        return True
+
+    def tally(self, replies: list[Reply | None], offset: int = 0) -> Tally:
+        """Count the nodes' verdicts on this lease, whose entries start at ``offset``."""
+        renewed = refused = 0
+        errors = []
+        for reply in replies:
+            code, error = lease_verdict(reply, offset, len(self.entries))
+            if code == RenewStatus.RENEWED:
+                renewed += 1
+            elif code in (RenewStatus.GONE, RenewStatus.TAKEN):
+                refused += 1
+            else:
+                errors.append(error)
+        return Tally(renewed, refused, errors)
+
+    def check(self) -> None:
+        """Raise :class:`LockLost` unless the lease is held and not in doubt."""
+        if self.pid != os.getpid():
+            raise LockLost(
+                self.keys.lock,
+                f"acquired by process {self.pid}; a forked child does not hold its parent's locks",
+                self.fence,
+            )
+        if self.lost is None and not self.released and clock() >= self.give_up_at:
+            self.mark_lost("renewal not confirmed before the lease deadline")
+        if self.lost is not None:
+            raise self.lost
+        if self.released:
+            raise LockLost(self.keys.lock, "released", self.fence)
+
+    def abandon(self) -> None:
+        """Stop renewing this lease, silently (no loss is reported for it afterwards)."""
+        with self._lock:  # mark_lost checks ``released`` under it
+            self.released = True
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record the loss once, log it and run the callbacks; False if already known."""
+        with self._lock:
+            if self.lost is not None or self.released:
+                return False
+            self.lost = LockLost(self.keys.lock, reason, self.fence)
+        logger.error(
+            "Lock(%r) held by %s lost: %s (fence %s, %d node(s))",
+            self.keys.lock,
+            self.owner,
+            reason,
+            self.fence,
+            len(self.nodeset),
+        )
+        if metrics.enabled:
+            metrics.lost(self.task_name)
+        for callback in self.on_lost:
+            try:
+                callback(self.lost)
+            except Exception:
+                logger.exception("Lock(%r) on_lost callback %r failed", self.keys.lock, callback)
+        return True
+
+
+def lease_verdict(reply: Reply | None, offset: int, count: int) -> tuple[int | None, str]:
+    """One node's verdict on a lease whose entries start at ``offset``, or (None, why not).
+
+    ``reply`` answers renew_many calls of :data:`CHUNK` entries each; a lease is renewed
+    on the node when every entry is, lost there when any is gone or taken.
+    """
+    if reply is None:
+        return None, "no reply"
+    if reply.error is not None:
+        return None, reply.describe_error()
+    chunk = offset // CHUNK
+    for value in reply.values[chunk : (offset + count - 1) // CHUNK + 1]:
+        if isinstance(value, ResponseError):
+            return None, f"{reply.node.safe_url}: {value}"
+    codes = [reply.values[(offset + k) // CHUNK][(offset + k) % CHUNK] for k in range(count)]
+    for code in codes:
+        if isinstance(code, ResponseError):  # one key's part of a call split per cluster slot
+            return None, f"{reply.node.safe_url}: {code}"
+    return _verdict(codes), ""
+
+
+def _verdict(codes: list[int]) -> int:
+    """A lease is renewed on a node when every entry is; lost there when any is not."""
+    for code in codes:
+        if code not in tuple(RenewStatus):
+            raise ValueError(f"renew_many returned unknown code {code!r}")
+    if all(code == RenewStatus.RENEWED for code in codes):
+        return RenewStatus.RENEWED
+    return RenewStatus.TAKEN if RenewStatus.TAKEN in codes else RenewStatus.GONE
+
+
+def renew_entries(entries: list[tuple[Lease, tuple[str, str]]]) -> Call:
+    """One renew_many call for ``entries``: (lease, (key, kind)) pairs, at most :data:`CHUNK`."""
+    return Call(
+        RENEW_MANY,
+        tuple(key for _, (key, _) in entries),
+        tuple(
+            item
+            for lease, (_, kind) in entries
+            for item in (lease.token, lease.timing.ttl_ms, kind)
+        ),
+    )
+
+
+def renew_call(leases: list[Lease]) -> Call:
+    """One renew_many call for every entry of ``leases`` (at most :data:`CHUNK` entries)."""
+    return renew_entries([(lease, entry) for lease in leases for entry in lease.entries])

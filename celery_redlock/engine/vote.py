@@ -1,0 +1,161 @@
+"""One acquisition attempt's vote: sent to every node, tallied, fences stored back.
+
+The acquire call goes to every node and the answers are tallied as they come; where
+the granting nodes disagree on the fence, the largest is stored back on them.
+
+The clock starts when the requests are *sent*: a reply can be delayed arbitrarily,
+but Redis cannot have set the key before the request left. The fan-out returns as
+soon as the outcome is decided (a quorum granted, or too many refused for one), so
+a silent node costs nothing while a quorum answers.
+
+With ``min_replicas`` each node also runs ``WAIT`` after the script, and its vote
+counts only once that many replicas acknowledged it.
+
+What to make of the tally (a hold, an undo, a retry) is the lock's business
+(:meth:`celery_redlock.Redlock.acquire`): this module sends and counts.
+"""
+
+from __future__ import annotations
+
+from redis.exceptions import ResponseError
+
+from ..nodes import Call, NodeSet, Reply
+from .lease import clock
+from .scripts import AcquireStatus, FenceSyncStatus
+
+__all__ = ["Attempt", "budget", "granted_fences", "is_busy", "sync_fences", "vote"]
+
+
+class Attempt:
+    """What one acquisition attempt learned from the nodes."""
+
+    __slots__ = ("busy_ttl", "elapsed", "errors", "fences", "granted", "holder", "replies")
+
+    def __init__(self, replies: list[Reply | None], elapsed: float) -> None:
+        #: Each node's reply, or None where it did not answer before the vote was decided.
+        self.replies = replies
+        #: Seconds from sending to the decision: spent from the lease.
+        self.elapsed = elapsed
+        self.granted: list[int] = []  # indices of the granting nodes
+        self.fences: list[tuple[int, ...]] = []  # per granting node, one per resource
+        self.busy_ttl: list[float] = []  # per node that found it held: when that may change
+        self.holder: str | None = None
+        self.errors: list[str] = []
+
+    def top_fences(self) -> tuple[int, ...]:
+        """Per resource, the largest fence among the granting nodes."""
+        return tuple(max(column) for column in zip(*self.fences, strict=True))
+
+    def agreeing(self, fences: tuple[int, ...]) -> int:
+        """Granting nodes whose fences are ``fences`` already."""
+        return sum(1 for node_fences in self.fences if node_fences == fences)
+
+    def all_busy(self) -> bool:
+        """Every node answered that someone else holds the lock: nothing to undo."""
+        return all(is_busy(reply) for reply in self.replies)
+
+    def reachable(self) -> list[int]:
+        """Nodes that may still be reached: those that answered, and those not heard yet."""
+        return [i for i, reply in enumerate(self.replies) if reply is None or reply.ok]
+
+    def _tally(self, i: int, reply: Reply, min_replicas: int) -> None:
+        fences = granted_fences(reply, min_replicas)
+        if fences is not None:
+            self.granted.append(i)
+            self.fences.append(fences)
+            return
+        if reply.error is not None:
+            self.errors.append(reply.describe_error())
+            return
+        value = reply.values[0]
+        if isinstance(value, ResponseError):
+            self.errors.append(f"{reply.node.safe_url}: {value}")
+        elif value[0] == AcquireStatus.BUSY:
+            self.busy_ttl.append(max(0, int(value[1])) / 1000)
+            self.holder = self.holder or value[2] or None
+        elif value[0] in (AcquireStatus.ACQUIRED, AcquireStatus.REENTERED):
+            self.errors.append(
+                f"{reply.node.safe_url}: only {reply.values[1]} of {min_replicas} "
+                "replicas acknowledged"
+            )
+        else:
+            raise ValueError(f"acquire.lua returned unknown code {value[0]!r}")
+
+
+def budget(node_timeout: float, min_replicas: int) -> float:
+    """Time one acquisition fan-out may take.
+
+    With ``min_replicas`` each node also runs WAIT for up to one node timeout,
+    and Redis checks WAIT timeouts on its cron (every 100 ms at the default hz).
+    """
+    return node_timeout if not min_replicas else 2 * node_timeout + 0.1
+
+
+def vote(
+    nodeset: NodeSet, acquire: Call, quorum: int, min_replicas: int, node_timeout: float
+) -> tuple[Attempt, float]:
+    """Send ``acquire`` to every node; the tally, and when the requests were sent."""
+    calls = [acquire]
+    if min_replicas:
+        calls.append(Call.command("WAIT", min_replicas, max(1, round(node_timeout * 1000))))
+    n = len(nodeset)
+
+    def decided(replies: list[Reply | None]) -> bool:
+        yes = no = 0
+        for reply in replies:
+            if reply is not None:
+                if granted_fences(reply, min_replicas) is not None:
+                    yes += 1
+                else:
+                    no += 1
+        return yes >= quorum or no > n - quorum
+
+    sent_at = clock()
+    replies = nodeset.call(
+        calls, timeout=budget(node_timeout, min_replicas), decided=decided if n > 1 else None
+    )
+    attempt = Attempt(replies, clock() - sent_at)
+    for i, reply in enumerate(replies):
+        if reply is not None:
+            attempt._tally(i, reply, min_replicas)
+    return attempt, sent_at
+
+
+def granted_fences(reply: Reply, min_replicas: int) -> tuple[int, ...] | None:
+    """The fences a node granted (one per resource), or None if it refused or failed."""
+    if reply.error is not None:
+        return None
+    value = reply.values[0]
+    if isinstance(value, ResponseError) or value[0] not in (
+        AcquireStatus.ACQUIRED,
+        AcquireStatus.REENTERED,
+    ):
+        return None
+    if min_replicas and (
+        isinstance(reply.values[1], ResponseError) or reply.values[1] < min_replicas
+    ):
+        return None
+    return tuple(int(fence) for fence in value[1:])
+
+
+def is_busy(reply: Reply | None) -> bool:
+    """The node answered that someone else holds the lock (so nothing to undo there)."""
+    return (
+        reply is not None
+        and reply.ok
+        and not isinstance(reply.values[0], ResponseError)
+        and reply.values[0][0] == AcquireStatus.BUSY
+    )
+
+
+def sync_fences(nodeset: NodeSet, calls: list[Call], granted: list[int]) -> int:
+    """Send ``calls`` (fence stores) to the ``granted`` nodes; how many stored them all."""
+    requests: list[list[Call] | None] = [None] * len(nodeset)
+    for i in granted:
+        requests[i] = calls
+    replies = nodeset.call(requests, per_node=True)
+    return sum(
+        1
+        for r in replies
+        if r is not None and r.ok and all(v == FenceSyncStatus.SYNCED for v in r.values)
+    )

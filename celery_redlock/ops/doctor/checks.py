@@ -1,0 +1,215 @@
+"""The setup's checks, and :func:`evaluate`: every check over everything collected.
+
+The setup's checks judge the nodes together (how many lock nodes, whether they are
+distinct servers) and who holds the app's beat leader lock. :func:`evaluate` runs
+them with the per-node checks (:mod:`.checks_nodes`) and the settings checks
+(:mod:`.checks_settings`), and derives what those need from the settings: the
+longest and shortest lease in use, the drift allowance, the node timeout. All of it
+is pure: values in, :class:`~.report.Finding` objects out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ...engine.timing import drift_allowance
+from ...settings import Settings
+from .checks_nodes import (
+    check_clock,
+    check_config_access,
+    check_eviction,
+    check_latency,
+    check_persistence,
+    check_reachable,
+    check_replication,
+    check_uptime,
+)
+from .checks_settings import check_settings, leases
+from .facts import BeatLeaderFacts, NodeFacts, TaskLocking
+from .report import ERROR, OK, WARN, Finding
+
+__all__ = [
+    "check_beat_leader",
+    "check_beat_leaders",
+    "check_independent",
+    "check_node_count",
+    "evaluate",
+]
+
+# -- message templates: problem, consequence, fix ----------------------------------
+
+TOO_FEW_MESSAGE = (
+    "redlock_nodes lists 2 nodes: a lock needs both (a majority of 2), so either node "
+    "being down or slow stops every lock, which is worse than one node. Fix: use 3 (or 5) "
+    "independent masters, or a single node with redlock_url."
+)
+EVEN_MESSAGE = (
+    "redlock_nodes lists {n} nodes, an even number: a lock needs {quorum}, so this survives "
+    "no more failures than {odd} nodes would, adds a node that can slow or fail "
+    "acquisitions, and a split into two halves leaves no side able to lock. Fix: use an "
+    "odd number of independent masters ({odd} or {more})."
+)
+SAME_SERVER_MESSAGE = (
+    "{nodes} reach the same Redis server (run_id {run_id}): Redlock counts it {count} "
+    "times, so one server failure (or one restart without persistence) counts as several "
+    "and a 'majority' may be one machine. Fix: list independent masters in redlock_nodes "
+    "(different servers, not different databases or host names of one server)."
+)
+
+
+def check_node_count(count: int) -> Finding:
+    """Redlock needs an odd number of nodes, at least 3; one node is a plain lock."""
+    if count == 1:
+        return Finding(
+            OK, "node-count", "one lock node: no Redlock, and no locking while it is down"
+        )
+    if count == 2:
+        return Finding(ERROR, "too-few-nodes", TOO_FEW_MESSAGE)
+    quorum = count // 2 + 1
+    if count % 2 == 0:
+        return Finding(
+            ERROR,
+            "even-node-count",
+            EVEN_MESSAGE.format(n=count, quorum=quorum, odd=count - 1, more=count + 1),
+        )
+    return Finding(
+        OK,
+        "node-count",
+        f"{count} nodes, a lock needs {quorum}: survives {count - quorum} node failure(s)",
+    )
+
+
+def check_independent(run_ids: Mapping[str, str]) -> list[Finding]:
+    """Every node URL reaches a different server (``run_id`` from INFO server)."""
+    by_run: dict[str, list[str]] = {}
+    for node, run_id in run_ids.items():
+        if run_id:
+            by_run.setdefault(run_id, []).append(node)
+    findings = [
+        Finding(
+            ERROR,
+            "nodes-not-independent",
+            SAME_SERVER_MESSAGE.format(nodes=" and ".join(nodes), run_id=run_id, count=len(nodes)),
+        )
+        for run_id, nodes in sorted(by_run.items())
+        if len(nodes) > 1
+    ]
+    if not findings and len(run_ids) > 1:
+        findings.append(Finding(OK, "independence", "every node is a distinct server"))
+    return findings
+
+
+def evaluate(
+    settings: Settings,
+    facts: Sequence[NodeFacts],
+    tasks: Sequence[TaskLocking] = (),
+    unmatched: Sequence[str] = (),
+    beat: BeatLeaderFacts | None = None,
+) -> list[Finding]:
+    """Run every check over the gathered facts.
+
+    The setup's findings (node count, independence, settings) come first, then each
+    node's, in the order of the configured nodes, then the beat leader's (``beat``,
+    when it was looked up).
+    """
+    # The masters of one Redis Cluster are one lock node (one vote) between them.
+    lock_nodes = len({n.lock_node or n.node for n in facts})
+    redlock = lock_nodes > 1
+    all_leases = leases(settings, tasks)
+    longest = max(all_leases, key=lambda lease: lease.ttl)
+    shortest = min(all_leases, key=lambda lease: lease.ttl)
+    # Redlock's allowance for one lease (Timing.drift), for the shortest lease in use.
+    budget = drift_allowance(shortest.ttl, settings.drift_factor)
+    budget_source = (
+        f"{shortest.source} {shortest.ttl:g}s x redlock_drift_factor {settings.drift_factor:g}"
+    )
+    node_timeout = settings.timing.node_timeout
+    findings: list[Finding] = [check_node_count(lock_nodes)]
+    if redlock:
+        findings += check_independent(
+            {n.node: n.info.get("run_id", "") for n in facts if n.error is None}
+        )
+    findings += check_settings(settings, tasks, unmatched)
+    for node in facts:
+        findings.append(check_reachable(node))
+        if node.error is not None:
+            continue
+        config_access = check_config_access(node)
+        if config_access is not None:
+            findings.append(config_access)
+        findings.append(check_eviction(node.node, node.config, node.info))
+        findings.append(check_persistence(node.node, node.config, node.info, redlock=redlock))
+        findings.append(
+            check_replication(node.node, node.info, settings.min_replicas, majority_needed=redlock)
+        )
+        optional = (
+            check_uptime(node.node, node.info, node.config, longest),
+            check_clock(node.node, node.clock_skew, node.clock_uncertainty, budget, budget_source),
+            check_latency(node.node, node.rtt, node_timeout),
+        )
+        findings += [f for f in optional if f is not None]
+    if beat is not None:
+        findings += check_beat_leaders(beat)
+    return findings
+
+
+def check_beat_leader(
+    key: str, holders: Sequence[str], broker: str, *, legacy: bool = False
+) -> Finding | None:
+    """Who holds this app's beat leader lock ``key``, against this app's broker.
+
+    ``holders`` are the nodes' ``task_name`` of the lock; ``broker`` is this app's
+    broker identity (:func:`celery_redlock.beat.broker_identity`). With ``legacy``,
+    ``key`` is the name older versions derived (``beat:<main>``) while this app derives
+    another: whoever holds it leads besides this app's beat. None when no node holds it.
+    """
+    from ...beat import parse_beat_holder  # noqa: PLC0415 (beat imports Celery's scheduler)
+
+    if not holders:
+        return None
+    holder = max(set(holders), key=list(holders).count)
+    leader = parse_beat_holder(holder)
+    if legacy:
+        return Finding(
+            WARN,
+            "beat-leader-legacy",
+            f"{key}, the beat leader lock name of older celery_redlock versions, is held "
+            f"by {holder!r}: a beat of an older version (of this project, or of another "
+            "project with this app name). It and this project's beats lead side by side, "
+            "each under its own name. Fix: upgrade every beat of the project together, "
+            "or set the same redlock_beat_name in all of them.",
+        )
+    if leader is None:
+        return Finding(
+            WARN,
+            "beat-leader-unknown",
+            f"beat leader lock {key} is held by {holder!r}, not a beat of this version "
+            "(an older beat, or another program): if it is not this project's, this "
+            "project's periodic tasks are not sent while it holds the lock. Fix: give "
+            "each project its own redlock_beat_name.",
+        )
+    where = f"app {leader['app']} on {leader['host']}:{leader['pid']}"
+    if leader["broker"] != broker:
+        return Finding(
+            ERROR,
+            "beat-leader-foreign",
+            f"beat leader lock {key} is held by a beat of another project ({where}, "
+            f"broker {leader['broker']}; this app's broker is {broker}): this project's "
+            "periodic tasks are not sent while it leads. Fix: give each project its own "
+            "redlock_beat_name (or leave it unset: the default tells brokers apart).",
+        )
+    return Finding(OK, "beat-leader", f"beat leader lock {key} is held by {where}")
+
+
+def check_beat_leaders(beat: BeatLeaderFacts) -> list[Finding]:
+    """:func:`check_beat_leader` for each name of the leader lock that someone holds.
+
+    A warning instead when the lock could not be looked up (``beat.error``).
+    """
+    if beat.error is not None:
+        return [Finding(WARN, "beat-leader-unknown", f"beat leader lock not checked: {beat.error}")]
+    findings = [
+        check_beat_leader(lock.key, lock.holders, beat.broker, legacy=lock.legacy)
+        for lock in beat.locks
+    ]
+    return [f for f in findings if f is not None]

@@ -1,0 +1,153 @@
+"""What a locked task does when its lock is busy, held by itself, or lost.
+
+:func:`celery_redlock.task.acquire_for` takes the lock; when it cannot, or when the
+renewer later finds the lease gone, the task's policy decides what happens.
+
+What a busy lock does (``lock_on_busy``, :func:`apply_on_busy`):
+
+=========  ======================================================================
+``skip``   The body does not run. Logged at INFO with the holder's task id. The
+           result is stored as FAILURE with :class:`~celery_redlock.LockBusy`, so
+           ``AsyncResult.get()`` raises ``LockBusy`` at once (``propagate=False``
+           returns it); no callbacks or errbacks run; the worker logs it as ignored.
+           ``apply()`` returns the same: an eager result in state FAILURE.
+``retry``  ``self.retry(countdown=lock_retry_countdown, exc=LockBusy(...))``;
+           counts against ``max_retries``, after which the task fails with LockBusy.
+``raise``  The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
+``wait``   Waits up to ``lock_wait_timeout`` seconds, woken by the holder's release;
+           then fails with ``LockBusy`` if still held.
+=========  ======================================================================
+
+A second delivery of a task id whose first delivery still holds the lock (acks_late
+redelivery, ``retry(countdown=0)`` picked up before the release, redelivery after the
+first delivery's worker died) is put back on the queue with a growing delay, whatever
+the policy, storing nothing (:func:`requeue_duplicate`); it runs once the lock is
+free, unless the first delivery stored a final result meanwhile (:func:`already_done`).
+
+What a lost lock does (``lock_on_lost``, :func:`apply_on_lost`): ``abort`` raises
+:class:`~celery_redlock.LockLost` in the body (:mod:`celery_redlock.abort`),
+``revoke`` terminates it through Celery's revoke (prefork; else it aborts), and
+``ignore`` only logs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task, states
+from celery.exceptions import Ignore
+
+from . import abort, reaper
+from .engine.lock import Redlock
+from .exceptions import LockBusy, LockLost
+from .options import TaskLockOptions
+
+__all__ = [
+    "REQUEUES_HEADER",
+    "Skipped",
+    "already_done",
+    "apply_on_busy",
+    "apply_on_lost",
+    "requeue_duplicate",
+    "requeues",
+]
+
+# The task's logger: these are the task's messages, and logger names are API.
+logger = logging.getLogger("celery_redlock.task")
+
+#: Header counting how often a duplicate delivery was put back; sets its backoff.
+REQUEUES_HEADER = "redlock_requeues"
+
+
+def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
+    """Apply ``lock_on_busy``; always raises."""
+    if busy.holder == task_id:
+        requeue_duplicate(task, task_id, busy)
+    policy = options.on_busy
+    if policy == "retry":
+        logger.info(
+            "Task %s[%s] retries in %ss: %s", task.name, task_id, options.retry_countdown, busy
+        )
+        raise task.retry(exc=busy, countdown=options.retry_countdown)
+    if policy == "skip":
+        logger.info("Task %s[%s] skipped: %s", task.name, task_id, busy)
+        if not task.ignore_result:
+            task.backend.mark_as_failure(task_id, busy, request=task.request, call_errbacks=False)
+        raise Skipped(busy)
+    raise busy
+
+
+class Skipped(Ignore):
+    """The Ignore a skipped run ends with; carries the LockBusy for an eager result."""
+
+    def __init__(self, busy: LockBusy) -> None:
+        super().__init__(str(busy))
+        self.busy = busy
+
+
+def requeue_duplicate(task: Task, task_id: str, busy: LockBusy) -> None:
+    """The lock is held under this very task id: put this delivery back for later.
+
+    This is a second delivery of a message whose first delivery holds the lock: an
+    acks_late redelivery while it runs, a ``retry(countdown=0)`` picked up before the
+    first attempt released, or a redelivery after the first delivery's worker died
+    and before its lock expired. Running now would overlap; dropping the message
+    would lose the task in the last two cases. So the message is published again
+    with a growing delay (never beyond the holder's lease) and this delivery ends as
+    ignored, storing nothing. When the copy runs and the task id already has a final
+    result from the first delivery, it does not run again (see
+    :func:`celery_redlock.task.acquire_for`).
+    """
+    count = requeues(task.request) + 1
+    countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(count, 8))
+    signature = task.signature_from_request(task.request, countdown=countdown)
+    signature.set(headers={REQUEUES_HEADER: count})
+    signature.apply_async()
+    logger.info(
+        "Task %s[%s] is held by an earlier delivery of itself; trying again in %.2fs: %s",
+        task.name,
+        task_id,
+        countdown,
+        busy,
+    )
+    raise Ignore(str(busy))
+
+
+def requeues(request: Any) -> int:
+    """How often this delivery was put back as a duplicate (0 for none, or unreadable)."""
+    value = getattr(request, REQUEUES_HEADER, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(REQUEUES_HEADER)
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def already_done(task: Task, task_id: str) -> bool:
+    """Whether an earlier delivery of ``task_id`` stored a final result."""
+    if task.ignore_result:
+        return False
+    try:
+        state = task.backend.get_task_meta(task_id).get("status")
+    except Exception:  # no usable backend: run (at least once beats at most once)
+        return False
+    return state in states.READY_STATES
+
+
+def apply_on_lost(task: Task, task_id: str, policy: str, lock: Redlock, exc: LockLost) -> None:
+    """Apply ``lock_on_lost``: called by the renewer when a running task's lease is lost."""
+    if policy == "ignore":
+        logger.error("Task %s[%s] lost its lock (%s); it keeps running", task.name, task_id, exc)
+        return
+    if policy == "revoke" and reaper.in_pool_child():
+        logger.error("Task %s[%s] lost its lock (%s); revoking it", task.name, task_id, exc)
+        try:
+            task.app.control.revoke(task_id, terminate=True, signal="SIGTERM")
+            return
+        except Exception:  # broker unreachable: stopping the body must not depend on it
+            logger.exception("Task %s[%s]: revoke failed; aborting instead", task.name, task_id)
+    logger.error("Task %s[%s] lost its lock (%s); aborting it", task.name, task_id, exc)
+    if not abort.abort(lock.lease, exc):
+        logger.debug("Task %s[%s] had already ended", task.name, task_id)

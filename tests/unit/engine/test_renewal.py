@@ -1,0 +1,171 @@
+"""The per-process renewer: batching, thread count, loss detection, fork safety."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing
+import threading
+import time
+
+from celery_redlock import LockLost, LockNotOwned, Redlock
+from celery_redlock.engine import renewal
+from celery_redlock.engine.lease import CHUNK, clock
+from celery_redlock.engine.renewal import Renewer, get_renewer
+from tests.harness.servers import wait_for
+
+
+def test_ten_thousand_locks_cost_one_call_per_node_per_chunk_per_tick(redis_factory):
+    """10,000 held locks on 3 nodes: each tick is 10 renew_many calls per node, one thread."""
+    servers = redis_factory(3)
+    urls = [s.url for s in servers]
+    n_locks = 10_000
+    # A long lease so none expires while 10,000 are taken.
+    locks = [Redlock(f"bulk:{i}", nodes=urls, ttl=60, auto_renew=False) for i in range(n_locks)]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    locks[0].extend()  # the first renew_many loads the script: measure a steady tick
+    renewer = Renewer()  # private, so other tests' locks do not ride along
+    try:
+        check_one_tick(renewer, servers, locks)
+    finally:
+        for lock in locks:
+            lock.lease.released = True
+
+
+def ours(before):
+    """Threads the library started since ``before`` (other tests' threads may come and go)."""
+    return [
+        t for t in threading.enumerate() if t not in before and t.name.startswith("celery_redlock")
+    ]
+
+
+def check_one_tick(renewer, servers, locks):
+    threads_before = set(threading.enumerate())
+    for server in servers:
+        server.reset_stats()
+    # All due at one instant, so the batching is measured, not the machine's speed
+    # at handing 10,000 leases over.
+    due = clock() + 0.5
+    for lock in locks:
+        renewer._schedule(lock.lease, due)
+    renewer.start()
+    wait_for(lambda: renewer._thread is not None, timeout=5)  # start() does not wait for it
+    assert ours(threads_before) == [renewer._thread], "one renewer thread for all"
+    deadlines = [lock.lease.deadline for lock in locks]
+    wait_for(
+        lambda: (
+            renewer.ticks >= 1
+            and all(lock.lease.deadline > d for lock, d in zip(locks, deadlines, strict=True))
+        ),
+        timeout=10,
+    )
+    assert renewer.ticks == 1, "every lease was due in the same tick"
+    chunks = math.ceil(len(locks) / CHUNK)
+    for server in servers:
+        stats = server.commandstats()
+        assert stats.get("evalsha") == chunks, f"{server.url}: {stats}"
+        assert "eval" not in stats
+    assert renewer.calls == chunks * len(servers)
+    assert ours(threads_before) == [renewer._thread]
+
+
+def test_node_unreachable_is_a_loss_before_the_local_deadline(redis_factory):
+    """With the only node dead, on_lost fires before the lease could have expired."""
+    (server,) = redis_factory(1)
+    lost_at = []
+    lock = Redlock(
+        "job",
+        nodes=[server.url],
+        ttl=1.5,
+        on_lost=lambda exc: lost_at.append((clock(), exc)),
+    )
+    assert lock.acquire()
+    server.kill()
+    wait_for(lambda: lost_at, timeout=10)
+    when, exc = lost_at[0]
+    assert isinstance(exc, LockLost)
+    assert when < lock.lease.deadline, "the loss must be reported before the lease ends"
+    assert "renewal not confirmed" in exc.reason
+
+
+def test_blackholed_node_is_a_loss_before_the_local_deadline(redis_node, fault_proxy):
+    """A node that stops answering mid-hold: the renewer gives up in time, never silently."""
+    proxy = fault_proxy(redis_node)
+    lost_at = []
+    lock = Redlock("job", nodes=[proxy.url], ttl=1.5, on_lost=lambda exc: lost_at.append(clock()))
+    assert lock.acquire()
+    proxy.blackhole()
+    wait_for(lambda: lost_at, timeout=10)
+    assert lost_at[0] < lock.lease.deadline
+
+
+def test_a_minority_failing_does_not_lose_the_lock(redis_factory):
+    """Renewal needs a quorum, not every node."""
+    servers = redis_factory(3)
+    lost = []
+    lock = Redlock("job", nodes=[s.url for s in servers], ttl=1.2, on_lost=lost.append)
+    assert lock.acquire()
+    servers[0].kill()
+    start = get_renewer().ticks
+    wait_for(lambda: get_renewer().ticks >= start + 4, timeout=10)
+    assert not lost
+    lock.check()
+    lock.release()
+
+
+def _child(lock: Redlock, conn) -> None:
+    report = {}
+    try:
+        lock.release()
+    except LockNotOwned as exc:
+        report["release"] = str(exc)
+    try:
+        lock.extend()
+    except LockNotOwned as exc:
+        report["extend"] = str(exc)
+    try:
+        lock.check()
+    except LockLost as exc:
+        report["check"] = exc.reason
+    report["owned"] = lock.owned()
+    report["pending"] = len(get_renewer())
+    # The child has a working renewer of its own.
+    own = Redlock("child-job", nodes=lock.nodeset.nodes[0].url, ttl=0.9)
+    own.acquire()
+    time.sleep(2)  # the scenario: hold past two lease lengths, renewed by the child
+    report["own_renewed"] = own.remaining() > 0 and own.owned()
+    own.release()
+    conn.send(report)
+    conn.close()
+
+
+def test_a_forked_child_cannot_renew_or_release_its_parents_lock(redis_node):
+    """The child's release/extend raise, its renewer starts empty, and works for its own."""
+    lock = Redlock("job", nodes=[redis_node.url], ttl=5)
+    assert lock.acquire()
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_child, args=(lock, child_end))
+    child.start()
+    assert parent_end.poll(20), "child did not report"
+    report = parent_end.recv()
+    child.join(10)
+    assert child.exitcode == 0
+    assert "forked child" in report["release"]
+    assert "forked child" in report["extend"]
+    assert "forked child" in report["check"]
+    assert report["owned"] is False
+    assert report["pending"] == 0
+    assert report["own_renewed"] is True
+    assert lock.owned(), "the parent still holds its lock"
+    lock.check()
+    lock.release()
+
+
+def test_the_drain_after_each_test_finds_the_renewer():
+    """conftest looks the renewer's module up by name after every test; a stale name
+    (the module moved) would silently stop draining the leases tests leave behind."""
+    from tests.conftest import RENEWAL_MODULE
+
+    assert importlib.import_module(RENEWAL_MODULE)._renewer is renewal._renewer

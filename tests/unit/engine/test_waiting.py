@@ -1,0 +1,99 @@
+"""Waiting for a lock: woken by the holder's release (one waiter per release), or by
+the end of the holder's lease, and never past the caller's timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from celery_redlock import Redlock
+from tests.harness.servers import wait_for
+
+
+@pytest.mark.smoke
+def test_waiter_is_woken_by_the_release_not_by_the_ttl(redis_node):
+    """With the holder's lease 30 s out, a waiter gets the lock within 2 s of the release."""
+    holder = Redlock("job", nodes=[redis_node.url], ttl=30)
+    waiter = Redlock("job", nodes=[redis_node.url], ttl=30)
+    assert holder.acquire()
+    got = {}
+    attempts = []
+    real_attempt = waiter._attempt
+
+    def counted_attempt(*args):
+        attempts.append(time.monotonic())
+        return real_attempt(*args)
+
+    waiter._attempt = counted_attempt
+
+    def wait() -> None:
+        got["ok"] = waiter.acquire(timeout=20)
+        got["at"] = time.monotonic()
+        got["owned"] = waiter.owned()  # a hold belongs to the thread that acquired it
+        waiter.release()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    # The waiter is parked once it has subscribed to the release channel.
+    client = redis_node.client()
+    wait_for(lambda: client.pubsub_numsub("redlock:{job}:released")[0][1] >= 1, timeout=5)
+    released_at = time.monotonic()
+    holder.release()
+    thread.join(10)
+    assert got["ok"] is True
+    assert got["at"] - released_at < 2.0
+    assert got["owned"]
+    # First try, one more once subscribed (closing the race with a release), one
+    # after the wake-up: a poller would have made dozens by now.
+    assert len(attempts) <= 3, f"the waiter polled: {len(attempts)} attempts"
+
+
+def test_waiter_falls_back_to_the_holders_ttl(redis_node):
+    """A lease that expires (no release message) still wakes the waiter."""
+    holder = Redlock("job", nodes=[redis_node.url], ttl=0.6, auto_renew=False)
+    waiter = Redlock("job", nodes=[redis_node.url], ttl=5)
+    assert holder.acquire()
+    assert waiter.acquire(timeout=5)
+    waiter.release()
+
+
+def test_blocking_acquire_times_out(redis_node):
+    """acquire(timeout=...) returns False once the timeout passes."""
+    holder = Redlock("job", nodes=[redis_node.url], ttl=10)
+    waiter = Redlock("job", nodes=[redis_node.url], ttl=10)
+    assert holder.acquire()
+    assert waiter.acquire(timeout=0.3) is False
+    holder.release()
+
+
+def test_a_release_wakes_one_waiter_not_all(redis_node):
+    """8 threads wait on one lock: each release sends one of them to Redis, not all 8."""
+    holder = Redlock("herd", nodes=[redis_node.url], ttl=30)
+    assert holder.acquire()
+    attempts = []
+    waiters = [Redlock("herd", nodes=[redis_node.url], ttl=30) for _ in range(8)]
+    for waiter in waiters:
+        real = waiter._attempt
+        waiter._attempt = lambda *args, real=real: attempts.append(1) or real(*args)
+
+    def take_and_pass(lock: Redlock) -> None:
+        assert lock.acquire(timeout=30)
+        lock.release()
+
+    threads = [threading.Thread(target=take_and_pass, args=(w,)) for w in waiters]
+    for thread in threads:
+        thread.start()
+    client = redis_node.client()
+    wait_for(
+        lambda: client.pubsub_numsub("redlock:{herd}:released")[0][1] >= 1 and len(attempts) >= 16,
+        timeout=10,
+    )  # each waiter: first try + once subscribed
+    before = len(attempts)
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    # One attempt per release (8), not 8 + 7 + ... + 1 = 36; a little slack for a
+    # waiter that races a release between its tries.
+    assert len(attempts) - before <= 8 + 4, f"{len(attempts) - before} attempts for 8 handoffs"

@@ -1,0 +1,84 @@
+"""fan_out: requests packed and sent at once, scripts loaded on the way, within one budget."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from redis.connection import Connection
+
+from celery_redlock import Redlock
+from celery_redlock.engine.keys import lock_keys
+from celery_redlock.engine.scripts import INSPECT
+from celery_redlock.nodes import Call, Node, fan_out
+from celery_redlock.nodes.fanout import pack
+
+KEYS = lock_keys("job")
+
+
+@pytest.mark.parametrize(
+    "commands",
+    [
+        [("EVALSHA", "ab12", 2, "redlock:{é}", b"\x00\xff", "tok", 30_000, -1, 0)],
+        [("SCRIPT", "LOAD", "x" * 10_000), ("ASKING",), ("WAIT", 1, 250)],
+        [("SET", "k", 1.5)],  # a float: left to redis-py
+    ],
+)
+def test_fast_packing_writes_what_redis_py_writes(commands):
+    conn = Connection()
+    assert b"".join(pack(conn, commands)) == b"".join(conn.pack_commands(commands))
+
+
+@pytest.mark.smoke  # as every test of test_scripts.py, where it was
+def test_scripts_go_by_evalsha_and_reload_after_a_flush(redis_node):
+    """Calls use EVALSHA; after SCRIPT FLUSH one SCRIPT LOAD restores it for good."""
+    node = Node(redis_node.url, timeout=1.0)
+    call = [Call(INSPECT, KEYS[:2])]
+    redis_node.reset_stats()
+    fan_out([node], [call], timeout=1.0)
+    stats = redis_node.commandstats()
+    assert stats.get("script|load", stats.get("script")) == 1, "a new connection loads first"
+    assert stats.get("evalsha") == 1, "so the first call does not hit NOSCRIPT"
+    redis_node.client().script_flush()
+    redis_node.reset_stats()
+    for _ in range(3):
+        (reply,) = fan_out([node], [call], timeout=1.0)
+        assert reply.ok and reply.values[0] == [-2, 0]
+    stats = redis_node.commandstats()
+    assert stats.get("script|load", stats.get("script")) == 1, stats
+    assert "eval" not in stats
+    assert stats.get("evalsha") == 4, "three calls plus the one that answered NOSCRIPT"
+
+
+def test_blackholed_node_does_not_push_acquire_past_its_budget(redis_factory, fault_proxy):
+    """A node that accepts and never answers costs at most the node budget."""
+    servers = redis_factory(3)
+    proxy = fault_proxy(servers[0])
+    urls = [proxy.url, servers[1].url, servers[2].url]
+    lock = Redlock("job", nodes=urls, ttl=5, node_timeout=0.3)
+    assert lock.acquire(blocking=False)  # warm: all three connections are open
+    lock.release()
+    proxy.blackhole()
+    for _ in range(3):
+        start = time.monotonic()
+        assert lock.acquire(blocking=False)
+        acquired_in = time.monotonic() - start
+        # The quorum (two healthy nodes) decides: no waiting for the silent node.
+        assert acquired_in < 0.3, f"acquire waited {acquired_in:.3f}s for a silent node"
+        start = time.monotonic()
+        lock.release()
+        assert time.monotonic() - start < 0.3 + 0.5
+
+
+def test_blackholed_fresh_connection_is_bounded(redis_factory, fault_proxy):
+    """Connecting to a silent node for the first time is bounded by the budget too."""
+    servers = redis_factory(3)
+    proxy = fault_proxy(servers[0])
+    proxy.blackhole()
+    lock = Redlock(
+        "job", nodes=[proxy.url, servers[1].url, servers[2].url], ttl=5, node_timeout=0.3
+    )
+    start = time.monotonic()
+    assert lock.acquire(blocking=False)
+    assert time.monotonic() - start < 0.3 + 0.5
+    lock.release()

@@ -1,0 +1,125 @@
+"""What ``doctor`` collects: the tasks' lock options as a worker resolves them, and the
+nodes' facts from a real server."""
+
+from __future__ import annotations
+
+import time
+
+import celery
+import pytest
+
+from celery_redlock import ConfigurationError, LockedTask
+from celery_redlock.ops.doctor.checks_nodes import check_clock
+from celery_redlock.ops.doctor.checks_settings import check_settings
+from celery_redlock.ops.doctor.collect import probe_nodes, task_locking
+from celery_redlock.ops.doctor.report import ERROR, WARN
+from celery_redlock.settings import from_conf
+from tests.unit.ops.doctor.crafted import NODE, codes
+
+# -- tasks -------------------------------------------------------------------------
+
+
+def test_task_locking_reads_locked_tasks_and_configured_patterns_without_changing_them():
+    """LockedTask options and redlock_tasks entries, resolved and validated as a worker
+    would, with time limits; patterns that match nothing are reported."""
+    app = celery.Celery("doctor-tasks", set_as_current=False)
+    app.conf.update(
+        redlock_url=NODE,
+        task_soft_time_limit=45,
+        redlock_tasks={
+            "proj.plain_*": {"ttl": 120, "on_busy": "wait", "wait_timeout": 90},
+            "proj.broken": {"ttl": 10, "renew_interval": 20},
+            "proj.unknown_option": {"tll": 10},
+            "proj.typo": {},
+        },
+    )
+
+    @app.task(name="proj.locked", base=LockedTask, lock_ttl=60, lock_on_lost="ignore", shared=False)
+    def locked():
+        pass
+
+    @app.task(name="proj.plain_one", time_limit=100, shared=False)
+    def plain_one():
+        pass
+
+    @app.task(name="proj.broken", shared=False)
+    def broken():
+        pass
+
+    @app.task(name="proj.unknown_option", shared=False)
+    def unknown_option():
+        pass
+
+    @app.task(name="proj.free", shared=False)
+    def free():
+        pass
+
+    conf = from_conf(app.conf)
+    tasks, unmatched = task_locking(app, conf)
+    by_name = {t.name: t for t in tasks}
+    assert set(by_name) == {"proj.locked", "proj.plain_one", "proj.broken", "proj.unknown_option"}
+    assert (by_name["proj.locked"].ttl, by_name["proj.locked"].on_lost) == (60, "ignore")
+    plain = by_name["proj.plain_one"]
+    assert (plain.ttl, plain.on_busy, plain.wait_timeout) == (120.0, "wait", 90)
+    assert (plain.time_limit, plain.soft_time_limit) == (100, 45)
+    assert "renew_interval must be shorter" in by_name["proj.broken"].error
+    assert "'tll'" in by_name["proj.unknown_option"].error
+    assert unmatched == ["proj.typo"]
+    assert not isinstance(app.tasks["proj.plain_one"], LockedTask), "tasks are left as they are"
+    findings = check_settings(conf, tasks, unmatched)
+    assert codes(findings, ERROR) == {"invalid-task-options"}
+    assert {"on-lost-ignore", "wait-exceeds-limit", "unmatched-pattern"} <= codes(findings, WARN)
+    app.close()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"on_busy": "bogus"},
+        {"on_lost": "never"},
+        {"retry_countdown": -1},
+        {"mode": "sharde"},
+        {"limit": 0},
+        {"fair": True, "mode": "shared"},
+        {"key": "{missing}"},
+        {"args": ["missing"]},
+    ],
+)
+def test_doctor_refuses_exactly_what_the_worker_refuses(entry):
+    """A redlock_tasks entry the worker refuses at start is an invalid-task-options error
+    in doctor, with the worker's own message: {"on_busy": "bogus"} used to pass as sound."""
+    from celery_redlock import config_only
+    from celery_redlock.task import lock_options
+
+    app = celery.Celery("doctor-bogus", set_as_current=False)
+    app.conf.update(redlock_url=NODE, redlock_tasks={"proj.t": entry})
+
+    @app.task(name="proj.t", shared=False)
+    def t(account_id):
+        pass
+
+    conf = from_conf(app.conf)
+    tasks, _ = task_locking(app, conf)
+    assert [task.name for task in tasks] == ["proj.t"]
+    assert tasks[0].error is not None, "doctor passed options the worker refuses"
+    assert codes(check_settings(conf, tasks), ERROR) == {"invalid-task-options"}
+    with pytest.raises(ConfigurationError) as refused:
+        config_only.apply(app, conf)
+        lock_options(app.tasks["proj.t"])
+    assert tasks[0].error == str(refused.value)
+    app.close()
+
+
+# -- nodes -------------------------------------------------------------------------
+
+
+def test_probe_measures_clock_skew_against_this_host(redis_node):
+    """TIME against a local clock 5 s fast: a skew of about -5 s, within the round trip."""
+    (fast,) = probe_nodes([redis_node.url], timeout=1.0, clock=lambda: time.time() + 5)
+    assert fast.error is None
+    assert abs(fast.clock_skew + 5) < 0.05
+    assert 0 < fast.clock_uncertainty < 0.05
+    assert fast.config["maxmemory-policy"] == "noeviction"
+    assert fast.info["role"] == "master" and int(fast.info["uptime_in_seconds"]) >= 0
+    finding = check_clock(fast.node, fast.clock_skew, fast.clock_uncertainty, 0.302, "budget")
+    assert finding.level == WARN
