@@ -273,7 +273,7 @@ class LeaderMixin:
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """One beat iteration; standbys tick too, but only to compete and keep time."""
         standby = self._compete()
-        interval = super().tick(*args, **kwargs)  # type: ignore[misc]  # a Scheduler follows in the MRO
+        interval = float(super().tick(*args, **kwargs))  # type: ignore[misc]  # a Scheduler follows in the MRO
         return interval if standby is None else min(interval, standby)
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:

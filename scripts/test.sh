@@ -13,7 +13,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 python -m pip install -q -e '.[test,lint]'
 ruff check .
-# Plain mypy over the package; pyproject's [tool.mypy] makes the lock engine and the node
-# layer strict.
+# mypy over the package, strict by pyproject's [tool.mypy].
 mypy celery_redlock
 python -m pytest "$@"

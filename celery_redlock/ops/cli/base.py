@@ -70,7 +70,7 @@ def check_quorum(ctx: click.Context, nodeset: NodeSet, errors: dict[str, str]) -
         warn(ctx, f"node {node} did not answer: {error}")
     if len(nodeset) - len(errors) < nodeset.quorum:
         ctx.obj.error(quorum_error(nodeset, errors), fg="red")
-        return EX_UNAVAILABLE
+        return int(EX_UNAVAILABLE)
     return 0
 
 

@@ -18,7 +18,7 @@ __all__ = ["doctor"]
 @click.command(cls=CeleryCommand)
 @common_options()
 @click.pass_context
-def doctor(ctx: click.Context, as_json: bool, node_timeout: float, **kwargs: Any) -> None:
+def doctor(ctx: click.Context, /, as_json: bool, node_timeout: float, **kwargs: Any) -> None:
     """Check that the lock nodes and the settings are safe for locks.
 
     Exits 1 when an error-level finding exists, 69 when a node could not be asked.

@@ -20,7 +20,7 @@ __all__ = ["inspect"]
 @common_options()
 @click.pass_context
 def inspect(
-    ctx: click.Context, key: str, as_json: bool, node_timeout: float, **kwargs: Any
+    ctx: click.Context, /, key: str, as_json: bool, node_timeout: float, **kwargs: Any
 ) -> None:
     """Show every field of one lock on every node, its PTTL and fence counter.
 

@@ -40,6 +40,7 @@ __all__ = ["ls"]
 @click.pass_context
 def ls(
     ctx: click.Context,
+    /,
     task: str | None,
     stale: bool,
     as_json: bool,

@@ -61,6 +61,7 @@ __all__ = ["release"]
 @click.pass_context
 def release(
     ctx: click.Context,
+    /,
     key: str | None,
     stale: bool,
     task: str | None,

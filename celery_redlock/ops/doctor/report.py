@@ -46,7 +46,7 @@ def exit_code(findings: Iterable[Finding]) -> int:
     """0 without errors; ``EX_UNAVAILABLE`` if a node was unreachable; else 1."""
     findings = list(findings)
     if any(f.code == "node-unreachable" and f.level == ERROR for f in findings):
-        return EX_UNAVAILABLE
+        return int(EX_UNAVAILABLE)
     if any(f.level == ERROR for f in findings):
         return 1
     return 0
