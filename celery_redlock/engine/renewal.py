@@ -21,6 +21,10 @@ in :mod:`.lease`; this module is the thread, its heap and its wake-up pipe.
 
 Fork safety: a forked child gets a fresh, empty renewer of its own (started on first
 use). It cannot renew its parent's leases, which stay the parent's responsibility.
+
+``Renewer`` is a little over 250 lines because its thread owns the heap alone: every
+step that touches the heap (add, release, tick, loss, abandon) is a method of the one
+object whose thread runs it, so that no caller ever takes a lock the thread holds.
 """
 
 from __future__ import annotations
