@@ -51,7 +51,7 @@ keeps the holds per thread; :mod:`.lease` is a lease and its deadline; :mod:`.re
 the watchdog; :mod:`.waiting` the release notifications. This module keeps the
 sequence that ties them: attempts and waits, the hold, the release, and the undo.
 
-Why this module is larger than issue 14's ~400 lines (and ``Redlock`` than ~250):
+Why this module is larger than the project's ~400-line guide (and ``Redlock`` than ~250):
 what is left is the public API users read (the argument reference, fifteen methods
 and properties, most of them a few lines over :mod:`.kinds` and :mod:`.holds`) and
 the two exception-safe sequences. ``acquire`` and ``release`` stay whole, each with
