@@ -1,11 +1,17 @@
 """Lock names from task calls: canonical, hashed and bounded, whatever the arguments.
 
 A task lock is named from the task and a SHA-256 digest of its canonical bound
-arguments (:func:`task_lock_name`), or of the resource its ``lock_key`` names:
-argument values never appear in Redis, and the name has a bounded length whatever
-the arguments are. Canonical means equal for equal calls, before and after a JSON
-round trip: ``sync(1)`` and ``sync(account_id=1, full=False)`` get one name, as do a
-tuple and the list a JSON message turns it into.
+arguments (:func:`task_lock_name`): argument values never appear in Redis, and the
+name has a bounded length whatever the arguments are. Canonical means equal for equal
+calls, before and after a JSON round trip: ``sync(1)`` and
+``sync(account_id=1, full=False)`` get one name, as do a tuple and the list a JSON
+message turns it into.
+
+A ``lock_key`` that gives a string names a *resource*, as written:
+``lock_key="account:{account_id}"`` takes the lock ``Redlock("account:7")`` takes in a
+web process, and ``celery redlock inspect account:7`` finds it. The user chose that
+text, so it reaches Redis as is; any other value a ``lock_key`` callable returns is
+digested like arguments are.
 
 The name is then turned into Redis keys by :mod:`celery_redlock.engine.keys`, which
 knows nothing of tasks. :func:`check_lock_args` and :func:`check_key_template`
@@ -29,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from ..exceptions import ConfigurationError, LockKeyError
+from .keys import MAX_NAME_LENGTH
 
 __all__ = [
     "MAX_DEPTH",
@@ -53,11 +60,12 @@ def task_lock_name(
 ) -> str | tuple[str, ...]:
     """The lock name of one task call (or names, for several resources); no argument values.
 
-    * ``lock_key`` callable ``(args, kwargs) -> value`` or format string over the
-      argument names: ``key:<digest of the value>``. Tasks that compute the same
-      key share the lock, whatever their names. A callable returning a list or
-      tuple, or a list or tuple of format strings, names several resources, locked
-      together (a tuple of names is returned).
+    * ``lock_key`` format string over the argument names, or callable
+      ``(args, kwargs) -> value``: a string is the resource's name itself (tasks and
+      ``Redlock`` objects naming the same resource share the lock); another value
+      gives ``key:<digest of the value>``. A callable returning a list or tuple, or a
+      list or tuple of format strings, names several resources, locked together (a
+      tuple of names is returned).
     * ``lock_args=()``: the task name alone (one run of the task at a time).
     * ``lock_args=None``: ``<task name>:<digest of every bound argument>``.
     * ``lock_args=("a", "b")``: ``<task name>:<digest of a and b>``.
@@ -79,17 +87,31 @@ def task_lock_name(
         else:
             value = _format(task_name, cast(str, lock_key), bound)
         if not isinstance(value, (list, tuple)):
-            return f"key:{_digest(task_name, 'lock_key', value)}"
+            return _resource(task_name, "lock_key", value)
         if not value:
             raise LockKeyError(task_name, "lock_key", "named no resource (an empty list)")
-        # Each resource is digested alone, so a task locking ("acct:1", "acct:2") and
+        # Each resource is named alone, so a task locking ("acct:1", "acct:2") and
         # one locking "acct:1" share the lock of account 1.
-        return tuple(
-            f"key:{_digest(task_name, f'lock_key[{i}]', item)}" for i, item in enumerate(value)
-        )
+        return tuple(_resource(task_name, f"lock_key[{i}]", item) for i, item in enumerate(value))
     if lock_args is not None:
         bound = {name: bound[name] for name in lock_args}
     return f"{task_name}:{_digest(task_name, None, bound)}"
+
+
+def _resource(task_name: str, argument: str, value: Any) -> str:
+    """The lock name of one resource a ``lock_key`` gave: a string as is, else a digest."""
+    if not isinstance(value, str):
+        return f"key:{_digest(task_name, argument, value)}"
+    if not value:
+        raise LockKeyError(task_name, argument, "named no resource (an empty string)")
+    if len(value) > MAX_NAME_LENGTH:
+        raise LockKeyError(
+            task_name,
+            argument,
+            f"the resource name is {len(value)} characters long, the limit is "
+            f"{MAX_NAME_LENGTH}: name the resource by a short identifier",
+        )
+    return value
 
 
 def _format(task_name: str, template: str, bound: Mapping[str, Any]) -> str:

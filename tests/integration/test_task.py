@@ -15,9 +15,11 @@ from celery_redlock import (
     LockKeyError,
     LockLost,
     NodeUnavailable,
+    Redlock,
 )
 from tests.apps.locked import create_app
 from tests.harness import close_app, lock_keys, read_intervals, steal_locks, wait_for
+from tests.harness.celery_workers import redis_url_with_db
 from tests.harness.servers import free_port
 
 CELERY = tuple(int(part) for part in celery.__version__.split(".")[:2])
@@ -81,6 +83,24 @@ def test_retry_policy_retries_until_the_lock_is_free(app, inprocess_worker_facto
     assert app.backend.get_task_meta(second.id)["retries"] >= 1
 
 
+def test_a_lock_key_is_the_resource_a_web_process_locks(
+    app, celery_redis, inprocess_worker_factory
+):
+    """lock_key="res:{resource}" and Redlock("res:web") outside Celery are one lock: the
+    task is busy while the web process holds it, and its fence follows the web's."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    task = app.tasks["tests.apps.locked.hold_raise"]
+    web = Redlock("res:web", nodes=[redis_url_with_db(celery_redis.url, 0)])
+    with web:
+        with pytest.raises(LockBusy) as info:
+            get(task.delay("web"))
+        assert info.value.key == web.key == "redlock:{res:web}"
+        web_fence = web.fence
+    ran = get(task.delay("web"))
+    assert ran["key"] == web.key
+    assert ran["fence"] > web_fence
+
+
 def test_raise_policy_fails_with_lockbusy_through_the_result_backend(
     app, inprocess_worker_factory, tmp_path
 ):
@@ -92,7 +112,7 @@ def test_raise_policy_fails_with_lockbusy_through_the_result_backend(
     second = app.tasks["tests.apps.locked.hold_raise"].delay("r", path, "second", 0)
     with pytest.raises(LockBusy) as info:
         get(second)
-    assert info.value.key.startswith("redlock:{key:")
+    assert info.value.key == "redlock:{res:r}"  # lock_key="res:{resource}" names the resource
     assert info.value.holder == first.id
     get(first)
 

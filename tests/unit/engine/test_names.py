@@ -44,13 +44,37 @@ def test_lock_args_selects_the_arguments_and_empty_means_task_only():
 
 
 def test_lock_key_names_a_resource_shared_across_tasks():
-    """A format string or callable key is task-independent and hashed."""
+    """A format string or a callable's string is the resource's own name, whatever the
+    task: the name ``Redlock("account:42")`` locks in a web process."""
     by_format = name(42, lock_key="account:{account_id}")
     by_callable = task_lock_name(
         "other.task", run, (42,), {}, lock_key=lambda args, kwargs: f"account:{args[0]}"
     )
-    assert by_format == by_callable
-    assert by_format.startswith("key:") and "42" not in by_format
+    assert by_format == by_callable == "account:42"
+    assert name(42, lock_key=("account:{account_id}", "ledger")) == ("account:42", "ledger")
+
+
+def test_a_lock_key_value_that_is_not_a_string_is_digested():
+    """A callable returning a number, a tuple's items or a mapping: hashed, task-independent."""
+    by_number = task_lock_name("a.task", run, (42,), {}, lock_key=lambda args, kwargs: args[0])
+    assert by_number.startswith("key:") and "42" not in by_number
+    assert by_number == task_lock_name("b.task", run, (42,), {}, lock_key=lambda a, k: 42)
+
+
+@pytest.mark.parametrize(
+    ("lock_key", "reason"),
+    [
+        ("{account_id}", "named no resource (an empty string)"),
+        ("x{account_id}", "the limit is 512"),
+    ],
+)
+def test_a_resource_name_redis_cannot_take_names_the_task_and_lock_key(lock_key, reason):
+    """An empty or unbounded resource name is refused before anything reaches Redis."""
+    value = "" if lock_key == "{account_id}" else "y" * 600
+    with pytest.raises(LockKeyError) as info:
+        name(value, lock_key=lock_key)
+    assert "task proj.sync: argument 'lock_key'" in str(info.value)
+    assert reason in str(info.value)
 
 
 def test_argument_values_never_appear_and_length_is_bounded():
