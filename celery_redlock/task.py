@@ -43,7 +43,7 @@ from . import abort, reaper
 from .engine.lock import Redlock
 from .engine.names import signature, task_lock_name
 from .exceptions import LockBusy, LockKeyError, LockLost, NodeUnavailable
-from .options import TASK_OPTIONS, TaskLockOptions, resolve_task_options
+from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
 from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, requeues
 from .settings import Settings, from_conf
 
@@ -52,6 +52,7 @@ __all__ = [
     "acquire_for",
     "announce_lock",
     "app_settings",
+    "config_overrides",
     "forget_options",
     "held_lock",
     "lock_options",
@@ -164,6 +165,25 @@ def task_options(
         attribute if read_attributes else None,
         source=source,
     )
+
+
+def config_overrides(task: Task) -> dict[str, tuple[Any, Any]]:
+    """The options a ``redlock_tasks`` entry sets over ``task``'s own code.
+
+    ``{name: (code value, entry value)}``: the entry wins (the configuration is what
+    operators change without a deploy), and the worker says so at start.
+    """
+    cls = type(task)
+    entry = getattr(cls, "_redlock_configured", None)
+    if entry is None or not getattr(cls, "_redlock_read_attributes", True):
+        return {}  # no entry, or attributes that are the project's, not options of ours
+    given = parse_entry(task.name, entry, getattr(cls, "_redlock_source", None) or "options")
+    found = {}
+    for name, value in given.items():
+        code = getattr(task, TASK_OPTIONS[name].attribute, None)
+        if code is not None and code != value:
+            found[name] = (code, value)
+    return found
 
 
 def forget_options(task: Task) -> None:

@@ -33,8 +33,16 @@ from celery.concurrency.prefork import TaskPool as PreforkPool
 from . import abort, config_only, metrics, reaper
 from .engine.renewal import get_renewer
 from .nodes import NodeSet, safe_url
+from .options import TASK_OPTIONS
 from .reaper import Reaper
-from .task import LockedTask, announce_lock, app_settings, lock_options, pop_lock
+from .task import (
+    LockedTask,
+    announce_lock,
+    app_settings,
+    config_overrides,
+    lock_options,
+    pop_lock,
+)
 
 __all__ = ["RedlockStep", "install"]
 
@@ -61,6 +69,16 @@ class RedlockStep(bootsteps.StartStopStep):
         locked = [task for task in app.tasks.values() if isinstance(task, LockedTask)]
         for task in locked:
             lock_options(task)
+            for name, (code, config) in config_overrides(task).items():
+                logger.info(
+                    "celery_redlock: task %s: %s sets %s=%r over the code's %s=%r",
+                    task.name,
+                    getattr(type(task), "_redlock_source", "redlock_tasks"),
+                    name,
+                    config,
+                    TASK_OPTIONS[name].attribute,
+                    code,
+                )
         self.prefork = _is_prefork(worker)
         self.reaper = None
         if locked and self.prefork:

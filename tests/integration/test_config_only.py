@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from celery_redlock import LockBusy
+from celery_redlock import LockBusy, LockedTask
+from celery_redlock.task import lock_options
 from tests.apps import configonly_custom
-from tests.harness import close_app, lock_keys, wait_for
+from tests.harness import close_app, lock_keys, make_app, wait_for
+from tests.harness.celery_workers import redis_url_with_db
 from tests.integration.test_task import get
 
 
@@ -63,3 +65,28 @@ def test_nested_eager_runs_of_configuration_locked_tasks_release_both_locks(
     for _ in range(2):
         assert get(outer.delay(7))["held"].startswith("redlock:{custom.sync:")
         wait_for(lambda: not lock_keys(celery_redis), timeout=10, message="both locks released")
+
+
+def test_the_worker_says_which_code_options_a_config_entry_overrides(
+    celery_redis, inprocess_worker_factory, caplog
+):
+    """lock_ttl=60 in code, {"ttl": 5} in redlock_tasks: the entry wins, said at INFO."""
+    app = make_app(
+        celery_redis.url,
+        redlock_url=redis_url_with_db(celery_redis.url, 0),
+        redlock_tasks={"prec.*": {"ttl": 5, "on_busy": "skip"}},
+    )
+
+    @app.task(name="prec.sync", base=LockedTask, lock_ttl=60, lock_on_busy="skip")
+    def sync(account_id):
+        return account_id
+
+    with caplog.at_level("INFO", logger="celery_redlock.worker"):
+        inprocess_worker_factory(app, pool="solo")
+    said = [r.getMessage() for r in caplog.records if "over the code's" in r.getMessage()]
+    assert said == [
+        "celery_redlock: task prec.sync: redlock_tasks['prec.*'] sets ttl=5 "
+        "over the code's lock_ttl=60"
+    ]
+    assert lock_options(app.tasks["prec.sync"]).timing.ttl == 5
+    close_app(app)
