@@ -119,7 +119,7 @@ class LockLost(RedlockError):
 
 
 class LockNotOwned(RedlockError):
-    """``release()`` or ``extend()`` of a lock this object does not hold.
+    """``release()``, ``extend()`` or ``fence`` of a lock this thread does not hold.
 
     Also raised in a forked child for a lock its parent acquired: only the process
     that acquired a lock may renew or release it.

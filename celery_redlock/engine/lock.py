@@ -76,7 +76,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from .. import metrics
-from ..exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
+from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from ..nodes import Call, NodeSet, Reply
 from ..nodes.cluster import is_cluster_url
 from .holds import Hold, Holds, finalize
@@ -565,14 +565,24 @@ class Redlock:
         return self.keys.lock
 
     @property
-    def fence(self) -> int | None:
+    def fence(self) -> int:
         """The fencing token of the current acquisition (larger than any before it).
 
         For a lock on several resources, the fence of the first one; use
         :attr:`fences` to guard writes to the others.
+
+        After a release it is the last acquisition's fence (as :attr:`lease` is its
+        lease); from a thread that never acquired, the only holding thread's.
+
+        Raises:
+            LockNotOwned: there is no acquisition to take a fence from (never
+                acquired, or several threads did and this one is none of them). A
+                write guarded by no fence is a bug: there is no ``None`` to pass on.
         """
         lease = self.lease
-        return None if lease is None else lease.fence
+        if lease is None:
+            raise LockNotOwned(self.key, "no fence: no acquisition of this thread's")
+        return lease.fence
 
     @property
     def fences(self) -> dict[str, int]:

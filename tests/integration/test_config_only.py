@@ -77,7 +77,7 @@ def test_the_worker_says_which_code_options_a_config_entry_overrides(
         redlock_tasks={"prec.*": {"ttl": 5, "on_busy": "skip"}},
     )
 
-    @app.task(name="prec.sync", base=LockedTask, lock_ttl=60, lock_on_busy="skip")
+    @app.task(name="prec.sync", base=LockedTask, shared=False, lock_ttl=60, lock_on_busy="skip")
     def sync(account_id):
         return account_id
 

@@ -196,3 +196,43 @@ def test_release_warning_says_another_owner_holds_it(redis_node, caplog):
     assert not any("expire within 30.0s" in m for m in messages), messages
     assert other.owned()
     other.release()
+
+
+def test_fence_is_an_int_while_held_and_raises_otherwise(redis_node):
+    """A fence comes from an acquisition: before any there is no None to guard a write with."""
+    lock = Redlock("job", nodes=[redis_node.url], ttl=5, auto_renew=False)
+    with pytest.raises(LockNotOwned, match="no fence"):
+        lock.fence  # noqa: B018
+    with lock:
+        assert isinstance(lock.fence, int) and lock.fence >= 1
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(_fence_or_error(lock)))
+        other.start()
+        other.join(10)
+        # A thread that never acquired (an on_lost callback, a helper) reads the only
+        # hold's fence, as it reads its lease.
+        assert seen == [lock.fence]
+        fence = lock.fence
+    assert lock.fence == fence, "after the release: the last acquisition's fence"
+
+
+def _fence_or_error(lock: Redlock) -> object:
+    try:
+        return lock.fence
+    except LockNotOwned as exc:
+        return type(exc).__name__
+
+
+def test_the_quick_starts_fence_use_type_checks(tmp_path):
+    """``store(page, fence=self.lock.fence)`` with an ``int`` parameter passes mypy --strict."""
+    api = pytest.importorskip("mypy.api", reason="mypy (the lint extra) is not installed")
+    source = tmp_path / "quickstart.py"
+    source.write_text(
+        "from celery_redlock import Redlock\n"
+        "def store(page: str, fence: int) -> None: ...\n"
+        "def write(lock: Redlock) -> None:\n"
+        "    store('page', fence=lock.fence)\n"
+        "    store('page', fence=lock.fences['page'])\n"
+    )
+    out, err, status = api.run(["--strict", "--no-incremental", str(source)])
+    assert status == 0, out + err
