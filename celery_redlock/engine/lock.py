@@ -199,9 +199,10 @@ class Redlock:
 
     def __repr__(self) -> str:
         names = self.keys.lock if len(self.resources) == 1 else [k.lock for k in self.resources]
+        lease = self.lease
         return (
             f"<Redlock{self.kind.describe()} {names!r} on {len(self.nodeset)} node(s) "
-            f"fence={self.fence}>"
+            f"fence={None if lease is None else lease.fence}>"
         )
 
     # -- acquisition -----------------------------------------------------------
