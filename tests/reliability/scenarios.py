@@ -118,7 +118,7 @@ def restart_without_persistence(lab: Lab, *, delayed: bool) -> Outcome:
     servers[2].kill()
     assert a.acquire(blocking=False), "A is granted by nodes 1 and 2"
     a_start = clock()
-    a_fence = a.fence or 0
+    a_fence = a.fence
     history.write("restart", a_fence, "A")
     servers[2].start()
     servers[1].kill()
@@ -138,11 +138,9 @@ def restart_without_persistence(lab: Lab, *, delayed: bool) -> Outcome:
     if granted:
         b_start = clock()
         outcome.stats["b_granted"] += 1
-        outcome.stats["b_write_accepted"] += history.write("restart", b.fence or 0, "B")
-        history.record(
-            Section("restart", b.fence or 0, b_start, clock(), 2, lease_deadline(b), id="B")
-        )
-        outcome.stats["b_fence_above_a"] += (b.fence or 0) > a_fence
+        outcome.stats["b_write_accepted"] += history.write("restart", b.fence, "B")
+        history.record(Section("restart", b.fence, b_start, clock(), 2, lease_deadline(b), id="B"))
+        outcome.stats["b_fence_above_a"] += b.fence > a_fence
     history.record(
         Section("restart", a_fence, a_start, clock(), 1, lease_deadline(a), a_lost, id="A")
     )

@@ -52,12 +52,18 @@ def test_immediate_restart_without_persistence_grants_the_lock_twice(lab):
 
 
 def test_delayed_restart_without_persistence_is_safe(lab):
-    """The same restart delayed by one lease: A's lease ended first; B's fence is larger."""
+    """The same restart delayed by one lease: A's lease ended before B's began.
+
+    B's fence is larger than A's only if node 1 (the one that remembers the counter)
+    is among the nodes whose grants B counted; an early quorum of the two amnesiac
+    nodes gives B A's fence again. Either way the fenced store stays right: it takes
+    B's write exactly when B's fence is larger (the documented limit: fences need
+    persistence, a delayed restart only ends the overlap).
+    """
     outcome = scenarios.restart_without_persistence(lab, delayed=True)
     assert_clean(outcome)
     assert outcome.stats["b_granted"] == 1
-    assert outcome.stats["b_fence_above_a"] == 1
-    assert outcome.stats["b_write_accepted"] == 1
+    assert outcome.stats["b_write_accepted"] == outcome.stats["b_fence_above_a"]
 
 
 def test_network_delay_and_blackhole_on_one_node_and_on_a_majority(lab):

@@ -141,7 +141,7 @@ def run_section(
     """
     sid = history.new_section_id()
     start = clock()
-    fence = lock.fence or 0
+    fence = lock.fence
     lost_at = None
     increments = 0
     try:
