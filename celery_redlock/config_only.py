@@ -103,7 +103,7 @@ def lockify(task: Any, options: dict[str, Any], *, source: str = "options") -> N
 
 #: LockedTask members that call the task class's own version (through super()), so
 #: both run: they are not taken from the task class.
-_COOPERATIVE = frozenset({"before_start", "__call__", "apply", "push_request"})
+_COOPERATIVE = frozenset({"before_start", "__call__", "apply", "apply_async", "push_request"})
 
 
 def _kept_attributes(cls: type) -> dict[str, Any]:

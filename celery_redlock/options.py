@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .engine.names import check_key_template, check_lock_args
-from .engine.timing import Timing, check_kind, seconds
+from .engine.timing import Timing, check_kind, lease_seconds, seconds
 from .exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -34,8 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ON_BUSY",
+    "ON_DUPLICATE",
     "ON_LOST",
     "TASK_OPTIONS",
+    "UNIQUE",
     "TaskLockOptions",
     "TaskOption",
     "choice",
@@ -47,6 +49,10 @@ __all__ = [
 ON_BUSY = ("skip", "retry", "raise", "wait")
 #: What happens to a running task whose lock is lost (``lock_on_lost``, ``redlock_on_lost``).
 ON_LOST = ("abort", "revoke", "ignore")
+#: How long a send-time claim keeps other copies out (``lock_unique``; None: no claim).
+UNIQUE = ("until_started", "until_finished")
+#: What ``apply_async()`` does when a copy is queued already (``lock_on_duplicate``).
+ON_DUPLICATE = ("return", "raise")
 
 
 def choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
@@ -103,6 +109,24 @@ TASK_OPTIONS: dict[str, TaskOption] = {
         TaskOption("mode", None, None, "exclusive (default) or shared"),
         TaskOption("limit", None, None, "at most this many shared holders per key"),
         TaskOption("fair", None, None, "serve waiters in arrival order"),
+        TaskOption(
+            "unique",
+            None,
+            choice(UNIQUE),
+            "until_started or until_finished: at most one queued (or running) copy per key",
+        ),
+        TaskOption(
+            "on_duplicate",
+            "on_duplicate",
+            choice(ON_DUPLICATE),
+            "with unique: return (the queued copy's result) or raise (LockBusy)",
+        ),
+        TaskOption(
+            "unique_ttl",
+            "unique_ttl",
+            lease_seconds,
+            "with unique: longest a claim waits for its copy to start",
+        ),
     )
 }
 
@@ -121,6 +145,9 @@ class TaskLockOptions:
     mode: str = "exclusive"
     limit: int | None = None
     fair: bool = False
+    unique: str | None = None
+    on_duplicate: str = "return"
+    unique_ttl: float = 3600.0
 
 
 def parse_entry(task_name: str, entry: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -233,6 +260,10 @@ def _resolve(
     for template in templates:
         check_key_template(task_name, run, template)
     resources = len(key) if isinstance(key, (list, tuple)) else 1
+    if values["unique"] is not None and resources > 1:
+        raise ConfigurationError(
+            f"{where}unique: a send-time claim is for one resource; lock_key names {resources}"
+        )
     try:
         mode, limit, fair = check_kind(
             resources, values["mode"], values["limit"], bool(values["fair"])
@@ -252,4 +283,7 @@ def _resolve(
         mode=mode,
         limit=limit,
         fair=fair,
+        unique=values["unique"],
+        on_duplicate=resolved["on_duplicate"],
+        unique_ttl=resolved["unique_ttl"],
     )

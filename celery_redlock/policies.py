@@ -45,6 +45,7 @@ from .options import TaskLockOptions
 
 __all__ = [
     "REQUEUES_HEADER",
+    "Requeued",
     "Skipped",
     "already_done",
     "apply_on_busy",
@@ -63,7 +64,11 @@ REQUEUES_HEADER = "redlock_requeues"
 def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
     """Apply ``lock_on_busy``; always raises."""
     if busy.holder == task_id:
-        requeue_duplicate(task, task_id, busy)
+        requeue_duplicate(task, task_id, busy, "is held by an earlier delivery of itself")
+    if options.unique == "until_started":
+        # The follow-up of a running copy (queued while it ran): it must run after it,
+        # so it waits on the queue, whatever lock_on_busy says.
+        requeue_duplicate(task, task_id, busy, "follows the running copy")
     policy = options.on_busy
     if policy == "retry":
         logger.info(
@@ -86,7 +91,7 @@ class Skipped(Ignore):
         self.busy = busy
 
 
-def requeue_duplicate(task: Task, task_id: str, busy: LockBusy) -> None:
+def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> None:
     """The lock is held under this very task id: put this delivery back for later.
 
     This is a second delivery of a message whose first delivery holds the lock: an
@@ -98,6 +103,10 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy) -> None:
     ignored, storing nothing. When the copy runs and the task id already has a final
     result from the first delivery, it does not run again (see
     :func:`celery_redlock.task.acquire_for`).
+
+    The same holds for the follow-up copy of a ``lock_unique="until_started"`` task,
+    queued while another copy of its key runs: it is put back until that one ends,
+    keeping its send-time claim, so at most one follow-up waits.
     """
     count = requeues(task.request) + 1
     countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(count, 8))
@@ -105,13 +114,22 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy) -> None:
     signature.set(headers={REQUEUES_HEADER: count})
     signature.apply_async()
     logger.info(
-        "Task %s[%s] is held by an earlier delivery of itself; trying again in %.2fs: %s",
+        "Task %s[%s] %s; trying again in %.2fs: %s",
         task.name,
         task_id,
+        why,
         countdown,
         busy,
     )
-    raise Ignore(str(busy))
+    raise Requeued(str(busy))
+
+
+class Requeued(Ignore):
+    """The Ignore a delivery put back as a duplicate of itself ends with.
+
+    The copy goes on (it is queued again under the same task id), so its send-time
+    claim stays (:func:`celery_redlock.unique.ended`).
+    """
 
 
 def requeues(request: Any) -> int:

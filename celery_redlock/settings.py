@@ -25,7 +25,7 @@ from .engine.timing import fraction as _fraction
 from .engine.timing import lease_seconds as _lease
 from .engine.timing import seconds as _seconds
 from .exceptions import ConfigurationError
-from .options import ON_BUSY, ON_LOST, TASK_OPTIONS, choice
+from .options import ON_BUSY, ON_DUPLICATE, ON_LOST, TASK_OPTIONS, choice
 
 __all__ = ["OPTIONS", "Option", "Settings", "from_conf", "reference"]
 
@@ -190,6 +190,20 @@ OPTIONS: dict[str, Option] = {
             "wait_timeout", 60.0, _seconds, "Longest wait, with on_busy='wait' (up to 30 days)."
         ),
         Option(
+            "on_duplicate",
+            "return",
+            choice(ON_DUPLICATE),
+            "With lock_unique, what apply_async() does when a copy of the key is queued or "
+            "running: return (its AsyncResult; nothing is sent) or raise (LockBusy).",
+        ),
+        Option(
+            "unique_ttl",
+            3600.0,
+            _lease,
+            "With lock_unique, the longest a send-time claim lives without its copy "
+            "starting (0.01 s to 30 days; a countdown or eta adds its delay).",
+        ),
+        Option(
             "drift_factor",
             0.01,
             _fraction,
@@ -267,6 +281,8 @@ class Settings:
     on_lost: str = "abort"
     retry_countdown: float = 5.0
     wait_timeout: float = 60.0
+    on_duplicate: str = "return"
+    unique_ttl: float = 3600.0
     drift_factor: float = 0.01
     node_timeout: float | None = None
     min_replicas: int = 0

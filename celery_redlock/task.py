@@ -39,10 +39,10 @@ from celery import Celery, Task, states
 from celery.exceptions import Ignore
 from celery.result import EagerResult
 
-from . import abort, reaper
+from . import abort, reaper, unique
 from .engine.lock import Redlock
-from .engine.names import signature, task_lock_name
-from .exceptions import LockBusy, LockKeyError, LockLost, NodeUnavailable
+from .engine.names import call_lock_name
+from .exceptions import LockBusy, LockLost, NodeUnavailable
 from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
 from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, requeues
 from .settings import Settings, from_conf
@@ -211,6 +211,10 @@ class LockedTask(Task):
     * ``lock_limit``: at most this many runs per key at once (shared slots).
     * ``lock_fair``: waiters (``lock_on_busy="wait"``) are served in arrival order.
     * ``lock_retry_countdown``, ``lock_wait_timeout``, ``lock_renew_interval``.
+    * ``lock_unique``: ``None`` | ``"until_started"`` | ``"until_finished"``: at most
+      one queued (or running) copy per key, decided at send time
+      (:mod:`celery_redlock.unique`); ``lock_on_duplicate``: ``"return"`` (the queued
+      copy's ``AsyncResult``) | ``"raise"`` (``LockBusy``); ``lock_unique_ttl``.
 
     ``lock_key`` may name several resources (a list of format strings, or a callable
     returning a list): all are locked together or none, e.g. both accounts of a
@@ -230,6 +234,9 @@ class LockedTask(Task):
     lock_mode: str | None = None
     lock_limit: int | None = None
     lock_fair: bool | None = None
+    lock_unique: str | None = None
+    lock_on_duplicate: str | None = None
+    lock_unique_ttl: float | None = None
 
     @property
     def lock(self) -> Redlock:
@@ -247,6 +254,40 @@ class LockedTask(Task):
         """Take the lock before the body runs (see the module docs for busy locks)."""
         super().before_start(task_id, args, kwargs)
         acquire_for(self, task_id, args, kwargs)
+        unique.started(self, lock_options(self), app_settings(self.app), task_id, args, kwargs)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
+        """Send the task, as Celery does; with ``lock_unique``, only if no copy is queued.
+
+        A duplicate publishes nothing: the queued (or running) copy's ``AsyncResult``
+        is returned, or ``LockBusy`` raised (``lock_on_duplicate``). See
+        :mod:`celery_redlock.unique`.
+        """
+        lock = lock_options(self)
+        options.update(
+            task_id=task_id, producer=producer, link=link, link_error=link_error, shadow=shadow
+        )
+        if lock.unique is None:
+            return super().apply_async(args, kwargs, **options)
+        return unique.send(
+            self,
+            lock,
+            app_settings(self.app),
+            tuple(args or ()),
+            dict(kwargs or {}),
+            options,
+            lambda sent: super(LockedTask, self).apply_async(args, kwargs, **sent),
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body; a lock lost meanwhile makes the result a LockLost failure."""
@@ -315,16 +356,11 @@ def acquire_for(
     """Take ``task``'s lock for this execution, or apply the busy/unavailable policy."""
     settings = app_settings(task.app)
     options = lock_options(task)
-    try:
-        name = task_lock_name(
-            task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
-        )
-    except LockKeyError:
-        if not _binds(task, args, kwargs):
-            # Nothing to lock: calling the body raises Python's own TypeError
-            # ("missing 1 required positional argument: ..."), before any of it runs.
-            return None
-        raise
+    name = call_lock_name(
+        task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
+    )
+    if name is None:
+        return None
     lock = Redlock(
         name,
         nodes=settings.node_urls(),
@@ -371,15 +407,6 @@ def acquire_for(
     abort.track(lock.lease, task_id)
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
     return lock
-
-
-def _binds(task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``args`` and ``kwargs`` bind to the task body's signature."""
-    try:
-        signature(task.run).bind(*args, **kwargs)
-    except TypeError:
-        return False
-    return True
 
 
 def announce_lock(send: Any, lock: Redlock, task_id: str) -> None:

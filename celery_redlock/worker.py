@@ -18,7 +18,9 @@ from it, and the worker does not start.
 ``RedlockStep.start``       start the renewer (solo, threads) or the reaper
                             that releases a dead child's locks (prefork)
 ``worker_process_init``     in each prefork child: start its own renewer
-``task_postrun``            release the execution's lock, whatever the outcome
+``task_postrun``            release the execution's lock, whatever the outcome;
+                            free the copy's send-time claim (``lock_unique``)
+``task_revoked``            free a revoked or expired copy's send-time claim
 ==========================  ==================================================
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
-from . import abort, config_only, metrics, reaper
+from . import abort, config_only, metrics, reaper, unique
 from .engine.renewal import get_renewer
 from .nodes import NodeSet, safe_url
 from .options import TASK_OPTIONS
@@ -139,7 +141,39 @@ def _on_worker_process_init(**kwargs: Any) -> None:
 
 
 @signals.task_postrun.connect(dispatch_uid="celery_redlock.task_postrun")
-def _on_task_postrun(task: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+def _on_task_postrun(
+    task: Any = None,
+    task_id: str | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    state: str | None = None,
+    retval: Any = None,
+    **ignored: Any,
+) -> None:
+    try:
+        _release(task, task_id)
+    finally:
+        if isinstance(task, LockedTask) and task_id:
+            unique.ended(
+                task,
+                lock_options(task),
+                app_settings(task.app),
+                task_id,
+                tuple(args or ()),
+                dict(kwargs or {}),
+                state,
+                retval,
+            )
+
+
+@signals.task_revoked.connect(dispatch_uid="celery_redlock.task_revoked")
+def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    if isinstance(sender, LockedTask) and request is not None:
+        unique.revoked(sender, lock_options(sender), app_settings(sender.app), request)
+
+
+def _release(task: Any, task_id: str | None) -> None:
+    """Release the lock of ``task_id``'s execution in this thread, if it holds one."""
     lock = pop_lock(task_id)
     if lock is None:
         return

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "config_only",
             "abort",
             "reaper",
+            "unique",
         },
     ),
     ("ops", {"ops"}),

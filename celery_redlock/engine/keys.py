@@ -14,6 +14,8 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               task_id, host, pid, acquired_at, task_name, ttl
     redlock:{NAME}:queue      sorted set: fair waiters, token -> arrival order
     redlock:{NAME}:waiting    sorted set: fair waiters, token -> deadline in ms
+    redlock:{NAME}:claim      hash: task_id, task_name, claimed_at; the send-time claim
+                              of a task with ``lock_unique`` (one queued copy per name)
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all. Redis hashes a key by the text between its first
@@ -80,6 +82,7 @@ class LockKeys(NamedTuple):
     holders: str
     queue: str
     waiting: str
+    claim: str
 
     @property
     def resource(self) -> tuple[str, str, str, str]:

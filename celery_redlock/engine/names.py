@@ -39,6 +39,7 @@ from .keys import MAX_NAME_LENGTH
 
 __all__ = [
     "MAX_DEPTH",
+    "call_lock_name",
     "check_key_template",
     "check_lock_args",
     "signature",
@@ -229,6 +230,33 @@ def check_key_template(task_name: str, run: Any, template: str) -> None:
                 f"task {task_name}: lock_key {template!r}: unknown conversion !{conversion} "
                 f"in {{{field}}}"
             )
+
+
+def call_lock_name(
+    task_name: str,
+    run: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    lock_args: Sequence[str] | None = None,
+    lock_key: Any = None,
+) -> str | tuple[str, ...] | None:
+    """:func:`task_lock_name`, or None when the arguments do not bind to ``run`` at all.
+
+    Such a call has nothing to lock: running the body raises Python's own TypeError
+    ("missing 1 required positional argument: ..."), before any of it runs.
+
+    Raises:
+        LockKeyError: an argument that binds cannot be keyed.
+    """
+    try:
+        return task_lock_name(task_name, run, args, kwargs, lock_args=lock_args, lock_key=lock_key)
+    except LockKeyError:
+        try:
+            signature(run).bind(*args, **kwargs)
+        except TypeError:
+            return None
+        raise
 
 
 @functools.lru_cache(maxsize=1024)

@@ -29,6 +29,7 @@ __all__ = [
     "ACQUIRE",
     "ACQUIRE_SHARED",
     "BEAT_CLAIM",
+    "CLAIM",
     "FAIR_LEAVE",
     "FENCE_SYNC",
     "INSPECT",
@@ -36,8 +37,10 @@ __all__ = [
     "RELEASE_IF",
     "RELEASE_SHARED",
     "RENEW_MANY",
+    "UNCLAIM",
     "AcquireStatus",
     "BeatClaimStatus",
+    "ClaimStatus",
     "FairLeaveStatus",
     "FenceSyncStatus",
     "ReleaseIfStatus",
@@ -45,6 +48,7 @@ __all__ = [
     "ReleaseStatus",
     "RenewStatus",
     "Script",
+    "UnclaimStatus",
 ]
 
 
@@ -112,6 +116,22 @@ class BeatClaimStatus(enum.IntEnum):
     CLAIMED = 1
 
 
+class ClaimStatus(enum.IntEnum):
+    """First element of a ``claim.lua`` reply."""
+
+    BUSY = 0  #: held by another task id; the reply's next elements are it and its PTTL
+    CLAIMED = 1
+    OURS = 2  #: this task id held it already (a retry); TTL refreshed
+
+
+class UnclaimStatus(enum.IntEnum):
+    """Reply of ``unclaim.lua``."""
+
+    TAKEN = -1  #: held by another task id: left alone
+    GONE = 0
+    FREED = 1
+
+
 def _lua_string(text: str) -> str:
     if any(c in text for c in "'\\\n"):
         raise ValueError(f"not a plain Lua string: {text!r}")
@@ -166,3 +186,5 @@ FAIR_LEAVE = Script("fair_leave", status=FairLeaveStatus)
 RELEASE_IF = Script("release_if", status=ReleaseIfStatus)
 INSPECT = Script("inspect")
 BEAT_CLAIM = Script("beat_claim", status=BeatClaimStatus)
+CLAIM = Script("claim", status=ClaimStatus)
+UNCLAIM = Script("unclaim", status=UnclaimStatus)

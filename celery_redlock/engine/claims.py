@@ -1,0 +1,140 @@
+"""Send-time claims: at most one queued (or running) copy of a task per lock name.
+
+A claim reserves a lock name for one task id, from before the copy is published
+until the worker starts it (or finishes it): ``redlock:{NAME}:claim``, a hash of
+task_id, task_name and claimed_at with a TTL, on a majority of the lock's nodes.
+:mod:`celery_redlock.unique` decides when to take and free one; this module only
+speaks to the nodes.
+
+Why a claim is not a :class:`~celery_redlock.Redlock` lease: it is taken in one
+process (the sender) and freed in another (the worker), so its owner is the task id,
+which both know, not a random token; nothing renews it (a queued copy has no
+watchdog: its TTL is the bound); and it has no fence (it guards no write: the
+execution lock, taken when the copy starts, still does). The execution lock's
+invariants do not depend on claims: a claim lost or forged lets a duplicate be
+*queued*, never run beside its original.
+
+With several nodes a claim needs a majority, like a lock. Two senders can split
+the nodes between them (neither a majority): each frees what it took and tries
+again after a random pause, so one wins within a few rounds.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis.exceptions import ResponseError
+
+from ..exceptions import NodeUnavailable
+from ..nodes import Call, NodeSet, Reply
+from .keys import LockKeys
+from .scripts import CLAIM, UNCLAIM, ClaimStatus, UnclaimStatus
+
+__all__ = ["ClaimResult", "claim", "unclaim"]
+
+#: Rounds a sender tries when senders split the nodes between them (Redlock only).
+SPLIT_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """What a claim attempt found: claimed, or held by ``holder`` for ``ttl`` seconds."""
+
+    claimed: bool
+    holder: str | None = None
+    ttl: float | None = None
+
+
+def claim(
+    nodeset: NodeSet,
+    keys: LockKeys,
+    task_id: str,
+    ttl: float,
+    *,
+    task_name: str = "",
+    replace: str = "",
+) -> ClaimResult:
+    """Claim ``keys``' name for ``task_id`` for ``ttl`` seconds, on a majority of nodes.
+
+    A claim ``task_id`` holds already is refreshed and counts as claimed (a retry of
+    the same copy). ``replace`` names a holder the caller knows has ended: its claim
+    is taken over instead of reported.
+
+    Raises:
+        NodeUnavailable: too few nodes answered to decide.
+    """
+    call = Call(
+        CLAIM,
+        (keys.claim,),
+        (task_id, max(1, round(ttl * 1000)), task_name, f"{time.time():.3f}", replace),
+    )
+    for _ in range(SPLIT_ROUNDS):
+        replies = nodeset.call([call], decided=_decided(nodeset) if len(nodeset) > 1 else None)
+        granted, holders, errors = _tally(replies)
+        if granted >= nodeset.quorum:
+            return ClaimResult(True)
+        if granted or None in replies:
+            # A node whose reply was not waited for may have granted it too.
+            unclaim(nodeset, keys, task_id)
+        if holders:
+            (holder, count), *_ = Counter(h for h, _ in holders).most_common(1)
+            if count >= nodeset.quorum:
+                ttl_left = min(t for h, t in holders if h == holder)
+                return ClaimResult(False, holder, ttl_left)
+        if granted + len(holders) < nodeset.quorum:
+            raise NodeUnavailable(keys.claim, errors)
+        time.sleep(random.uniform(0.002, 0.02))  # split between senders: one will win
+    raise NodeUnavailable(keys.claim, [f"no majority after {SPLIT_ROUNDS} rounds (split votes)"])
+
+
+def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str) -> bool:
+    """Free ``keys``' claim where ``task_id`` holds it; True if a majority no longer has it.
+
+    A claim held by another task id is left alone. Never raises for unreachable
+    nodes: their copy of the claim ends with its TTL.
+    """
+    replies = nodeset.call([Call(UNCLAIM, (keys.claim,), (task_id,))])
+    freed = sum(
+        1
+        for reply in replies
+        if reply is not None
+        and reply.ok
+        and reply.values[0] in (UnclaimStatus.FREED, UnclaimStatus.GONE)
+    )
+    return freed >= nodeset.quorum
+
+
+def _decided(nodeset: NodeSet) -> Callable[[list[Reply | None]], bool]:
+    """Stop waiting once a majority granted, or too many refused for one to."""
+    n, quorum = len(nodeset), nodeset.quorum
+
+    def decided(replies: list[Reply | None]) -> bool:
+        granted, holders, _ = _tally(replies)
+        return granted >= quorum or len(holders) > n - quorum
+
+    return decided
+
+
+def _tally(replies: list[Reply | None]) -> tuple[int, list[tuple[str, float]], list[str]]:
+    """Nodes that granted, (holder, seconds left) of those that refused, and errors."""
+    granted = 0
+    holders: list[tuple[str, float]] = []
+    errors: list[str] = []
+    for reply in replies:
+        if reply is None:
+            continue
+        if not reply.ok:
+            errors.append(reply.describe_error())
+            continue
+        value = reply.values[0]
+        if isinstance(value, ResponseError):
+            errors.append(f"{reply.node.safe_url}: {value}")
+        elif value[0] in (ClaimStatus.CLAIMED, ClaimStatus.OURS):
+            granted += 1
+        else:
+            holders.append((str(value[1]), max(0, int(value[2])) / 1000))
+    return granted, holders, errors

@@ -1,0 +1,301 @@
+"""Send-time uniqueness (``lock_unique``) with real Redis and real in-process workers.
+
+Each test asserts what the broker holds (messages published) and what the claim key
+holds, not only what ``delay()`` returns: a duplicate must publish nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_redlock import LockBusy, LockedTask, NodeUnavailable, Redlock
+from tests.harness import close_app, wait_for
+from tests.harness.celery_workers import BROKER_DB, make_app, redis_url_with_db
+from tests.harness.servers import free_port
+
+CLAIM = "redlock:{%s}:claim"
+
+
+def make_unique_app(redis_url: str, **conf: object):
+    """An app with unique tasks; the body records its task id, then waits for ``gate``."""
+    conf = {"redlock_url": redis_url_with_db(redis_url, 0), **conf}
+    app = make_app(redis_url, name="unique", **conf)
+
+    def body(self, item, gate="", out=""):
+        if out:
+            with Path(out).open("a") as log:
+                log.write(f"{self.request.id}\n")
+        if gate:
+            wait_for(Path(gate).exists, timeout=30)
+        return item
+
+    for unique in ("until_started", "until_finished"):
+        for on_duplicate in ("return", "raise"):
+            app.task(
+                base=LockedTask,
+                bind=True,
+                shared=False,
+                name=f"unique.{unique}.{on_duplicate}",
+                lock_key="item:{item}",
+                lock_unique=unique,
+                lock_on_duplicate=on_duplicate,
+            )(body)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="unique.retrying",
+        lock_key="retry:{item}",
+        lock_unique="until_finished",
+    )
+    def retrying(self, item, out):
+        with Path(out).open("a") as log:
+            log.write(f"{self.request.id} {self.request.retries}\n")
+        if self.request.retries < 2:
+            raise self.retry(countdown=0.05)
+        return self.request.retries
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="unique.busy_raise",
+        lock_key="item:{item}",
+        lock_unique="until_finished",
+        lock_on_busy="raise",
+    )
+    def busy_raise(self, item):
+        return item
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="unique.short_claim",
+        lock_key="short:{item}",
+        lock_unique="until_started",
+        lock_unique_ttl=0.3,
+    )
+    def short_claim(self, item):
+        return item
+
+    return app
+
+
+@pytest.fixture
+def app(celery_redis):
+    app = make_unique_app(celery_redis.url)
+    yield app
+    close_app(app)
+
+
+def queued(server, queue="celery"):
+    """Messages waiting in the broker's queue."""
+    return server.client(db=BROKER_DB).llen(queue)
+
+
+def claim_holder(server, item, name="item"):
+    return server.client(db=0).hget(CLAIM % f"{name}:{item}", "task_id")
+
+
+def get(result, timeout=30, **kwargs):
+    return result.get(timeout=timeout, disable_sync_subtasks=False, **kwargs)
+
+
+@pytest.mark.smoke
+def test_a_duplicate_publishes_nothing_and_returns_the_queued_copy(app, celery_redis):
+    """until_started, no worker yet: the second delay() returns the first's result."""
+    task = app.tasks["unique.until_started.return"]
+    first = task.delay("a")
+    second = task.delay("a")
+    assert second.id == first.id
+    assert queued(celery_redis) == 1, "the duplicate published nothing"
+    assert claim_holder(celery_redis, "a") == first.id
+    other = task.delay("b")
+    assert other.id != first.id and queued(celery_redis) == 2, "another key is not a duplicate"
+
+
+def test_the_claim_moves_to_the_execution_when_the_copy_starts(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """until_started: once the copy runs, one more copy may queue (and only one)."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    gate = tmp_path / "gate"
+    task = app.tasks["unique.until_started.return"]
+    running = task.delay("a", str(gate))
+    wait_for(lambda: claim_holder(celery_redis, "a") is None, timeout=10)
+    follow_up = task.delay("a", str(gate))
+    assert follow_up.id != running.id, "a change made during the run gets its follow-up"
+    assert task.delay("a", str(gate)).id == follow_up.id, "but only one queued copy"
+    gate.touch()
+    assert get(running) == "a" and get(follow_up) == "a"
+    wait_for(lambda: claim_holder(celery_redis, "a") is None, timeout=10)
+
+
+def test_until_finished_returns_the_running_copy(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """until_finished: a send while the copy runs gets it; after it ends, a new copy."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    gate, out = tmp_path / "gate", tmp_path / "runs"
+    task = app.tasks["unique.until_finished.return"]
+    running = task.delay("a", str(gate), str(out))
+    wait_for(out.exists, timeout=10)
+    assert task.delay("a", str(gate), str(out)).id == running.id
+    gate.touch()
+    assert get(running) == "a"
+    wait_for(lambda: claim_holder(celery_redis, "a") is None, timeout=10)
+    again = task.delay("a", str(gate), str(out))
+    assert again.id != running.id
+    assert get(again) == "a"
+    assert out.read_text().split() == [running.id, again.id]
+
+
+def test_on_duplicate_raise_names_the_queued_copy(app, celery_redis):
+    """lock_on_duplicate='raise': LockBusy whose holder is the queued copy's task id."""
+    task = app.tasks["unique.until_started.raise"]
+    first = task.delay("a")
+    with pytest.raises(LockBusy) as info:
+        task.delay("a")
+    assert info.value.holder == first.id
+    assert info.value.key == "redlock:{item:a}"
+    assert queued(celery_redis) == 1
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_twenty_concurrent_sends_publish_one_message(redis_factory, nodes):
+    """20 threads call delay() on one key at once: one message, one task id for all."""
+    servers = redis_factory(nodes)
+    conf = {}
+    if nodes > 1:
+        conf["redlock_nodes"] = [redis_url_with_db(s.url, 0) for s in servers]
+    app = make_unique_app(servers[0].url, **conf)
+    try:
+        task = app.tasks["unique.until_finished.return"]
+        barrier = threading.Barrier(20)
+        ids: list[str] = []
+
+        def send():
+            barrier.wait()
+            ids.append(task.delay("hot").id)
+
+        threads = [threading.Thread(target=send) for _ in range(20)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(ids) == 20
+        assert len(set(ids)) == 1, "every caller got the same copy"
+        assert queued(servers[0]) == 1, "exactly one message was published"
+    finally:
+        close_app(app)
+
+
+def test_a_revoked_queued_copy_does_not_block_a_new_one(
+    app, celery_redis, inprocess_worker_factory
+):
+    """A copy revoked while queued (countdown) frees its key (celery-singleton #29)."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    task = app.tasks["unique.until_started.return"]
+    waiting = task.apply_async(("a",), countdown=30)
+    assert task.delay("a").id == waiting.id
+    waiting.revoke()
+    # The worker holds the countdown copy: the revoke frees the key, through the
+    # REVOKED state the worker stores (Celery >= 5.5) or its task_revoked signal.
+    wait_for(lambda: task.delay("a").id != waiting.id, timeout=10)
+
+
+def test_an_expired_copy_frees_its_key_when_the_worker_discards_it(
+    app, celery_redis, inprocess_worker_factory
+):
+    """expires= passed before a worker took the copy: discarding it frees the claim."""
+    task = app.tasks["unique.until_started.return"]
+    stale = task.apply_async(("a",), expires=0.2)
+    past = time.time() + 0.3
+    wait_for(lambda: time.time() > past, timeout=2)
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    wait_for(lambda: claim_holder(celery_redis, "a") is None, timeout=10)
+    fresh = task.delay("a")
+    assert fresh.id != stale.id
+    assert get(fresh) == "a"
+
+
+def test_a_retry_is_the_same_copy_not_a_duplicate(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """self.retry() re-publishes the copy (until_finished keeps its claim across retries)."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    out = tmp_path / "runs"
+    task = app.tasks["unique.retrying"]
+    result = task.delay("r", str(out))
+    assert get(result) == 2
+    runs = out.read_text().split("\n")[:-1]
+    assert runs == [f"{result.id} {n}" for n in range(3)]
+    wait_for(lambda: claim_holder(celery_redis, "r", "retry") is None, timeout=10)
+
+
+def test_a_copy_failing_before_its_body_frees_its_claim(
+    app, celery_redis, inprocess_worker_factory
+):
+    """The execution lock busy (lock_on_busy='raise'): the copy fails, its claim is freed."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    task = app.tasks["unique.busy_raise"]
+    web = Redlock("item:a", nodes=[redis_url_with_db(celery_redis.url, 0)])
+    with web:
+        first = task.delay("a")
+        with pytest.raises(LockBusy):
+            get(first)
+    wait_for(lambda: claim_holder(celery_redis, "a") is None, timeout=10)
+    second = task.delay("a")
+    assert second.id != first.id
+    assert get(second) == "a"
+
+
+def test_a_claim_whose_copy_is_lost_ends_after_unique_ttl(app, celery_redis):
+    """A purged queue loses the copy: its claim is free after lock_unique_ttl."""
+    task = app.tasks["unique.short_claim"]
+    lost = task.delay("x")
+    app.control.purge()
+    assert task.delay("x").id == lost.id, "within the TTL the claim stands"
+    wait_for(lambda: claim_holder(celery_redis, "x", "short") is None, timeout=5)
+    assert task.delay("x").id != lost.id
+
+
+def test_redis_down_at_send_publishes_with_a_warning_or_raises(celery_redis, caplog):
+    """No lock node: 'return' publishes anyway (WARNING); 'raise' raises, publishes nothing."""
+    app = make_unique_app(
+        celery_redis.url, redlock_url=f"redis://127.0.0.1:{free_port()}/0", redlock_ttl=1.0
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="celery_redlock.unique"):
+            app.tasks["unique.until_started.return"].delay("a")
+        assert queued(celery_redis) == 1
+        assert any("without checking" in r.message for r in caplog.records)
+        with pytest.raises(NodeUnavailable):
+            app.tasks["unique.until_started.raise"].delay("a")
+        assert queued(celery_redis) == 1
+    finally:
+        close_app(app)
+
+
+def test_a_send_costs_one_script_call_and_a_duplicate_publishes_nothing(app, celery_redis):
+    """One EVALSHA per send; the duplicate adds no broker write."""
+    task = app.tasks["unique.until_started.return"]
+    task.delay("warm")  # loads the script, connects
+    celery_redis.reset_stats()
+    task.delay("a")
+    stats = celery_redis.commandstats()
+    assert stats.get("evalsha") == 1
+    pushes = stats.get("lpush", 0)
+    assert pushes == 1
+    celery_redis.reset_stats()
+    task.delay("a")
+    stats = celery_redis.commandstats()
+    assert stats.get("evalsha") == 1
+    assert stats.get("lpush", 0) == 0, "the duplicate published nothing"
