@@ -13,6 +13,10 @@ metric                             type       labels / meaning
 ``redlock_released_total``         counter    ``task``: locks released
 ``redlock_lost_total``             counter    ``task``: leases lost while held
 ``redlock_renew_failures_total``   counter    ``task``: renewals not confirmed (retried)
+``redlock_duplicates_total``       counter    ``task``: sends that published nothing, a copy
+                                              of the key being queued (``lock_unique``)
+``redlock_claims_expired_total``   counter    ``task``: copies whose send-time claim was
+                                              gone when they started (``lock_unique_ttl``)
 ``redlock_acquire_seconds``        histogram  ``task``: time to acquire (successful)
 ``redlock_hold_seconds``           histogram  ``task``: acquisition to release
 ``redlock_renew_tick_seconds``     histogram  one renewer tick, all its locks
@@ -52,6 +56,8 @@ def enable(registry: Any = None) -> None:
         ("released", "Locks released"),
         ("lost", "Leases lost while held"),
         ("renew_failures", "Renewals not confirmed by a quorum (retried)"),
+        ("duplicates", "Sends that published nothing: a copy of the key was queued"),
+        ("claims_expired", "Copies whose send-time claim had expired when they started"),
     ):
         _metrics[name] = Counter(f"redlock_{name}", doc, ["task"], registry=registry)
     _metrics["acquire"] = Histogram(
@@ -120,6 +126,16 @@ def lost(task: str | None) -> None:
 def renew_failed(task: str | None) -> None:
     """A renewal was not confirmed and will be retried."""
     _metrics["renew_failures"].labels(_task(task)).inc()
+
+
+def duplicate(task: str | None) -> None:
+    """A send found a copy of its key queued and published nothing."""
+    _metrics["duplicates"].labels(_task(task)).inc()
+
+
+def claim_expired(task: str | None) -> None:
+    """A copy started, or ended, after its send-time claim had expired."""
+    _metrics["claims_expired"].labels(_task(task)).inc()
 
 
 def tick(seconds: float, lag: float) -> None:

@@ -111,7 +111,7 @@ TASK_OPTIONS: dict[str, TaskOption] = {
         TaskOption("fair", None, None, "serve waiters in arrival order"),
         TaskOption(
             "unique",
-            None,
+            "unique",
             choice(UNIQUE),
             "until_started or until_finished: at most one queued (or running) copy per key",
         ),
@@ -260,10 +260,13 @@ def _resolve(
     for template in templates:
         check_key_template(task_name, run, template)
     resources = len(key) if isinstance(key, (list, tuple)) else 1
-    if values["unique"] is not None and resources > 1:
-        raise ConfigurationError(
-            f"{where}unique: a send-time claim is for one resource; lock_key names {resources}"
-        )
+    unique = resolved["unique"]
+    if unique is not None and resources > 1:
+        if values["unique"] is not None:
+            raise ConfigurationError(
+                f"{where}unique: a send-time claim is for one resource; lock_key names {resources}"
+            )
+        unique = None  # redlock_unique is for the tasks it can apply to
     try:
         mode, limit, fair = check_kind(
             resources, values["mode"], values["limit"], bool(values["fair"])
@@ -283,7 +286,7 @@ def _resolve(
         mode=mode,
         limit=limit,
         fair=fair,
-        unique=values["unique"],
+        unique=unique,
         on_duplicate=resolved["on_duplicate"],
         unique_ttl=resolved["unique_ttl"],
     )

@@ -25,7 +25,7 @@ from .engine.timing import fraction as _fraction
 from .engine.timing import lease_seconds as _lease
 from .engine.timing import seconds as _seconds
 from .exceptions import ConfigurationError
-from .options import ON_BUSY, ON_DUPLICATE, ON_LOST, TASK_OPTIONS, choice
+from .options import ON_BUSY, ON_DUPLICATE, ON_LOST, TASK_OPTIONS, UNIQUE, choice
 
 __all__ = ["OPTIONS", "Option", "Settings", "from_conf", "reference"]
 
@@ -42,6 +42,15 @@ def _non_negative_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}")
     return value
+
+
+def _optional(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    """``parse``, letting None through (the option is off)."""
+
+    def parse_optional(name: str, value: Any) -> Any:
+        return None if value is None else parse(name, value)
+
+    return parse_optional
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -190,6 +199,14 @@ OPTIONS: dict[str, Option] = {
             "wait_timeout", 60.0, _seconds, "Longest wait, with on_busy='wait' (up to 30 days)."
         ),
         Option(
+            "unique",
+            None,
+            _optional(choice(UNIQUE)),
+            "Send-time deduplication of locked tasks: until_started (at most one queued "
+            "copy per key) or until_finished (none while one is queued or running); "
+            "None: the execution lock only.",
+        ),
+        Option(
             "on_duplicate",
             "return",
             choice(ON_DUPLICATE),
@@ -281,6 +298,7 @@ class Settings:
     on_lost: str = "abort"
     retry_countdown: float = 5.0
     wait_timeout: float = 60.0
+    unique: str | None = None
     on_duplicate: str = "return"
     unique_ttl: float = 3600.0
     drift_factor: float = 0.01

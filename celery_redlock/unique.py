@@ -54,9 +54,11 @@ from typing import Any
 from celery import Task, states
 from celery.utils import uuid
 
+from . import metrics
 from .engine.claims import claim, unclaim
 from .engine.keys import LockKeys, lock_keys
 from .engine.names import call_lock_name
+from .engine.scripts import UnclaimStatus
 from .engine.timing import MAX_SECONDS
 from .exceptions import LockBusy, LockKeyError, NodeUnavailable
 from .nodes import NodeSet
@@ -128,6 +130,8 @@ def send(
             break
         replace = found.holder  # that copy ended without freeing its claim: take it over
     logger.debug("Task %s: a copy is queued already (%s)", task.name, found.holder)
+    if metrics.enabled:
+        metrics.duplicate(task.name)
     if options.on_duplicate == "raise":
         raise LockBusy(keys.lock, found.holder, found.ttl)
     return task.AsyncResult(found.holder)
@@ -183,17 +187,27 @@ def revoked(task: Task, options: TaskLockOptions, settings: Any, request: Any) -
     kwargs = dict(getattr(request, "kwargs", None) or {})
     keys = _keys(task, options, settings, args, kwargs)
     if keys is not None and request.id:
-        _free(task, options, settings, keys, request.id)
+        _free(task, options, settings, keys, request.id, expected=False)
 
 
 def _free(
-    task: Task, options: TaskLockOptions, settings: Any, keys: LockKeys, task_id: str
+    task: Task,
+    options: TaskLockOptions,
+    settings: Any,
+    keys: LockKeys,
+    task_id: str,
+    *,
+    expected: bool = True,
 ) -> None:
+    """Free ``task_id``'s claim; count it as expired if ``expected`` and it was gone."""
     try:
         nodeset = NodeSet.get(settings.node_urls(), timeout=options.timing.node_timeout)
-        unclaim(nodeset, keys, task_id)
+        status = unclaim(nodeset, keys, task_id)
     except Exception:  # the claim ends with its TTL
         logger.exception("Task %s[%s]: freeing its send-time claim failed", task.name, task_id)
+        return
+    if expected and status == UnclaimStatus.GONE and metrics.enabled:
+        metrics.claim_expired(task.name)
 
 
 def _handed() -> set[str]:

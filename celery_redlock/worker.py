@@ -21,6 +21,8 @@ from it, and the worker does not start.
 ``task_postrun``            release the execution's lock, whatever the outcome;
                             free the copy's send-time claim (``lock_unique``)
 ``task_revoked``            free a revoked or expired copy's send-time claim
+``beat_init``               lock the ``redlock_tasks`` of configuration-only setups
+                            in beat too, so that what it sends is deduplicated
 ==========================  ==================================================
 """
 
@@ -131,6 +133,12 @@ def install(app: Any) -> None:
 @signals.worker_init.connect(dispatch_uid="celery_redlock.worker_init")
 def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     install(sender.app)
+
+
+@signals.beat_init.connect(dispatch_uid="celery_redlock.beat_init")
+def _on_beat_init(sender: Any = None, **kwargs: Any) -> None:
+    app = sender.app
+    config_only.apply(app, app_settings(app))
 
 
 @signals.worker_process_init.connect(dispatch_uid="celery_redlock.worker_process_init")

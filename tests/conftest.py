@@ -69,6 +69,22 @@ def no_leftover_leases() -> Iterator[None]:
 
 
 @pytest.fixture
+def metrics_registry() -> Iterator[Any]:
+    """Metrics enabled on a registry of this test's own; disabled again afterwards."""
+    from prometheus_client import CollectorRegistry
+
+    from celery_redlock import metrics
+
+    registry = CollectorRegistry()
+    metrics._metrics.clear()
+    metrics.enabled = False
+    metrics.enable(registry)
+    yield registry
+    metrics.enabled = False
+    metrics._metrics.clear()
+
+
+@pytest.fixture
 def drain_renewer() -> Callable[[Any], None]:
     """What :func:`no_leftover_leases` does when a test ends, as a function of a renewer."""
     return _drain

@@ -91,21 +91,23 @@ def claim(
     raise NodeUnavailable(keys.claim, [f"no majority after {SPLIT_ROUNDS} rounds (split votes)"])
 
 
-def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str) -> bool:
-    """Free ``keys``' claim where ``task_id`` holds it; True if a majority no longer has it.
+def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str) -> UnclaimStatus | None:
+    """Free ``keys``' claim where ``task_id`` holds it; what a majority of nodes said.
 
-    A claim held by another task id is left alone. Never raises for unreachable
-    nodes: their copy of the claim ends with its TTL.
+    FREED: it was ``task_id``'s; GONE: no claim (freed, or expired); TAKEN: another
+    task id's, left alone; None: no majority agreed (or too few answered). Never
+    raises for unreachable nodes: their copy of the claim ends with its TTL.
     """
     replies = nodeset.call([Call(UNCLAIM, (keys.claim,), (task_id,))])
-    freed = sum(
-        1
+    said = Counter(
+        UnclaimStatus(reply.values[0])
         for reply in replies
-        if reply is not None
-        and reply.ok
-        and reply.values[0] in (UnclaimStatus.FREED, UnclaimStatus.GONE)
+        if reply is not None and reply.ok and not isinstance(reply.values[0], ResponseError)
     )
-    return freed >= nodeset.quorum
+    for status, count in said.items():
+        if count >= nodeset.quorum:
+            return status
+    return None
 
 
 def _decided(nodeset: NodeSet) -> Callable[[list[Reply | None]], bool]:

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from celery import signals
+from celery.beat import Service
 
 from celery_redlock import LockBusy, LockedTask, NodeUnavailable, Redlock
 from tests.harness import close_app, wait_for
@@ -299,3 +301,67 @@ def test_a_send_costs_one_script_call_and_a_duplicate_publishes_nothing(app, cel
     stats = celery_redis.commandstats()
     assert stats.get("evalsha") == 1
     assert stats.get("lpush", 0) == 0, "the duplicate published nothing"
+
+
+def plain_app(redis_url: str, entry: dict):
+    """An app whose task is plain, locked by configuration alone with ``entry``."""
+    app = make_app(
+        redis_url,
+        name="plain",
+        redlock_url=redis_url_with_db(redis_url, 0),
+        redlock_tasks={"plain.report": entry},
+    )
+
+    @app.task(shared=False, name="plain.report")
+    def report(day):
+        return day
+
+    return app
+
+
+def test_configuration_only_uniqueness_in_the_worker_and_beat(
+    celery_redis, inprocess_worker_factory
+):
+    """redlock_tasks {"unique": ...}: sends from a worker's process, and from beat, are
+    deduplicated (the worker and beat lock the task class when they start)."""
+    app = plain_app(celery_redis.url, {"unique": "until_finished", "key": "report:{day}"})
+    try:
+        task = app.tasks["plain.report"]
+        assert not isinstance(task, LockedTask), "not locked before a worker or beat starts"
+        signals.beat_init.send(sender=Service(app=app))  # as celery beat does at start
+        assert isinstance(app.tasks["plain.report"], LockedTask)
+        first = task.delay("mon")
+        assert task.delay("mon").id == first.id
+        assert queued(celery_redis) == 1
+        inprocess_worker_factory(app, pool="threads", concurrency=2)
+        assert get(first) == "mon"
+        wait_for(lambda: claim_holder(celery_redis, "mon", "report") is None, timeout=10)
+    finally:
+        close_app(app)
+
+
+def test_duplicates_and_expired_claims_are_counted(
+    app, celery_redis, inprocess_worker_factory, metrics_registry
+):
+    """redlock_duplicates_total per suppressed send; redlock_claims_expired_total for a copy
+    that started after its claim's TTL."""
+    registry = metrics_registry
+    task = app.tasks["unique.short_claim"]
+    first = task.delay("m")
+    task.delay("m")
+    task.delay("m")
+    assert (
+        registry.get_sample_value("redlock_duplicates_total", {"task": "unique.short_claim"}) == 2
+    )
+    wait_for(lambda: claim_holder(celery_redis, "m", "short") is None, timeout=5)
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    assert get(first) == "m"
+    wait_for(
+        lambda: (
+            registry.get_sample_value(
+                "redlock_claims_expired_total", {"task": "unique.short_claim"}
+            )
+            == 1
+        ),
+        timeout=10,
+    )

@@ -15,15 +15,8 @@ from tests.harness import wait_for
 
 
 @pytest.fixture
-def registry():
-    """Metrics enabled on a registry of this test's own; disabled again afterwards."""
-    registry = CollectorRegistry()
-    metrics._metrics.clear()
-    metrics.enabled = False
-    metrics.enable(registry)
-    yield registry
-    metrics.enabled = False
-    metrics._metrics.clear()
+def registry(metrics_registry):
+    return metrics_registry
 
 
 def value(registry, name, **labels):

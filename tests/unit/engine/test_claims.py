@@ -10,7 +10,7 @@ from celery_redlock import NodeUnavailable
 from celery_redlock.engine import claims
 from celery_redlock.engine.claims import claim, unclaim
 from celery_redlock.engine.keys import lock_keys
-from celery_redlock.engine.scripts import CLAIM, UNCLAIM
+from celery_redlock.engine.scripts import CLAIM, UNCLAIM, UnclaimStatus
 from celery_redlock.nodes import NodeSet
 from tests.harness.servers import free_port
 
@@ -73,7 +73,9 @@ def test_claim_over_one_node(redis_node):
     found = claim(nodeset, KEYS, "b", 10)
     assert (found.claimed, found.holder) == (False, "a") and 0 < found.ttl <= 10
     assert claim(nodeset, KEYS, "a", 10).claimed, "its own claim again"
-    assert unclaim(nodeset, KEYS, "a")
+    assert unclaim(nodeset, KEYS, "b") == UnclaimStatus.TAKEN
+    assert unclaim(nodeset, KEYS, "a") == UnclaimStatus.FREED
+    assert unclaim(nodeset, KEYS, "a") == UnclaimStatus.GONE
     assert claim(nodeset, KEYS, "b", 10).claimed
 
 
