@@ -28,6 +28,7 @@ from ..engine.scripts import INSPECT, RELEASE, ReleaseStatus
 from ..nodes import Call, NodeSet, Server, fan_out
 
 __all__ = [
+    "HeldOnNodes",
     "LockView",
     "NodeView",
     "held_locks",
@@ -45,6 +46,30 @@ READ_CHUNK = 500
 
 #: ``release.lua``'s status codes by the names ``release_lock`` reports.
 RELEASE_RESULTS = {status.value: status.name.lower() for status in ReleaseStatus}
+
+
+class HeldOnNodes:
+    """What a share and a claim have in common: a live copy on some nodes.
+
+    ``remaining`` holds the seconds left on each node that has it; ``quorum_size`` is
+    how many nodes a majority is.
+    """
+
+    remaining: list[float]
+    quorum_size: int
+
+    @property
+    def held_on(self) -> int:
+        """Nodes where it is live."""
+        return len(self.remaining)
+
+    @property
+    def ttl(self) -> float | None:
+        """Seconds it keeps its quorum (the quorum-th longest of ``remaining``)."""
+        if not self.remaining:
+            return None
+        ordered = sorted(self.remaining, reverse=True)
+        return ordered[min(self.quorum_size, len(ordered)) - 1]
 
 
 @dataclass

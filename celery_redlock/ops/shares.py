@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine.keys import WRITER_MARK, LockKeys, lock_name_of, parse_key
 from ..nodes import Call, NodeSet
-from .inventory import scan_lock_keys, to_float, to_int
+from .inventory import HeldOnNodes, scan_lock_keys, to_float, to_int
 
 __all__ = ["ShareView", "held_shares", "read_shares"]
 
@@ -25,7 +25,7 @@ READ_CHUNK = 200
 
 
 @dataclass
-class ShareView:
+class ShareView(HeldOnNodes):
     """One share across the nodes: who holds it and for how long."""
 
     key: str
@@ -45,19 +45,6 @@ class ShareView:
     def task_id(self) -> str | None:
         """The holder's task id."""
         return self.details.get("task_id") or None
-
-    @property
-    def held_on(self) -> int:
-        """Nodes where the share is live."""
-        return len(self.remaining)
-
-    @property
-    def ttl(self) -> float | None:
-        """Seconds the share keeps its quorum (the quorum-th longest deadline)."""
-        if not self.remaining:
-            return None
-        ordered = sorted(self.remaining, reverse=True)
-        return ordered[min(self.quorum_size, len(ordered)) - 1]
 
     def as_dict(self, now: float) -> dict[str, Any]:
         """JSON-ready form, with the same field names as an exclusive lock's."""

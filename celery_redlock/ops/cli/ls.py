@@ -11,6 +11,7 @@ from celery.bin.base import CeleryCommand, CeleryOption
 from celery.platforms import EX_UNAVAILABLE
 
 from ...nodes import NodeSet
+from ..claims import ClaimView, held_claims
 from ..inventory import LockView, held_locks
 from ..shares import ShareView, held_shares
 from ..workers import STALE, UNKNOWN, Workers, ask_workers, classify
@@ -48,21 +49,27 @@ def ls(
     timeout: float,
     **kwargs: Any,
 ) -> None:
-    """List the locks and shares held on the lock nodes (SCAN, never KEYS).
+    """List the locks, shares and queued copies on the lock nodes (SCAN, never KEYS).
 
     Shares (``lock_mode="shared"``, ``lock_limit``) are listed after the exclusive
-    locks; ``--stale`` applies to exclusive locks only (a share ends by itself within
-    one TTL of its holder's death).
+    locks, then the send-time claims of ``lock_unique`` tasks (QUEUED KEY: the copy
+    sent and not yet started, or not yet finished); ``--stale`` applies to exclusive
+    locks only (a share ends by itself within one TTL of its holder's death, a claim
+    when its copy starts or within ``lock_unique_ttl``).
     """
     session = open_session(ctx, node_timeout)
     try:
         locks, errors = held_locks(session.nodeset, session.prefix, task, timeout=node_timeout)
         shares: list[ShareView] = []
+        claims: list[ClaimView] = []
         if not stale:
             shares, share_errors = held_shares(
                 session.nodeset, session.prefix, task, timeout=node_timeout
             )
-            for node, error in share_errors.items():
+            claims, claim_errors = held_claims(
+                session.nodeset, session.prefix, task, timeout=node_timeout
+            )
+            for node, error in {**claim_errors, **share_errors}.items():
                 errors.setdefault(node, error)
     finally:
         session.close()
@@ -94,15 +101,22 @@ def ls(
                 "complete": complete,
                 "locks": _lock_items(locks, now, states) if complete else None,
                 "shares": [share.as_dict(now) for share in shares] if complete else None,
+                "claims": [claim.as_dict(now) for claim in claims] if complete else None,
                 "unknown": _lock_items(unknown, now, states) if stale else None,
                 "workers": None if not stale else (workers.as_dict() if workers else None),
             },
         )
-    elif locks or shares:
-        if locks:
-            ctx.obj.echo(table(_lock_rows(locks, now, states)))
-        if shares:
-            ctx.obj.echo(("\n" if locks else "") + table(_share_rows(shares, now)))
+    elif locks or shares or claims:
+        tables = [
+            table(rows)
+            for rows, present in (
+                (_lock_rows(locks, now, states), locks),
+                (_share_rows(shares, now), shares),
+                (_claim_rows(claims, now), claims),
+            )
+            if present
+        ]
+        ctx.obj.echo("\n\n".join(tables))
     elif complete and not unknown:
         answered = len(session.nodeset) - len(errors)
         partial = f" ({answered} of {len(session.nodeset)} nodes answered)" if errors else ""
@@ -156,6 +170,23 @@ def _share_rows(shares: Sequence[ShareView], now: float) -> list[list[str]]:
             item["fence"],
         )
         rows.append(row + ([f"{share.held_on}/{share.nodes}"] if redlock else []))
+    return rows
+
+
+def _claim_rows(claims: Sequence[ClaimView], now: float) -> list[list[str]]:
+    redlock = bool(claims) and claims[0].nodes > 1
+    header = ["QUEUED KEY", "TASK", "TASK ID", "AGE", "TTL"] + (["NODES"] if redlock else [])
+    rows = [header]
+    for claim in claims:
+        age = claim.age(now)
+        row = [
+            claim.key,
+            claim.task_name or "-",
+            claim.task_id,
+            duration(None if age is None else max(age, 0.0)),
+            duration(claim.ttl),
+        ]
+        rows.append(row + ([f"{claim.held_on}/{claim.nodes}"] if redlock else []))
     return rows
 
 

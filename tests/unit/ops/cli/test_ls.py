@@ -8,6 +8,9 @@ import os
 import pytest
 
 from celery_redlock import Redlock
+from celery_redlock.engine.claims import claim, unclaim
+from celery_redlock.engine.keys import lock_keys
+from celery_redlock.nodes import NodeSet
 from tests.unit.ops.cli.helpers import HOLDER, HOST, lock_on, rows
 
 
@@ -50,9 +53,11 @@ def test_ls_json_has_stable_keys_and_values(redis_node, cli):
 
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data) == {"nodes", "quorum", "complete", "locks", "shares", "unknown", "workers"}
+    assert set(data) == {
+        "nodes", "quorum", "complete", "locks", "shares", "claims", "unknown", "workers"
+    }  # fmt: skip
     assert data["complete"] is True and data["unknown"] is None
-    assert data["shares"] == []
+    assert data["shares"] == [] and data["claims"] == []
     assert data["nodes"] == [{"node": redis_node.url, "ok": True, "error": None}]
     assert data["quorum"] == 1
     assert data["workers"] is None
@@ -105,6 +110,30 @@ def test_ls_lists_shares_after_the_locks(redis_node, cli):
     assert filtered["shares"] == []
     for lock in (exclusive, *slots):
         lock.release()
+    assert "No locks held." in cli(redis_node.url, "ls").stdout
+
+
+def test_ls_lists_queued_copies_after_the_locks(redis_node, cli):
+    """A send-time claim (lock_unique) is a QUEUED KEY row: task, task id, age, TTL."""
+    nodeset = NodeSet([redis_node.url], timeout=0.5)
+    claim(nodeset, lock_keys("report:mon"), "copy-1", 600, task_name="proj.report")
+    lock = lock_on(redis_node, "reports:daily")
+
+    result = cli(redis_node.url, "ls")
+
+    assert result.exit_code == 0, result.output
+    locks_table, claims_table = result.stdout.split("\n\n")
+    assert list(rows(locks_table)) == ["redlock:{reports:daily}"]
+    row = rows(claims_table)["redlock:{report:mon}"]
+    assert (row["TASK"], row["TASK ID"]) == ("proj.report", "copy-1")
+    assert float(row["AGE"][:-1]) < 10 and row["TTL"].startswith(("9m5", "10m"))
+    (item,) = json.loads(cli(redis_node.url, "ls", "--json").stdout)["claims"]
+    assert item["name"] == "report:mon" and item["task_id"] == "copy-1"
+    assert item["held_on"] == 1 and 590 < item["ttl"] <= 600
+    filtered = json.loads(cli(redis_node.url, "ls", "--json", "--task", "other.*").stdout)
+    assert filtered["claims"] == []
+    lock.release()
+    unclaim(nodeset, lock_keys("report:mon"), "copy-1")
     assert "No locks held." in cli(redis_node.url, "ls").stdout
 
 
