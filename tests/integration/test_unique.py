@@ -7,87 +7,22 @@ holds, not only what ``delay()`` returns: a duplicate must publish nothing.
 from __future__ import annotations
 
 import logging
+import os
+import signal as signals_
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from celery import signals
 from celery.beat import Service
 
 from celery_redlock import LockBusy, LockedTask, NodeUnavailable, Redlock
-from tests.harness import close_app, wait_for
+from tests.apps.unique import make_unique_app
+from tests.harness import close_app, holder_pid, wait_for
 from tests.harness.celery_workers import BROKER_DB, make_app, redis_url_with_db
 from tests.harness.servers import free_port
 
 CLAIM = "redlock:{%s}:claim"
-
-
-def make_unique_app(redis_url: str, **conf: object):
-    """An app with unique tasks; the body records its task id, then waits for ``gate``."""
-    conf = {"redlock_url": redis_url_with_db(redis_url, 0), **conf}
-    app = make_app(redis_url, name="unique", **conf)
-
-    def body(self, item, gate="", out=""):
-        if out:
-            with Path(out).open("a") as log:
-                log.write(f"{self.request.id}\n")
-        if gate:
-            wait_for(Path(gate).exists, timeout=30)
-        return item
-
-    for unique in ("until_started", "until_finished"):
-        for on_duplicate in ("return", "raise"):
-            app.task(
-                base=LockedTask,
-                bind=True,
-                shared=False,
-                name=f"unique.{unique}.{on_duplicate}",
-                lock_key="item:{item}",
-                lock_unique=unique,
-                lock_on_duplicate=on_duplicate,
-            )(body)
-
-    @app.task(
-        base=LockedTask,
-        bind=True,
-        shared=False,
-        name="unique.retrying",
-        lock_key="retry:{item}",
-        lock_unique="until_finished",
-    )
-    def retrying(self, item, out):
-        with Path(out).open("a") as log:
-            log.write(f"{self.request.id} {self.request.retries}\n")
-        if self.request.retries < 2:
-            raise self.retry(countdown=0.05)
-        return self.request.retries
-
-    @app.task(
-        base=LockedTask,
-        bind=True,
-        shared=False,
-        name="unique.busy_raise",
-        lock_key="item:{item}",
-        lock_unique="until_finished",
-        lock_on_busy="raise",
-    )
-    def busy_raise(self, item):
-        return item
-
-    @app.task(
-        base=LockedTask,
-        bind=True,
-        shared=False,
-        name="unique.short_claim",
-        lock_key="short:{item}",
-        lock_unique="until_started",
-        lock_unique_ttl=0.3,
-    )
-    def short_claim(self, item):
-        return item
-
-    return app
 
 
 @pytest.fixture
@@ -365,3 +300,28 @@ def test_duplicates_and_expired_claims_are_counted(
         ),
         timeout=10,
     )
+
+
+def test_prefork_a_running_copy_terminated_or_killed_frees_its_key(
+    app, celery_redis, worker_process_factory, tmp_path
+):
+    """until_finished with a prefork worker: revoke(terminate=True) frees the claim (the
+    main process's task_revoked); a copy whose child is SIGKILLed (WorkerLostError stored)
+    no longer blocks the next send."""
+    worker_process_factory("tests.apps.unique", pool="prefork", concurrency=2)
+    task = app.tasks["unique.until_finished.return"]
+    gate, out = tmp_path / "never", tmp_path / "runs"
+    killed = task.delay("k", str(gate), str(out))
+    wait_for(lambda: holder_pid(celery_redis), timeout=30)
+    os.kill(holder_pid(celery_redis), signals_.SIGKILL)
+    wait_for(lambda: killed.state == "FAILURE", timeout=30)
+    assert claim_holder(celery_redis, "k") == killed.id, "the killed child freed nothing"
+    fresh = task.delay("k", "", str(out))
+    assert fresh.id != killed.id, "a copy with a final state is taken over"
+    assert get(fresh) == "k"
+    # Last: billiard may hand a task sent right after a terminate to the dying child.
+    running = task.delay("t", str(gate), str(out))
+    wait_for(lambda: out.read_text().count("\n") == 3, timeout=30)
+    assert task.delay("t", str(gate), str(out)).id == running.id
+    running.revoke(terminate=True)
+    wait_for(lambda: claim_holder(celery_redis, "t") is None, timeout=20)

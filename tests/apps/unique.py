@@ -1,0 +1,89 @@
+"""Tasks with send-time uniqueness (``lock_unique``), for in-process and prefork workers.
+
+The Redis URL comes from ``REDLOCK_TEST_REDIS_URL`` (broker on db 1, results on db 2,
+locks on db 0), as in :mod:`tests.apps.locked`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from celery import Celery
+
+from celery_redlock import LockedTask
+from tests.harness.celery_workers import make_app, redis_url_with_db
+from tests.harness.servers import wait_for
+
+REDIS_URL = os.environ.get("REDLOCK_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+
+
+def make_unique_app(redis_url: str, **conf: object) -> Celery:
+    """An app with unique tasks; the body records its task id, then waits for ``gate``."""
+    conf = {"redlock_url": redis_url_with_db(redis_url, 0), **conf}
+    app = make_app(redis_url, name="unique", **conf)
+
+    def body(self, item, gate="", out=""):
+        if out:
+            with Path(out).open("a") as log:
+                log.write(f"{self.request.id}\n")
+        if gate:
+            wait_for(Path(gate).exists, timeout=30)
+        return item
+
+    for unique in ("until_started", "until_finished"):
+        for on_duplicate in ("return", "raise"):
+            app.task(
+                base=LockedTask,
+                bind=True,
+                shared=False,
+                name=f"unique.{unique}.{on_duplicate}",
+                lock_key="item:{item}",
+                lock_unique=unique,
+                lock_on_duplicate=on_duplicate,
+            )(body)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="unique.retrying",
+        lock_key="retry:{item}",
+        lock_unique="until_finished",
+    )
+    def retrying(self, item, out):
+        with Path(out).open("a") as log:
+            log.write(f"{self.request.id} {self.request.retries}\n")
+        if self.request.retries < 2:
+            raise self.retry(countdown=0.05)
+        return self.request.retries
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="unique.busy_raise",
+        lock_key="item:{item}",
+        lock_unique="until_finished",
+        lock_on_busy="raise",
+    )
+    def busy_raise(self, item):
+        return item
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="unique.short_claim",
+        lock_key="short:{item}",
+        lock_unique="until_started",
+        lock_unique_ttl=0.3,
+    )
+    def short_claim(self, item):
+        return item
+
+    return app
+
+
+#: The app worker subprocesses load with ``-A tests.apps.unique``.
+app = make_unique_app(REDIS_URL)
