@@ -325,3 +325,22 @@ def test_prefork_a_running_copy_terminated_or_killed_frees_its_key(
     assert task.delay("t", str(gate), str(out)).id == running.id
     running.revoke(terminate=True)
     wait_for(lambda: claim_holder(celery_redis, "t") is None, timeout=20)
+
+
+def test_a_send_never_hangs_on_a_blackholed_lock_node(celery_redis, fault_proxy, caplog):
+    """The lock node accepts and never answers: the send gives up after the node timeout
+    (a bound, with a wide margin for a loaded machine) and publishes with a WARNING."""
+    lock_server = fault_proxy(celery_redis)
+    app = make_unique_app(celery_redis.url, redlock_url=lock_server.url, redlock_node_timeout=0.2)
+    try:
+        task = app.tasks["unique.until_started.return"]
+        task.delay("warm")  # connects through the proxy
+        lock_server.blackhole()
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="celery_redlock.unique"):
+            task.delay("a")
+        assert time.monotonic() - began < 5 * 0.2 + 2.0
+        assert queued(celery_redis) == 2
+        assert any("without checking" in r.message for r in caplog.records)
+    finally:
+        close_app(app)
