@@ -116,6 +116,19 @@ TASK_OPTIONS: dict[str, TaskOption] = {
             "until_started or until_finished: at most one queued (or running) copy per key",
         ),
         TaskOption(
+            "debounce",
+            "debounce",
+            seconds,
+            "seconds: calls within it collapse into one run, after the last call, with "
+            "its arguments",
+        ),
+        TaskOption(
+            "throttle",
+            "throttle",
+            seconds,
+            "seconds: at most one run per key starts per window (the first call's)",
+        ),
+        TaskOption(
             "on_duplicate",
             "on_duplicate",
             choice(ON_DUPLICATE),
@@ -146,6 +159,8 @@ class TaskLockOptions:
     limit: int | None = None
     fair: bool = False
     unique: str | None = None
+    debounce: float | None = None
+    throttle: float | None = None
     on_duplicate: str = "return"
     unique_ttl: float = 3600.0
 
@@ -260,13 +275,24 @@ def _resolve(
     for template in templates:
         check_key_template(task_name, run, template)
     resources = len(key) if isinstance(key, (list, tuple)) else 1
-    unique = resolved["unique"]
-    if unique is not None and resources > 1:
+    unique, debounce, throttle = (resolved[n] for n in ("unique", "debounce", "throttle"))
+    if debounce is not None and throttle is not None:
+        raise ConfigurationError(f"{where}debounce and lock_throttle: choose one")
+    if resources > 1:
+        for name in ("unique", "debounce", "throttle"):
+            if values[name] is not None:
+                raise ConfigurationError(
+                    f"{where}{name}: a send-time claim is for one resource; lock_key "
+                    f"names {resources}"
+                )
+        unique = debounce = throttle = None  # the redlock_* defaults are for tasks they fit
+    if unique is not None and (debounce is not None or throttle is not None):
         if values["unique"] is not None:
             raise ConfigurationError(
-                f"{where}unique: a send-time claim is for one resource; lock_key names {resources}"
+                f"{where}unique: lock_debounce and lock_throttle decide how long the "
+                "send-time claim lives; leave lock_unique unset with them"
             )
-        unique = None  # redlock_unique is for the tasks it can apply to
+        unique = None
     try:
         mode, limit, fair = check_kind(
             resources, values["mode"], values["limit"], bool(values["fair"])
@@ -287,6 +313,8 @@ def _resolve(
         limit=limit,
         fair=fair,
         unique=unique,
+        debounce=debounce,
+        throttle=throttle,
         on_duplicate=resolved["on_duplicate"],
         unique_ttl=resolved["unique_ttl"],
     )

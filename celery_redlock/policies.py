@@ -65,7 +65,7 @@ def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOpt
     """Apply ``lock_on_busy``; always raises."""
     if busy.holder == task_id:
         requeue_duplicate(task, task_id, busy, "is held by an earlier delivery of itself")
-    if options.unique == "until_started":
+    if options.unique == "until_started" or options.debounce or options.throttle:
         # The follow-up of a running copy (queued while it ran): it must run after it,
         # so it waits on the queue, whatever lock_on_busy says.
         requeue_duplicate(task, task_id, busy, "follows the running copy")

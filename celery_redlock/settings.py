@@ -207,6 +207,20 @@ OPTIONS: dict[str, Option] = {
             "None: the execution lock only.",
         ),
         Option(
+            "debounce",
+            None,
+            _optional(_seconds),
+            "Seconds: calls of a locked task with one key within it collapse into one run, "
+            "started no sooner than this after the last call, with its arguments.",
+        ),
+        Option(
+            "throttle",
+            None,
+            _optional(_seconds),
+            "Seconds: at most one run per key of a locked task starts per window; calls "
+            "inside it get that run (lock_on_duplicate).",
+        ),
+        Option(
             "on_duplicate",
             "return",
             choice(ON_DUPLICATE),
@@ -299,6 +313,8 @@ class Settings:
     retry_countdown: float = 5.0
     wait_timeout: float = 60.0
     unique: str | None = None
+    debounce: float | None = None
+    throttle: float | None = None
     on_duplicate: str = "return"
     unique_ttl: float = 3600.0
     drift_factor: float = 0.01

@@ -215,6 +215,9 @@ class LockedTask(Task):
       one queued (or running) copy per key, decided at send time
       (:mod:`celery_redlock.unique`); ``lock_on_duplicate``: ``"return"`` (the queued
       copy's ``AsyncResult``) | ``"raise"`` (``LockBusy``); ``lock_unique_ttl``.
+    * ``lock_debounce``: seconds; calls within it collapse into one run, started no
+      sooner than that after the last call, with its arguments. ``lock_throttle``:
+      seconds; at most one run per key starts per window.
 
     ``lock_key`` may name several resources (a list of format strings, or a callable
     returning a list): all are locked together or none, e.g. both accounts of a
@@ -237,6 +240,8 @@ class LockedTask(Task):
     lock_unique: str | None = None
     lock_on_duplicate: str | None = None
     lock_unique_ttl: float | None = None
+    lock_debounce: float | None = None
+    lock_throttle: float | None = None
 
     @property
     def lock(self) -> Redlock:
@@ -277,7 +282,7 @@ class LockedTask(Task):
         options.update(
             task_id=task_id, producer=producer, link=link, link_error=link_error, shadow=shadow
         )
-        if lock.unique is None:
+        if not unique.active(lock):
             return super().apply_async(args, kwargs, **options)
         return unique.send(
             self,

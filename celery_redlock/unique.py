@@ -28,6 +28,13 @@ on the way (a purged queue). A copy whose result backend already has a final sta
 (revoked by a Celery that stores REVOKED at once, or killed with its worker) no
 longer holds its key: the next send takes the claim over.
 
+``lock_debounce`` and ``lock_throttle`` give the claim other lives: a debounced claim
+is pushed back by every call and carries the last call's arguments; the copy runs
+only once the last call is ``lock_debounce`` old, with its arguments, or goes back on
+the queue as that call (:func:`started`). A throttle claim lives ``lock_throttle``
+seconds from the call that opened the window, whatever its run does, and the worker
+admits one run per key per window (``throttle.lua``).
+
 Whatever the claim says, the execution lock is still taken when the copy starts:
 two bodies of one key never run at once. A copy retried (``self.retry()``, a busy
 lock with ``lock_on_busy="retry"``) is the same copy: its re-publication is never
@@ -45,6 +52,7 @@ execution lock still guards its body); with ``lock_on_duplicate="raise"``
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -55,7 +63,7 @@ from celery import Task, states
 from celery.utils import uuid
 
 from . import metrics
-from .engine.claims import claim, unclaim
+from .engine.claims import admit, claim, start, unclaim
 from .engine.keys import LockKeys, lock_keys
 from .engine.names import call_lock_name
 from .engine.scripts import UnclaimStatus
@@ -65,7 +73,7 @@ from .nodes import NodeSet
 from .options import TaskLockOptions
 from .policies import Requeued
 
-__all__ = ["ended", "revoked", "send", "started"]
+__all__ = ["active", "ended", "revoked", "send", "started"]
 
 logger = logging.getLogger("celery_redlock.unique")
 
@@ -93,7 +101,7 @@ def send(
     """
     task_id = send_options.get("task_id")
     if (
-        options.unique is None
+        not active(options)
         or task.app.conf.task_always_eager
         or any(send_options.get(name) is not None for name in CANVAS_OPTIONS)
         or (task_id is not None and task_id == task.request.id)  # a retry of this copy
@@ -104,11 +112,28 @@ def send(
         return publish(send_options)
     task_id = send_options["task_id"] = task_id or uuid()
     nodeset = NodeSet.get(settings.node_urls(), timeout=options.timing.node_timeout)
-    ttl = min(options.unique_ttl + _delay(send_options), MAX_SECONDS)
+    debounce, payload = options.debounce, ""
+    if options.throttle is not None:
+        ttl = options.throttle  # the window, from the call that opens it
+    else:
+        ttl = options.unique_ttl + _delay(send_options) + (debounce or 0.0)
+    if debounce is not None:
+        payload = _payload(task, args, kwargs)
+        if not _delay(send_options):
+            send_options["countdown"] = debounce
     replace = ""
     for _ in range(2):
         try:
-            found = claim(nodeset, keys, task_id, ttl, task_name=task.name, replace=replace)
+            found = claim(
+                nodeset,
+                keys,
+                task_id,
+                min(ttl, MAX_SECONDS),
+                task_name=task.name,
+                replace=replace,
+                debounce=debounce,
+                args=payload,
+            )
         except NodeUnavailable as exc:
             if options.on_duplicate == "raise":
                 raise
@@ -126,15 +151,21 @@ def send(
                 unclaim(nodeset, keys, task_id)
                 raise
         assert found.holder is not None
-        if replace or not _ended(task, found.holder):
+        # A throttle window outlives its run: only its time ends it.
+        if replace or options.throttle is not None or not _ended(task, found.holder):
             break
         replace = found.holder  # that copy ended without freeing its claim: take it over
     logger.debug("Task %s: a copy is queued already (%s)", task.name, found.holder)
     if metrics.enabled:
         metrics.duplicate(task.name)
-    if options.on_duplicate == "raise":
+    if options.on_duplicate == "raise" and debounce is None:
         raise LockBusy(keys.lock, found.holder, found.ttl)
     return task.AsyncResult(found.holder)
+
+
+def active(options: TaskLockOptions) -> bool:
+    """Whether sends of a task with ``options`` are deduplicated."""
+    return not (options.unique is None and options.debounce is None and options.throttle is None)
 
 
 def started(
@@ -145,13 +176,38 @@ def started(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
-    """The copy's body is about to run: hand its ``until_started`` claim back."""
-    if options.unique != "until_started":
+    """The copy's body is about to run: hand its claim back, or put the copy back.
+
+    ``until_started`` frees the claim. ``lock_debounce`` runs the copy only once the
+    last call's due time has passed, and with that call's arguments; else the copy
+    goes back on the queue (as that call). ``lock_throttle`` admits one run per
+    window; a copy that comes too soon goes back on the queue until the window ends.
+
+    Raises:
+        Requeued: the copy was put back on the queue; its body must not run.
+    """
+    if options.unique != "until_started" and options.debounce is None and options.throttle is None:
         return
     keys = _keys(task, options, settings, args, kwargs)
-    if keys is not None:
+    if keys is None:
+        return
+    nodeset = NodeSet.get(settings.node_urls(), timeout=options.timing.node_timeout)
+    if options.throttle is not None:
+        # One node timeout more than the window: the admission's reply may take that
+        # long, and the gap is between the bodies' starts.
+        wait = admit(nodeset, keys, task_id, options.throttle + options.timing.node_timeout)
+        if wait is not None:
+            _requeue(task, task_id, wait, args, kwargs, "waits for its throttle window")
+        return
+    if options.debounce is not None:
+        verdict = start(nodeset, keys, task_id, _payload(task, args, kwargs))
+        if verdict is not None:
+            wait, payload = verdict
+            last_args, last_kwargs = json.loads(payload)
+            _requeue(task, task_id, wait, tuple(last_args), last_kwargs, "was called again")
+    else:
         _free(task, options, settings, keys, task_id)
-        _handed().add(task_id)
+    _handed().add(task_id)
 
 
 def ended(
@@ -169,7 +225,12 @@ def ended(
     It goes on when it retries (the retry is the same copy, still queued) or when
     this delivery was only a duplicate of a running one, put back on the queue.
     """
-    if options.unique is None or state == states.RETRY or isinstance(retval, Requeued):
+    if (
+        options.throttle is not None  # a window ends with its time, not with its run
+        or not active(options)
+        or state == states.RETRY
+        or isinstance(retval, Requeued)
+    ):
         return
     if task_id in _handed():
         _handed().discard(task_id)
@@ -181,7 +242,7 @@ def ended(
 
 def revoked(task: Task, options: TaskLockOptions, settings: Any, request: Any) -> None:
     """A copy was revoked, or expired, before or while running: free its claim."""
-    if options.unique is None:
+    if options.throttle is not None or not active(options):
         return
     args = tuple(getattr(request, "args", None) or ())
     kwargs = dict(getattr(request, "kwargs", None) or {})
@@ -208,6 +269,36 @@ def _free(
         return
     if expected and status == UnclaimStatus.GONE and metrics.enabled:
         metrics.claim_expired(task.name)
+
+
+def _requeue(
+    task: Task,
+    task_id: str,
+    countdown: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    why: str,
+) -> None:
+    """Publish this copy again (same task id, keeping its claim) and end this delivery."""
+    task.signature_from_request(
+        task.request, args=args, kwargs=kwargs, countdown=countdown
+    ).apply_async()
+    logger.info("Task %s[%s] %s; runs in %.3fs", task.name, task_id, why, countdown)
+    raise Requeued(why)
+
+
+def _payload(task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """A call's arguments as a debounced claim keeps them (JSON, as the broker carries them).
+
+    Raises:
+        LockKeyError: an argument JSON cannot carry, naming the task.
+    """
+    try:
+        return json.dumps([list(args), kwargs], sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise LockKeyError(
+            task.name, "args", f"lock_debounce keeps the last call's arguments as JSON: {exc}"
+        ) from None
 
 
 def _handed() -> set[str]:

@@ -32,9 +32,9 @@ from redis.exceptions import ResponseError
 from ..exceptions import NodeUnavailable
 from ..nodes import Call, NodeSet, Reply
 from .keys import LockKeys
-from .scripts import CLAIM, UNCLAIM, ClaimStatus, UnclaimStatus
+from .scripts import CLAIM, CLAIM_START, THROTTLE, UNCLAIM, ClaimStatus, UnclaimStatus
 
-__all__ = ["ClaimResult", "claim", "unclaim"]
+__all__ = ["ClaimResult", "admit", "claim", "start", "unclaim"]
 
 #: Rounds a sender tries when senders split the nodes between them (Redlock only).
 SPLIT_ROUNDS = 8
@@ -57,12 +57,16 @@ def claim(
     *,
     task_name: str = "",
     replace: str = "",
+    debounce: float | None = None,
+    args: str = "",
 ) -> ClaimResult:
     """Claim ``keys``' name for ``task_id`` for ``ttl`` seconds, on a majority of nodes.
 
     A claim ``task_id`` holds already is refreshed and counts as claimed (a retry of
     the same copy). ``replace`` names a holder the caller knows has ended: its claim
-    is taken over instead of reported.
+    is taken over instead of reported. With ``debounce`` (seconds), the claim's copy
+    may not run before ``debounce`` after this call, and runs with ``args`` (this
+    call's arguments, serialized), whether this call claimed it or found it held.
 
     Raises:
         NodeUnavailable: too few nodes answered to decide.
@@ -70,7 +74,15 @@ def claim(
     call = Call(
         CLAIM,
         (keys.claim,),
-        (task_id, max(1, round(ttl * 1000)), task_name, f"{time.time():.3f}", replace),
+        (
+            task_id,
+            max(1, round(ttl * 1000)),
+            task_name,
+            f"{time.time():.3f}",
+            replace,
+            "" if debounce is None else max(0, round(debounce * 1000)),
+            args,
+        ),
     )
     for _ in range(SPLIT_ROUNDS):
         replies = nodeset.call([call], decided=_decided(nodeset) if len(nodeset) > 1 else None)
@@ -108,6 +120,48 @@ def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str) -> UnclaimStatus | N
         if count >= nodeset.quorum:
             return status
     return None
+
+
+def start(nodeset: NodeSet, keys: LockKeys, task_id: str, args: str) -> tuple[float, str] | None:
+    """Whether a debounced copy about to run may: None, or ``(seconds, args)`` to wait.
+
+    None: run now (its claim is freed). ``(seconds, args)``: go back on the queue
+    with ``args`` (the last call's) for that long. Runs when a majority says so, or
+    when too few nodes answer to say otherwise (the execution lock still guards it).
+    """
+    replies = nodeset.call([Call(CLAIM_START, (keys.claim,), (task_id, args))])
+    later: list[tuple[float, str]] = []
+    for reply in replies:
+        if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
+            continue
+        value = reply.values[0]
+        if value[0] == 0:
+            later.append((int(value[1]) / 1000, str(value[2])))
+    if len(later) < nodeset.quorum:
+        if later:
+            unclaim(nodeset, keys, task_id)
+        return None
+    return max(wait for wait, _ in later), later[0][1]
+
+
+def admit(nodeset: NodeSet, keys: LockKeys, task_id: str, window: float) -> float | None:
+    """Admit one run of ``keys``' name per ``window`` seconds (``lock_throttle``).
+
+    None: admitted; else the seconds until the current window ends. Too few nodes
+    answering admits it (the execution lock still guards the body).
+    """
+    replies = nodeset.call(
+        [Call(THROTTLE, (keys.throttle,), (task_id, max(1, round(window * 1000))))]
+    )
+    waits = [
+        int(reply.values[0][1]) / 1000
+        for reply in replies
+        if reply is not None
+        and reply.ok
+        and not isinstance(reply.values[0], ResponseError)
+        and reply.values[0][0] == 0
+    ]
+    return max(waits) if len(waits) >= nodeset.quorum else None
 
 
 def _decided(nodeset: NodeSet) -> Callable[[list[Reply | None]], bool]:

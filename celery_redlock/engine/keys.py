@@ -14,8 +14,11 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               task_id, host, pid, acquired_at, task_name, ttl
     redlock:{NAME}:queue      sorted set: fair waiters, token -> arrival order
     redlock:{NAME}:waiting    sorted set: fair waiters, token -> deadline in ms
-    redlock:{NAME}:claim      hash: task_id, task_name, claimed_at; the send-time claim
-                              of a task with ``lock_unique`` (one queued copy per name)
+    redlock:{NAME}:claim      hash: task_id, task_name, claimed_at (with debounce, due
+                              and args); the send-time claim of a task with
+                              ``lock_unique`` (one queued copy per name)
+    redlock:{NAME}:throttle   string: the task id of the last run admitted, expiring
+                              with its ``lock_throttle`` window
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all. Redis hashes a key by the text between its first
@@ -83,6 +86,7 @@ class LockKeys(NamedTuple):
     queue: str
     waiting: str
     claim: str
+    throttle: str
 
     @property
     def resource(self) -> tuple[str, str, str, str]:

@@ -7,6 +7,7 @@ locks on db 0), as in :mod:`tests.apps.locked`.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from celery import Celery
@@ -81,6 +82,17 @@ def make_unique_app(redis_url: str, **conf: object) -> Celery:
     )
     def short_claim(self, item):
         return item
+
+    def record(self, key, n, out):
+        with Path(out).open("a") as log:
+            log.write(f"{self.request.id} {n} {time.time()}\n")
+        return n
+
+    for name, options in (
+        ("unique.digest", {"lock_key": "digest:{key}", "lock_debounce": 1.0}),
+        ("unique.poll", {"lock_key": "poll:{key}", "lock_throttle": 2.0}),
+    ):
+        app.task(base=LockedTask, bind=True, shared=False, name=name, **options)(record)
 
     return app
 

@@ -6,6 +6,7 @@ holds, not only what ``delay()`` returns: a duplicate must publish nothing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal as signals_
@@ -344,3 +345,56 @@ def test_a_send_never_hangs_on_a_blackholed_lock_node(celery_redis, fault_proxy,
         assert any("without checking" in r.message for r in caplog.records)
     finally:
         close_app(app)
+
+
+def runs_of(out):
+    """(task id, n, start time) of each run a task recorded."""
+    lines = out.read_text().splitlines() if out.exists() else []
+    return [(i, int(n), float(t)) for i, n, t in (line.split() for line in lines)]
+
+
+def every(seconds, count):
+    """Yield ``count`` times, ``seconds`` apart (waiting on the clock, not sleeping blind)."""
+    began = time.monotonic()
+    for k in range(count):
+        wait_for(lambda k=k: time.monotonic() >= began + k * seconds, timeout=seconds + 5)
+        yield k
+
+
+def test_debounce_runs_once_after_the_last_call_with_its_arguments(
+    app, inprocess_worker_factory, tmp_path
+):
+    """lock_debounce=1: 10 calls 100 ms apart give one run, >= 1 s after the last call,
+    with the last call's arguments; every call's result is that run's."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    out = tmp_path / "runs"
+    task = app.tasks["unique.digest"]
+    results, last_call = [], 0.0
+    for n in every(0.1, 10):
+        last_call = time.time()
+        results.append(task.delay("ann", n, str(out)))
+    assert len({r.id for r in results}) == 1, "one copy for the whole burst"
+    assert [get(r) for r in results] == [9] * 10
+    ((run_id, n, started),) = runs_of(out)
+    assert (run_id, n) == (results[0].id, 9)
+    assert started >= last_call + 1.0
+    again = task.delay("ann", 10, str(out))
+    assert again.id != run_id, "a call after the run started gets a new run"
+    assert get(again) == 10
+
+
+def test_throttle_starts_one_run_per_window(app, inprocess_worker_factory, tmp_path):
+    """lock_throttle=2: calls every 200 ms for 5 s give at most 3 runs, starts >= 2 s apart."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    out = tmp_path / "runs"
+    task = app.tasks["unique.poll"]
+    results = [task.delay("f", n, str(out)) for n in every(0.2, 25)]
+    ids = {r.id for r in results}
+    assert len(ids) <= 3
+    assert get(results[0]) == 0, "the window's first call is its run"
+    for result in results:
+        get(result)
+    runs = runs_of(out)
+    assert len(runs) == len(ids) >= 2
+    starts = sorted(t for _, _, t in runs)
+    assert all(b - a >= 2.0 for a, b in itertools.pairwise(starts))

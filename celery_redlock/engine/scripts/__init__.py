@@ -30,6 +30,7 @@ __all__ = [
     "ACQUIRE_SHARED",
     "BEAT_CLAIM",
     "CLAIM",
+    "CLAIM_START",
     "FAIR_LEAVE",
     "FENCE_SYNC",
     "INSPECT",
@@ -37,6 +38,7 @@ __all__ = [
     "RELEASE_IF",
     "RELEASE_SHARED",
     "RENEW_MANY",
+    "THROTTLE",
     "UNCLAIM",
     "AcquireStatus",
     "BeatClaimStatus",
@@ -188,3 +190,5 @@ INSPECT = Script("inspect")
 BEAT_CLAIM = Script("beat_claim", status=BeatClaimStatus)
 CLAIM = Script("claim", status=ClaimStatus)
 UNCLAIM = Script("unclaim", status=UnclaimStatus)
+CLAIM_START = Script("claim_start")
+THROTTLE = Script("throttle")

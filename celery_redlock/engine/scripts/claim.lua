@@ -5,16 +5,21 @@
 -- or finishes (celery_redlock.unique). Its TTL frees it when the copy is lost between
 -- send and start (a purged queue, a broker failure).
 --
--- KEYS[1]  claim hash (fields: task_id, task_name, claimed_at)
+-- KEYS[1]  claim hash (fields: task_id, task_name, claimed_at; with debounce also due,
+--          the node's time in ms before which the copy may not run, and args)
 -- ARGV[1]  task id     ARGV[2]  TTL in milliseconds (positive integer)
 -- ARGV[3]  task name   ARGV[4]  claimed-at, unix seconds on the client's clock (display)
 -- ARGV[5]  task id of a holder to replace ('' for none): the caller saw that copy end
+-- ARGV[6]  debounce in milliseconds ('' for none): a new claim, or a call that finds
+--          another task id's claim, sets due = now + debounce and args = ARGV[7] (the
+--          last call's arguments win) and refreshes the TTL
+-- ARGV[7]  the call's arguments, serialized ('' without debounce)
 --
 -- Returns  {1}                  claimed
 --          {2}                  this task id held it already; its TTL is refreshed
 --          {0, holder, pttl}    held by another task id, for pttl more milliseconds
-if #ARGV ~= 5 then
-    return redis.error_reply('ERR celery_redlock claim: expected 5 arguments, got ' .. #ARGV)
+if #ARGV ~= 7 then
+    return redis.error_reply('ERR celery_redlock claim: expected 7 arguments, got ' .. #ARGV)
 end
 if ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock claim: empty task id')
@@ -24,15 +29,35 @@ local ttl = tonumber(ARGV[2])
 if not ttl or ttl <= 0 or ttl > MAX_LEASE or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock claim: TTL must be a positive integer of ms, at most 30 days')
 end
+local debounce = nil
+if ARGV[6] ~= '' then
+    debounce = tonumber(ARGV[6])
+    if not debounce or debounce < 0 or debounce > MAX_LEASE or debounce ~= math.floor(debounce) then
+        return redis.error_reply('ERR celery_redlock claim: debounce must be an integer of ms, 0 to 30 days')
+    end
+end
+local function push_due()
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    redis.call('HSET', KEYS[1], 'due', now + debounce, 'args', ARGV[7])
+    redis.call('PEXPIRE', KEYS[1], ttl)
+end
 local holder = redis.call('HGET', KEYS[1], 'task_id')
 if holder == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ttl)
     return {2}
 end
 if holder and holder ~= ARGV[5] then
+    if debounce then
+        push_due()
+        return {0, holder, ttl}
+    end
     return {0, holder, redis.call('PTTL', KEYS[1])}
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'task_id', ARGV[1], 'task_name', ARGV[3], 'claimed_at', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ttl)
+if debounce then
+    push_due()
+end
 return {1}
