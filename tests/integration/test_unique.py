@@ -7,6 +7,7 @@ holds, not only what ``delay()`` returns: a duplicate must publish nothing.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import signal as signals_
@@ -14,8 +15,8 @@ import threading
 import time
 
 import pytest
-from celery import signals
-from celery.beat import Service
+from celery import chain, group, signals
+from celery.beat import Scheduler, Service
 
 from celery_redlock import LockBusy, LockedTask, NodeUnavailable, Redlock
 from tests.apps.unique import make_unique_app
@@ -398,3 +399,35 @@ def test_throttle_starts_one_run_per_window(app, inprocess_worker_factory, tmp_p
     assert len(runs) == len(ids) >= 2
     starts = sorted(t for _, _, t in runs)
     assert all(b - a >= 2.0 for a, b in itertools.pairwise(starts))
+
+
+def test_send_options_reach_the_message_and_canvases_are_not_deduplicated(app, celery_redis):
+    """countdown, expires, queue and headers go through to the one message published; a
+    chain or group member is published as Celery promised it (not deduplicated)."""
+    task = app.tasks["unique.until_started.return"]
+    first = task.apply_async(
+        ("q",), countdown=60, expires=600, queue="other", headers={"trace": "t-1"}
+    )
+    assert task.apply_async(("q",), queue="other").id == first.id
+    (raw,) = celery_redis.client(db=BROKER_DB).lrange("other", 0, -1)
+    message = json.loads(raw)
+    assert message["headers"]["id"] == first.id
+    assert message["headers"]["eta"] and message["headers"]["expires"]
+    assert message["headers"]["trace"] == "t-1"
+    claim_ttl = celery_redis.client(db=0).pttl(CLAIM % "item:q") / 1000
+    assert 3600 + 50 < claim_ttl <= 3600 + 60, "the claim waits out the countdown too"
+    group([task.s("g"), task.s("g")]).apply_async()
+    chain(task.s("c"), task.si("c")).apply_async()
+    assert queued(celery_redis) == 3, "both group members and the chain's first task"
+
+
+def test_beat_never_piles_up_copies_of_a_slow_periodic_task(app, celery_redis):
+    """Celery's own Scheduler sends an until_finished task each tick while no worker
+    takes it: one message in the queue, whatever the number of ticks."""
+    scheduler = Scheduler(app, lazy=True)
+    entry = scheduler.Entry(
+        name="slow", task="unique.until_finished.return", args=("beat",), app=app
+    )
+    results = [scheduler.apply_async(entry, advance=False) for _ in range(5)]
+    assert len({r.id for r in results}) == 1
+    assert queued(celery_redis) == 1
