@@ -26,6 +26,11 @@ on distinct keys and on one key. Those two lock at send time, we lock at run tim
 one key they queue one task and reject the other N-1 submissions, while ours queues all
 N and runs each that finds the key free (never two at once), skipping the others.
 Target: LockedTask on distinct keys at least 0.85x the plain task.
+
+``lock_unique="until_started"`` moves our deduplication to send time as well: on one
+key it queues one task and returns the queued copy's result to the other N-1 (the
+execution lock still guards the run). P7 (issue 17): that one-key flood at least as
+fast as celery-once's and celery-singleton's, end to end.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ CASES = (
     Case("plain task", "bench.plain", one_key=False),
     Case("LockedTask, distinct keys", "bench.locked", one_key=False),
     Case("LockedTask, one key (skip)", "bench.locked", one_key=True),
+    Case("LockedTask unique, distinct keys", "bench.unique", one_key=False),
+    Case("LockedTask unique, one key", "bench.unique", one_key=True),
     Case("celery-once, distinct keys", "bench.once", one_key=False),
     Case("celery-once, one key", "bench.once", one_key=True),
     Case("celery-singleton, distinct keys", "bench.singleton", one_key=False),
@@ -206,6 +213,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     locked = results["LockedTask, distinct keys"]
     ratio = locked["tasks_per_s"]["median"] / plain["tasks_per_s"]["median"]
     worker_ratio = locked["worker_tasks_per_s"]["median"] / plain["worker_tasks_per_s"]["median"]
+    flood = results["LockedTask unique, one key"]["tasks_per_s"]["median"]
+    p7 = {
+        peer: round(flood / results[f"{peer}, one key"]["tasks_per_s"]["median"], 3)
+        for peer in ("celery-once", "celery-singleton")
+    }
     report = {
         "benchmark": "Celery end to end, prefork worker, Redis broker",
         **environment(),
@@ -226,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "every case) has counted every queued task; results are not stored",
             "celery-once and celery-singleton lock at send time (duplicates are not queued: "
             "rejected_at_send); LockedTask locks at run time (a busy key is skipped by "
-            "the worker: skipped_by_worker)",
+            "the worker: skipped_by_worker); LockedTask unique does both (a duplicate is "
+            "not queued, and the run takes the execution lock)",
             "worker loggers for per-task INFO lines set to WARNING in every case",
             "cpu_ms_per_task_median: CPU time used during the drain (/proc/<pid>/stat of the "
             "worker's main process and pool children; INFO cpu of redis-server, which also "
@@ -236,6 +249,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "targets": {
             f"LockedTask distinct keys vs plain, end to end (>= {TARGET})": round(ratio, 3),
             "LockedTask distinct keys vs plain, worker alone (reported)": round(worker_ratio, 3),
+            **{
+                f"P7 one-key flood, LockedTask unique vs {peer} (>= 1.0)": ratio_
+                for peer, ratio_ in p7.items()
+            },
         },
     }
     write_report("celery", report)

@@ -82,6 +82,17 @@ def create_app(redis_url: str = REDIS_URL) -> Celery:
         """Our lock, taken by the worker around the run; a busy key skips the run."""
 
     @app.task(
+        name="bench.unique",
+        shared=False,
+        base=LockedTask,
+        lock_args=("key",),
+        lock_unique="until_started",
+        lock_ttl=LEASE_S,
+    )
+    def unique(key: str) -> None:
+        """Our lock with send-time uniqueness: a duplicate is not queued."""
+
+    @app.task(
         name="bench.once",
         shared=False,
         base=QueueOnce,
@@ -94,7 +105,7 @@ def create_app(redis_url: str = REDIS_URL) -> Celery:
     def singleton(key: str) -> None:
         """celery-singleton: locked at send time, a duplicate returns the queued task."""
 
-    for task in (plain, locked, once, singleton):
+    for task in (plain, locked, unique, once, singleton):
         # After celery_redlock's own receiver (connected at import): counts include
         # the release of our lock.
         signals.task_postrun.connect(_count, sender=task, weak=False)
