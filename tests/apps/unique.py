@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from celery import Celery
+from celery.exceptions import Reject
 
 from celery_redlock import LockedTask
 from tests.harness.celery_workers import make_app, redis_url_with_db
@@ -82,6 +83,17 @@ def make_unique_app(redis_url: str, **conf: object) -> Celery:
     )
     def short_claim(self, item):
         return item
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="unique.rejected",
+        lock_key="item:{item}",
+        lock_unique="until_finished",
+    )
+    def rejected(self, item):
+        raise Reject("not for this worker", requeue=False)
 
     def record(self, key, n, out):
         with Path(out).open("a") as log:

@@ -196,6 +196,15 @@ def test_a_copy_failing_before_its_body_frees_its_claim(
     assert get(second) == "a"
 
 
+def test_a_rejected_copy_frees_its_claim(app, celery_redis, inprocess_worker_factory):
+    """Reject (requeue=False) ends the copy: the key is free for the next send."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    task = app.tasks["unique.rejected"]
+    first = task.delay("r")
+    wait_for(lambda: claim_holder(celery_redis, "r") is None, timeout=10)
+    assert task.delay("r").id != first.id
+
+
 def test_a_claim_whose_copy_is_lost_ends_after_unique_ttl(app, celery_redis):
     """A purged queue loses the copy: its claim is free after lock_unique_ttl."""
     task = app.tasks["unique.short_claim"]
