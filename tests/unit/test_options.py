@@ -19,3 +19,44 @@ def test_every_task_option_is_in_the_table_and_in_the_reference():
         assert option.doc, name
         assert option.setting is None or option.setting in OPTIONS, name
         assert hasattr(LockedTask, option.attribute), option.attribute
+
+
+def resolve(settings=None, **options):
+    from celery_redlock.options import resolve_task_options
+    from celery_redlock.settings import from_conf
+
+    def run(account_id, other=None):
+        return account_id
+
+    return resolve_task_options(
+        from_conf(settings or {"redlock_url": "redis://localhost"}),
+        "proj.sync",
+        run,
+        options,
+        source="redlock_tasks['proj.*']",
+    )
+
+
+def test_uniqueness_options_resolve_and_refuse_what_cannot_work():
+    """lock_unique, lock_debounce and lock_throttle: one resource, one of debounce and
+    throttle, and lock_unique left unset beside them; redlock_* defaults only where they fit."""
+    import pytest
+
+    from celery_redlock import ConfigurationError
+
+    assert resolve(unique="until_started").unique == "until_started"
+    assert resolve(throttle=2).throttle == 2.0 and resolve(throttle=2).unique is None
+    with pytest.raises(ConfigurationError, match="lock_unique must be one of"):
+        resolve(unique="always")
+    with pytest.raises(ConfigurationError, match="choose one"):
+        resolve(debounce=1, throttle=2)
+    with pytest.raises(ConfigurationError, match="one resource"):
+        resolve(unique="until_finished", key=["a:{account_id}", "b:{other}"])
+    with pytest.raises(ConfigurationError, match="leave lock_unique unset"):
+        resolve(unique="until_started", debounce=1)
+    with pytest.raises(ConfigurationError, match="redlock_on_duplicate must be one of"):
+        resolve({"redlock_url": "redis://x", "redlock_on_duplicate": "drop"})
+    defaults = {"redlock_url": "redis://x", "redlock_unique": "until_finished"}
+    assert resolve(defaults).unique == "until_finished"
+    assert resolve(defaults, key=["a:{account_id}", "b:{other}"]).unique is None
+    assert resolve(defaults, throttle=5).unique is None
