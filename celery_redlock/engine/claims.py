@@ -110,13 +110,21 @@ def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str) -> UnclaimStatus | N
     task id's, left alone; None: no majority agreed (or too few answered). Never
     raises for unreachable nodes: their copy of the claim ends with its TTL.
     """
-    replies = nodeset.call([Call(UNCLAIM, (keys.claim,), (task_id,))])
-    said = Counter(
-        UnclaimStatus(reply.values[0])
-        for reply in replies
-        if reply is not None and reply.ok and not isinstance(reply.values[0], ResponseError)
-    )
-    for status, count in said.items():
+
+    def said(replies: list[Reply | None]) -> Counter[UnclaimStatus]:
+        return Counter(
+            UnclaimStatus(reply.values[0])
+            for reply in replies
+            if reply is not None and reply.ok and not isinstance(reply.values[0], ResponseError)
+        )
+
+    def decided(replies: list[Reply | None]) -> bool:
+        # Sent to every node; a node slower than the majority is not waited for.
+        return any(count >= nodeset.quorum for count in said(replies).values())
+
+    call = Call(UNCLAIM, (keys.claim,), (task_id,))
+    replies = nodeset.call([call], decided=decided if len(nodeset) > 1 else None)
+    for status, count in said(replies).items():
         if count >= nodeset.quorum:
             return status
     return None

@@ -17,6 +17,20 @@ from tests.harness.servers import free_port, wait_for
 KEYS = lock_keys("job:7")
 
 
+@pytest.fixture
+def nodeset_of():
+    """``nodeset_of(urls, timeout)``: a NodeSet of this test's own, closed at its end."""
+    made = []
+
+    def make(urls, timeout=0.5):
+        made.append(NodeSet(urls, timeout=timeout))
+        return made[-1]
+
+    yield make
+    for nodeset in made:
+        nodeset.close()
+
+
 def run_claim(client, task_id, ttl=10_000, replace="", debounce="", args=""):
     return client.eval(
         CLAIM.source, 1, KEYS.claim, task_id, ttl, "proj.job", "0", replace, debounce, args
@@ -71,8 +85,8 @@ def test_unclaim_frees_only_the_holders_claim(redis_node):
         client.eval(UNCLAIM.source, 1, KEYS.claim, "")
 
 
-def test_claim_over_one_node(redis_node):
-    nodeset = NodeSet([redis_node.url], timeout=0.5)
+def test_claim_over_one_node(redis_node, nodeset_of):
+    nodeset = nodeset_of([redis_node.url], 0.5)
     assert claim(nodeset, KEYS, "a", 10).claimed
     found = claim(nodeset, KEYS, "b", 10)
     assert (found.claimed, found.holder) == (False, "a") and 0 < found.ttl <= 10
@@ -83,10 +97,12 @@ def test_claim_over_one_node(redis_node):
     assert claim(nodeset, KEYS, "b", 10).claimed
 
 
-def test_a_split_vote_is_undone_and_retried_until_one_sender_wins(redis_factory, monkeypatch):
+def test_a_split_vote_is_undone_and_retried_until_one_sender_wins(
+    redis_factory, monkeypatch, nodeset_of
+):
     """Three nodes, each claimed by another sender: no majority; the undo frees ours."""
     servers = redis_factory(3)
-    nodeset = NodeSet([s.url for s in servers], timeout=0.5)
+    nodeset = nodeset_of([s.url for s in servers], 0.5)
     # Node 1 already has "x", node 2 "y": "z" gets node 3 only.
     servers[0].client().eval(CLAIM.source, 1, KEYS.claim, "x", 10_000, "n", "0", "", "", "")
     servers[1].client().eval(CLAIM.source, 1, KEYS.claim, "y", 10_000, "n", "0", "", "", "")
@@ -99,21 +115,19 @@ def test_a_split_vote_is_undone_and_retried_until_one_sender_wins(redis_factory,
     assert found.claimed, "x holds node 1 and now gets nodes 2 and 3"
 
 
-def test_a_majority_holder_is_reported_even_with_a_node_down(redis_factory):
+def test_a_majority_holder_is_reported_even_with_a_node_down(redis_factory, nodeset_of):
     servers = redis_factory(3)
-    nodeset = NodeSet(
-        [s.url for s in servers[:2]] + [f"redis://127.0.0.1:{free_port()}"], timeout=0.5
-    )
+    nodeset = nodeset_of([s.url for s in servers[:2]] + [f"redis://127.0.0.1:{free_port()}"])
     assert claim(nodeset, KEYS, "a", 10).claimed
     found = claim(nodeset, KEYS, "b", 10)
     assert (found.claimed, found.holder) == (False, "a")
     assert not servers[2].client().exists(KEYS.claim)
 
 
-def test_too_few_nodes_answer(redis_factory):
+def test_too_few_nodes_answer(redis_factory, nodeset_of):
     servers = redis_factory(1)
     dead = [f"redis://127.0.0.1:{free_port()}" for _ in range(2)]
-    nodeset = NodeSet([servers[0].url, *dead], timeout=0.2)
+    nodeset = nodeset_of([servers[0].url, *dead], 0.2)
     with pytest.raises(NodeUnavailable):
         claim(nodeset, KEYS, "a", 10)
     assert not servers[0].client().exists(KEYS.claim), "the one node's claim was undone"
@@ -138,7 +152,7 @@ def test_debounce_pushes_the_due_time_and_keeps_the_last_arguments(redis_node):
     assert not client.exists(KEYS.claim), "freed as the run starts"
 
 
-def test_throttle_admits_one_task_id_per_window(redis_node):
+def test_throttle_admits_one_task_id_per_window(redis_node, nodeset_of):
     client = redis_node.client()
     assert client.eval(THROTTLE.source, 1, KEYS.throttle, "a", 60_000) == [1]
     assert client.eval(THROTTLE.source, 1, KEYS.throttle, "a", 60_000) == [1], "a redelivery"
@@ -149,6 +163,6 @@ def test_throttle_admits_one_task_id_per_window(redis_node):
     assert client.eval(THROTTLE.source, 1, KEYS.throttle, "b", 60_000) == [1]
     with pytest.raises(redis.ResponseError, match="window"):
         client.eval(THROTTLE.source, 1, KEYS.throttle, "c", 0)
-    nodeset = NodeSet([redis_node.url], timeout=0.5)
+    nodeset = nodeset_of([redis_node.url], 0.5)
     assert 59 < admit(nodeset, KEYS, "c", 60) <= 60
     assert start(nodeset, KEYS, "c", "[]") is None, "no claim: it runs"

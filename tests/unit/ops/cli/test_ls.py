@@ -134,6 +134,7 @@ def test_ls_lists_queued_copies_after_the_locks(redis_node, cli):
     assert filtered["claims"] == []
     lock.release()
     unclaim(nodeset, lock_keys("report:mon"), "copy-1")
+    nodeset.close()
     assert "No locks held." in cli(redis_node.url, "ls").stdout
 
 
