@@ -72,6 +72,7 @@ from .exceptions import LockBusy, LockKeyError, NodeUnavailable
 from .nodes import NodeSet
 from .options import TaskLockOptions
 from .policies import Requeued
+from .settings import Settings
 
 __all__ = ["active", "ended", "revoked", "send", "started"]
 
@@ -88,7 +89,7 @@ _handed_over = threading.local()
 def send(
     task: Task,
     options: TaskLockOptions,
-    settings: Any,
+    settings: Settings,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     send_options: dict[str, Any],
@@ -171,7 +172,7 @@ def active(options: TaskLockOptions) -> bool:
 def started(
     task: Task,
     options: TaskLockOptions,
-    settings: Any,
+    settings: Settings,
     task_id: str,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -213,7 +214,7 @@ def started(
 def ended(
     task: Task,
     options: TaskLockOptions,
-    settings: Any,
+    settings: Settings,
     task_id: str,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -240,7 +241,7 @@ def ended(
         _free(task, options, settings, keys, task_id)
 
 
-def revoked(task: Task, options: TaskLockOptions, settings: Any, request: Any) -> None:
+def revoked(task: Task, options: TaskLockOptions, settings: Settings, request: Any) -> None:
     """A copy was revoked, or expired, before or while running: free its claim."""
     if options.throttle is not None or not active(options):
         return
@@ -254,7 +255,7 @@ def revoked(task: Task, options: TaskLockOptions, settings: Any, request: Any) -
 def _free(
     task: Task,
     options: TaskLockOptions,
-    settings: Any,
+    settings: Settings,
     keys: LockKeys,
     task_id: str,
     *,
@@ -311,7 +312,7 @@ def _handed() -> set[str]:
 def _keys(
     task: Task,
     options: TaskLockOptions,
-    settings: Any,
+    settings: Settings,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> LockKeys | None:
