@@ -25,7 +25,7 @@ raised, a failure before the body, rejected); when it is revoked or its ``expire
 passes (``task_revoked``, which the worker sends when it discards the message); and
 after ``lock_unique_ttl`` (plus any countdown or eta) at the latest, for a copy lost
 on the way (a purged queue). A copy whose result backend already has a final state
-(revoked by a Celery that stores REVOKED at once, or killed with its worker) no
+(revoked under Celery 5.7, which stores REVOKED at once, or killed with its child) no
 longer holds its key: the next send takes the claim over.
 
 ``lock_debounce`` and ``lock_throttle`` give the claim other lives: a debounced claim

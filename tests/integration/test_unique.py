@@ -146,7 +146,7 @@ def test_a_revoked_queued_copy_does_not_block_a_new_one(
     assert task.delay("a").id == waiting.id
     waiting.revoke()
     # The worker holds the countdown copy: the revoke frees the key, through the
-    # REVOKED state the worker stores (Celery >= 5.5) or its task_revoked signal.
+    # REVOKED state the worker stores (Celery >= 5.7) or its task_revoked signal.
     wait_for(lambda: task.delay("a").id != waiting.id, timeout=10)
 
 
