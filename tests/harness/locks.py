@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Keys beside a lock that are not a hold: fence counters, and the send-time claims
+#: and throttle windows of ``lock_unique`` tasks (a claim is a queued copy, not a lock).
+NOT_HOLDS = (":fence", ":claim", ":throttle")
+
 
 def lock_keys(server: Any) -> list[str]:
-    """The lock hashes present on ``server`` (fence counters left out)."""
-    return [k for k in server.client().scan_iter("redlock:*") if not k.endswith(":fence")]
+    """The lock keys present on ``server``: what holders hold (not counters or claims)."""
+    return sorted(k for k in server.client().scan_iter("redlock:*") if not k.endswith(NOT_HOLDS))
 
 
 def holder_pid(server: Any) -> int | None:
