@@ -24,6 +24,8 @@ from celery_redlock.engine.scripts import (
     ACQUIRE,
     ACQUIRE_SHARED,
     BEAT_CLAIM,
+    CLAIM,
+    CLAIM_START,
     FAIR_LEAVE,
     FENCE_SYNC,
     INSPECT,
@@ -31,6 +33,8 @@ from celery_redlock.engine.scripts import (
     RELEASE_IF,
     RELEASE_SHARED,
     RENEW_MANY,
+    THROTTLE,
+    UNCLAIM,
 )
 from celery_redlock.settings import OPTIONS, from_conf
 from tests.apps.locked import create_app
@@ -233,9 +237,15 @@ SCRIPTS = {
     "fence_sync": (FENCE_SYNC, list(KEYS.fence_sync)),
     "inspect": (INSPECT, list(KEYS.inspect)),
     "beat_claim": (BEAT_CLAIM, [KEYS.lock, KEYS.state]),
+    "claim": (CLAIM, [KEYS.claim]),
+    "unclaim": (UNCLAIM, [KEYS.claim]),
+    "claim_start": (CLAIM_START, [KEYS.claim]),
+    "throttle": (THROTTLE, [KEYS.throttle]),
 }
 argv_item = st.one_of(
-    st.text(max_size=12), st.integers(-(2**70), 2**70).map(str), st.sampled_from(["", "nan", "1e3"])
+    st.text(max_size=12),
+    st.integers(-(2**70), 2**70).map(str),
+    st.sampled_from(["", "nan", "NAN", "inf", "-inf", "1e3"]),
 )
 
 
@@ -249,6 +259,9 @@ def script_node(tmp_path_factory):
 
 
 @given(name=st.sampled_from(sorted(SCRIPTS)), argv=st.lists(argv_item, max_size=11))
+# Found by hypothesis on valkey, whose Lua reads 'NAN' as a number: the fair queue's
+# ZADD refused it half-way through acquire.lua.
+@example(name="acquire (fair)", argv=["0", "1", "", "", "", "", "", "", "1", "NAN"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_malformed_script_arguments_never_touch_a_lock_they_do_not_own(script_node, name, argv):
     """Any ARGV (wrong count, types, empty): an answer or a clear error; the lock intact."""

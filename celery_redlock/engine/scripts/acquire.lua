@@ -42,6 +42,13 @@ if ARGV[9] ~= nil and ARGV[9] ~= '' then
         return redis.error_reply('ERR celery_redlock acquire: fair waiter lease must be an integer of ms, 0 to 30 days')
     end
 end
+if ARGV[10] ~= nil and ARGV[10] ~= '' then
+    -- Some Lua builds read 'nan' and 'inf' as numbers: ZADD would refuse them half-way.
+    local arrival = tonumber(ARGV[10])
+    if not arrival or arrival ~= arrival or arrival == math.huge or arrival == -math.huge then
+        return redis.error_reply('ERR celery_redlock acquire: arrival order must be a finite number')
+    end
+end
 if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock acquire: empty owner token')
 end
