@@ -346,7 +346,12 @@ def _delay(send_options: dict[str, Any]) -> float:
 
 
 def _ended(task: Task, task_id: str) -> bool:
-    """Whether the result backend has a final state for ``task_id`` (False if unknown)."""
+    """Whether the result backend has a final state for ``task_id`` (False if unknown).
+
+    A task that stores no result has none to read: no round trip for nothing.
+    """
+    if task.ignore_result:
+        return False
     try:
         return task.backend.get_state(task_id) in states.READY_STATES
     except Exception:  # no usable backend: the claim's TTL is the bound
