@@ -373,11 +373,24 @@ def every(seconds, count):
         yield k
 
 
+@pytest.fixture(params=[1, 3], ids=["1-node", "3-nodes"])
+def nodes_app(request, redis_factory):
+    """The unique app on one lock node, or on three (Redlock; the broker is the first)."""
+    servers = redis_factory(request.param)
+    conf = {}
+    if request.param > 1:
+        conf["redlock_nodes"] = [redis_url_with_db(s.url, 0) for s in servers]
+    app = make_unique_app(servers[0].url, **conf)
+    yield app
+    close_app(app)
+
+
 def test_debounce_runs_once_after_the_last_call_with_its_arguments(
-    app, inprocess_worker_factory, tmp_path
+    nodes_app, inprocess_worker_factory, tmp_path
 ):
     """lock_debounce=1: 10 calls 100 ms apart give one run, >= 1 s after the last call,
     with the last call's arguments; every call's result is that run's."""
+    app = nodes_app
     inprocess_worker_factory(app, pool="threads", concurrency=2)
     out = tmp_path / "runs"
     task = app.tasks["unique.digest"]
@@ -395,8 +408,9 @@ def test_debounce_runs_once_after_the_last_call_with_its_arguments(
     assert get(again) == 10
 
 
-def test_throttle_starts_one_run_per_window(app, inprocess_worker_factory, tmp_path):
+def test_throttle_starts_one_run_per_window(nodes_app, inprocess_worker_factory, tmp_path):
     """lock_throttle=2: calls every 200 ms for 5 s give at most 3 runs, starts >= 2 s apart."""
+    app = nodes_app
     inprocess_worker_factory(app, pool="threads", concurrency=2)
     out = tmp_path / "runs"
     task = app.tasks["unique.poll"]
