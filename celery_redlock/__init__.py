@@ -6,6 +6,7 @@ Everything users import comes from here; the submodules are internal.
 from importlib.metadata import PackageNotFoundError, version
 
 from . import worker as _worker  # noqa: F401 (connects the worker signal receivers)
+from .config_only import lock_configured_tasks
 from .engine.lock import Redlock
 from .exceptions import (
     ConfigurationError,
@@ -34,4 +35,5 @@ __all__ = [
     "Redlock",
     "RedlockError",
     "__version__",
+    "lock_configured_tasks",
 ]

@@ -42,9 +42,9 @@ from celery import Task
 
 from .options import parse_entry
 from .settings import Settings
-from .task import LockedTask, forget_options
+from .task import LockedTask, app_settings, forget_options
 
-__all__ = ["apply", "lockify"]
+__all__ = ["apply", "lock_configured_tasks", "lockify"]
 
 logger = logging.getLogger("celery_redlock.config_only")
 
@@ -66,6 +66,25 @@ def apply(app: Any, settings: Settings) -> list[str]:
         logger.warning("redlock_tasks: %r matches no registered task", pattern)
     logger.info("celery_redlock: locking by configuration: %s", ", ".join(locked) or "none")
     return locked
+
+
+def lock_configured_tasks(app: Any) -> list[str]:
+    """Lock ``app``'s ``redlock_tasks`` in this process; the names of the tasks locked.
+
+    Workers and beat do this when they start. A process that only sends tasks (a web
+    app) does not start either, so its sends of a configuration-locked task would not
+    be deduplicated (``lock_unique``): call this there, once its task modules are
+    imported (Django: in an ``AppConfig.ready()``). The app is finalized first, so
+    that its pending task decorators have made their tasks. A task registered later
+    is not locked: call this again after importing it.
+
+    Raises:
+        ConfigurationError: invalid ``redlock_*`` settings or ``redlock_tasks`` entries,
+            naming the setting, as a worker would refuse them.
+    """
+    settings = app_settings(app)
+    app.finalize(auto=True)
+    return apply(app, settings)
 
 
 def lockify(task: Any, options: dict[str, Any], *, source: str = "options") -> None:

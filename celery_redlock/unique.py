@@ -44,6 +44,9 @@ Not deduplicated (published as usual, still guarded by the execution lock):
 members of a canvas (chain, group, chord: their task ids are already promised to a
 result the canvas waits for), ``apply()`` and ``task_always_eager``, and
 ``app.send_task()`` by name (no task class to read ``lock_unique`` from).
+Configuration-only enablement (``redlock_tasks``) is applied by workers and beat when
+they start; a process that only sends calls
+:func:`celery_redlock.lock_configured_tasks`.
 
 Redis unreachable at send time: the copy is published anyway, with a WARNING (the
 execution lock still guards its body); with ``lock_on_duplicate="raise"``

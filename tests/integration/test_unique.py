@@ -18,7 +18,14 @@ import pytest
 from celery import chain, group, signals
 from celery.beat import Scheduler, Service
 
-from celery_redlock import LockBusy, LockedTask, NodeUnavailable, Redlock
+from celery_redlock import (
+    ConfigurationError,
+    LockBusy,
+    LockedTask,
+    NodeUnavailable,
+    Redlock,
+    lock_configured_tasks,
+)
 from tests.apps.unique import make_unique_app
 from tests.harness import close_app, holder_pid, wait_for
 from tests.harness.celery_workers import BROKER_DB, make_app, redis_url_with_db
@@ -286,6 +293,27 @@ def test_configuration_only_uniqueness_in_the_worker_and_beat(
         wait_for(lambda: claim_holder(celery_redis, "mon", "report") is None, timeout=10)
     finally:
         close_app(app)
+
+
+def test_a_process_that_only_sends_locks_configured_tasks_on_request(celery_redis):
+    """A web process starts no worker or beat: lock_configured_tasks(app) applies
+    redlock_tasks there, and its sends are deduplicated; bad entries are refused."""
+    app = plain_app(celery_redis.url, {"unique": "until_started", "key": "report:{day}"})
+    try:
+        assert lock_configured_tasks(app) == ["plain.report"]
+        task = app.tasks["plain.report"]
+        assert isinstance(task, LockedTask)
+        assert task.delay("tue").id == task.delay("tue").id
+        assert queued(celery_redis) == 1
+    finally:
+        close_app(app)
+    bad = plain_app(celery_redis.url, {"unique": "sometimes"})
+    try:
+        with pytest.raises(ConfigurationError, match="lock_unique must be one of"):
+            lock_configured_tasks(bad)
+            bad.tasks["plain.report"].delay("wed")
+    finally:
+        close_app(bad)
 
 
 def test_duplicates_and_expired_claims_are_counted(
