@@ -103,6 +103,27 @@ def test_until_finished_returns_the_running_copy(
     assert out.read_text().split() == [running.id, again.id]
 
 
+def test_a_lost_claim_never_lets_two_bodies_of_a_key_run_at_once(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """The claim deleted behind the running copy's back: a second copy is queued, and the
+    execution lock, taken when it starts, still keeps it from running beside the first."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    gate, out = tmp_path / "gate", tmp_path / "runs"
+    task = app.tasks["unique.until_finished.return"]
+    running = task.delay("a", str(gate), str(out))
+    wait_for(out.exists, timeout=10)
+    celery_redis.client(db=0).delete(CLAIM % "item:a")
+    second = task.delay("a", str(gate), str(out))
+    assert second.id != running.id, "without its claim, the key looks free at send time"
+    with pytest.raises(LockBusy) as info:
+        get(second)
+    assert info.value.holder == running.id
+    assert out.read_text().split() == [running.id], "the second body never ran"
+    gate.touch()
+    assert get(running) == "a"
+
+
 def test_on_duplicate_raise_names_the_queued_copy(app, celery_redis):
     """lock_on_duplicate='raise': LockBusy whose holder is the queued copy's task id."""
     task = app.tasks["unique.until_started.raise"]
