@@ -17,7 +17,7 @@ from .exceptions import (
     NodeUnavailable,
     RedlockError,
 )
-from .task import LockedTask
+from .task import LockedTask, lock_for
 
 try:
     __version__ = version("celery_redlock")
@@ -36,4 +36,5 @@ __all__ = [
     "RedlockError",
     "__version__",
     "lock_configured_tasks",
+    "lock_for",
 ]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -41,8 +41,8 @@ from celery.result import EagerResult
 
 from . import abort, reaper, unique
 from .engine.lock import Redlock
-from .engine.names import call_lock_name
-from .exceptions import LockBusy, LockLost, NodeUnavailable
+from .engine.names import call_lock_name, signature
+from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
 from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, requeues
 from .settings import Settings, from_conf
@@ -52,9 +52,12 @@ __all__ = [
     "acquire_for",
     "announce_lock",
     "app_settings",
+    "call_lock",
     "config_overrides",
     "forget_options",
+    "forget_settings",
     "held_lock",
+    "lock_for",
     "lock_options",
     "pop_lock",
     "push_lock",
@@ -112,6 +115,17 @@ def app_settings(app: Celery) -> Settings:
     if settings is None:
         settings = _settings[app] = from_conf(app.conf)
     return settings
+
+
+def forget_settings(app: Celery) -> None:
+    """Read ``app``'s ``redlock_*`` settings again at their next use (they changed).
+
+    The lock options of its tasks, which the settings' defaults fill in, too.
+    """
+    _settings.pop(app, None)
+    for task in list(getattr(app, "_tasks", {}).values()):  # app.tasks would finalize it
+        if isinstance(task, LockedTask):
+            forget_options(task)
 
 
 def lock_options(task: Task) -> TaskLockOptions:
@@ -251,9 +265,18 @@ class LockedTask(Task):
             raise RuntimeError(
                 f"task {self.name}: self.lock exists only while the task runs, in a worker "
                 "or with apply() (not when the task is called directly, nor with "
-                "redlock_fail_open after Redis was unreachable)"
+                "redlock_fail_open after Redis was unreachable: see self.current_lock)"
             )
         return lock
+
+    @property
+    def current_lock(self) -> Redlock | None:
+        """:attr:`lock`, or None when this execution holds none.
+
+        For a body that must also run without its lock: with ``redlock_fail_open``
+        after Redis was unreachable, or called directly (``task(...)``).
+        """
+        return held_lock(self)
 
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Take the lock before the body runs (see the module docs for busy locks)."""
@@ -361,23 +384,9 @@ def acquire_for(
     """Take ``task``'s lock for this execution, or apply the busy/unavailable policy."""
     settings = app_settings(task.app)
     options = lock_options(task)
-    name = call_lock_name(
-        task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
-    )
-    if name is None:
+    lock = call_lock(task, task_id, args, kwargs)
+    if lock is None:
         return None
-    lock = Redlock(
-        name,
-        nodes=settings.node_urls(),
-        timing=options.timing,
-        key_prefix=settings.key_prefix,
-        min_replicas=settings.min_replicas,
-        task_id=task_id,
-        task_name=task.name,
-        mode=options.mode,
-        limit=options.limit,
-        fair=options.fair,
-    )
     lock.on_lost = partial(apply_on_lost, task, task_id, options.on_lost, lock)
     announce_lock(reaper.announce, lock, task_id)
     try:
@@ -411,6 +420,66 @@ def acquire_for(
     push_lock(task_id, lock)
     abort.track(lock.lease, task_id)
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
+    return lock
+
+
+def call_lock(
+    task: Task, task_id: str | None, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Redlock | None:
+    """The lock (not acquired) a call of ``task`` takes; None if the arguments do not bind.
+
+    Raises:
+        LockKeyError: an argument that binds cannot be keyed.
+    """
+    settings = app_settings(task.app)
+    options = lock_options(task)
+    name = call_lock_name(
+        task.name, task.run, args, kwargs, lock_args=options.args, lock_key=options.key
+    )
+    if name is None:
+        return None
+    return Redlock(
+        name,
+        nodes=settings.node_urls(),
+        timing=options.timing,
+        key_prefix=settings.key_prefix,
+        min_replicas=settings.min_replicas,
+        task_id=task_id,
+        task_name=task.name,
+        mode=options.mode,
+        limit=options.limit,
+        fair=options.fair,
+    )
+
+
+def lock_for(task: Task, /, *args: Any, **kwargs: Any) -> Redlock:
+    """The lock that ``task(*args, **kwargs)`` takes when it runs, not acquired.
+
+    The same key, kind (exclusive, shared, limit, several resources), nodes and
+    timing as the task's own lock: holding it keeps such a call from running (its
+    ``lock_on_busy`` applies), which is how a test or a maintenance script excludes a
+    task; ``.key`` is the Redis key. The holder is recorded with no task id.
+
+    Raises:
+        ConfigurationError: ``task`` takes no lock (neither a :class:`LockedTask` nor
+            named by ``redlock_tasks`` in this process: see
+            :func:`~celery_redlock.lock_configured_tasks`), or its options are invalid.
+        LockKeyError: an argument cannot be keyed.
+        TypeError: the arguments do not bind to the task's signature.
+    """
+    # `@app.task` returns a proxy until the app is finalized: its options are cached
+    # on the task's own class, never on the proxy's, which every such task shares.
+    task = getattr(task, "_get_current_object", lambda: task)()
+    if not isinstance(task, LockedTask):
+        raise ConfigurationError(
+            f"task {getattr(task, 'name', task)!r} takes no lock: it is no LockedTask, and "
+            "redlock_tasks does not name it in this process (lock_configured_tasks(app) "
+            "applies redlock_tasks outside a worker)"
+        )
+    lock = call_lock(task, None, args, kwargs)
+    if lock is None:
+        signature(task.run).bind(*args, **kwargs)  # raises Python's own TypeError
+        raise TypeError(f"task {task.name}: arguments {args!r}, {kwargs!r} do not bind")
     return lock
 
 

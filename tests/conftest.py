@@ -44,6 +44,11 @@ from tests.harness import (  # noqa: E402
 from tests.harness.cluster import RedisCluster  # noqa: E402
 from tests.harness.servers import close_all, wait_for  # noqa: E402
 
+# pytester runs the testing plugin as a project would; the plugin, which celery_redlock
+# installs (and which autoloads), is named here too so that the suite also runs with
+# PYTEST_DISABLE_PLUGIN_AUTOLOAD set: its server is the suite's shared `redis_server`.
+pytest_plugins = ["pytester", "celery_redlock.testing"]
+
 #: The module of the process's renewer, looked up after every test by that name (a
 #: name a move of the module would leave stale: tests/unit/engine/test_renewal.py
 #: checks it).
@@ -98,14 +103,13 @@ def _drain(renewer: Any) -> None:
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """One real server shared by the whole session (prefer ``redis_node`` in tests)."""
-    server = RedisServer(data_dir=tmp_path_factory.mktemp("redis-session"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
+def redis_server(redlock_server: RedisServer) -> RedisServer:
+    """One real server shared by the whole session (prefer ``redis_node`` in tests).
+
+    The testing plugin's ``redlock_server``: the fixture projects use is the one our
+    own tests run on most.
+    """
+    return redlock_server
 
 
 @pytest.fixture

@@ -2,9 +2,10 @@
 
 From the bottom: shared basics (``exceptions``, ``metrics``); ``nodes/`` (how to talk
 to Redis masters); ``engine/`` (the lock); the Celery integration (the top-level
-modules); ``ops/`` (the CLI and doctor). ``docs/design.md`` draws them. Every import
-counts, including those inside functions and under ``TYPE_CHECKING``: a lazy import is
-still a dependency (and was the package's one import cycle, nodes <-> cluster).
+modules); ``ops/`` (the CLI and doctor); ``testing/`` (the pytest plugin).
+``docs/design.md`` draws them. Every import counts, including those inside functions
+and under ``TYPE_CHECKING``: a lazy import is still a dependency (and was the
+package's one import cycle, nodes <-> cluster).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     ("ops", {"ops"}),
+    # the pytest plugin: servers and fixtures for projects' tests of their tasks
+    ("testing", {"testing"}),
 ]
 LAYER_OF = {unit: rank for rank, (_, units) in enumerate(LAYERS) for unit in units}
 #: ``celery_redlock`` itself (its ``__init__``) imports the Celery integration.

@@ -134,6 +134,12 @@ def create_app(redis_url: str = REDIS_URL, **conf: object) -> Celery:
         time.sleep(seconds)
         return "not revoked"
 
+    @app.task(base=LockedTask, bind=True, shared=False)
+    def fence_if_locked(self, resource):
+        """The fence of the lock this run holds, or None when it ran without one."""
+        lock = self.current_lock
+        return None if lock is None else lock.fence
+
     @app.task(base=LockedTask, bind=True, shared=False, lock_args=("resource",))
     def outcome(self, resource, kind):
         """End with the given outcome, to check that every outcome releases the lock."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from celery_redlock.testing import servers as servers_module
 from tests.harness import (
     ENV_VAR,
     HOST,
@@ -24,7 +25,6 @@ from tests.harness import (
     resolve_redis_server,
     wait_for,
 )
-from tests.harness import servers as servers_module
 
 
 def _ping_ok(client: redis.Redis) -> bool:

@@ -245,7 +245,15 @@ def test_redis_down_with_fail_open_runs_unlocked(celery_redis, inprocess_worker_
     inprocess_worker_factory(app, pool="solo")
     with caplog.at_level(logging.WARNING, logger="celery_redlock.task"):
         assert get(app.tasks["tests.apps.locked.outcome"].delay("x", "ok")) == "ok"
+        assert get(app.tasks["tests.apps.locked.fence_if_locked"].delay("x")) is None
     assert any("WITHOUT its lock" in r.message for r in caplog.records)
+
+
+def test_current_lock_is_the_held_lock(app, celery_redis, inprocess_worker_factory):
+    """`self.current_lock` is `self.lock` while held (None only when run unlocked)."""
+    inprocess_worker_factory(app, pool="solo")
+    fences = [get(app.tasks["tests.apps.locked.fence_if_locked"].delay("x")) for _ in "ab"]
+    assert all(isinstance(fence, int) for fence in fences) and fences[1] > fences[0]
 
 
 def test_long_task_keeps_its_lock_while_a_competitor_is_refused(
