@@ -39,11 +39,15 @@ seconds, the leader's clock) in the header ``redlock_beat_run``
 value for one entry, so a task can use it as an idempotency key.
 
 Schedulers: :class:`LeaderScheduler` is Celery's default ``PersistentScheduler`` (a
-shelve file per beat) with leadership. :class:`LeaderMixin` adds the same to another
-scheduler class whose entries are ``ScheduleEntry``-like (``name``, ``last_run_at``)
-and which dispatches through ``apply_entry``, e.g.
-``class Scheduler(LeaderMixin, DatabaseScheduler)`` for django-celery-beat; only
-``LeaderScheduler`` is tested here.
+shelve file per beat) with leadership. ``DatabaseLeaderScheduler`` is
+django-celery-beat's ``DatabaseScheduler`` with leadership (imported only when named,
+so that django-celery-beat stays optional)::
+
+    celery -A proj beat -S celery_redlock.beat:DatabaseLeaderScheduler
+
+:class:`LeaderMixin` adds the same to another scheduler class whose entries are
+``ScheduleEntry``-like (``name``, ``last_run_at``) and which dispatches through
+``apply_entry``.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .nodes import Call
 from .task import app_settings
 
+# DatabaseLeaderScheduler is left out: a star import would import django-celery-beat.
 __all__ = [
     "LeaderMixin",
     "LeaderScheduler",
@@ -179,6 +184,8 @@ class LeaderMixin:
         self._next_try = 0.0
         #: The leader this standby last named in its log (so it says so once per leader).
         self._seen_leader: str | None = None
+        #: Entries reserved by this tick, by name: the run ``apply_entry`` then claims.
+        self._reserved: dict[str, Any] = {}
 
     # -- leadership ----------------------------------------------------------------
 
@@ -276,6 +283,18 @@ class LeaderMixin:
         interval = float(super().tick(*args, **kwargs))  # type: ignore[misc]  # a Scheduler follows in the MRO
         return interval if standby is None else min(interval, standby)
 
+    def reserve(self, entry: Any) -> Any:
+        """Advance ``entry`` to this run, as the scheduler does; remember it for the claim.
+
+        Beat passes ``apply_entry`` the entry as it was before this run. Its advanced
+        copy, which holds this run's time, is kept in ``self.schedule`` by Celery's own
+        schedulers but not by every scheduler (django-celery-beat's keeps it only in its
+        run order), so it is taken here.
+        """
+        reserved = super().reserve(entry)  # type: ignore[misc]  # a Scheduler follows in the MRO
+        self._reserved[entry.name] = reserved
+        return reserved
+
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
         """Send ``entry`` only if this beat leads and claims the run on Redis."""
         if not self._still_leading():
@@ -292,7 +311,7 @@ class LeaderMixin:
         lease = self.leader_lock.lease
         if lease is None:
             return BeatClaimStatus.NOT_LEADER, ""
-        current = self.schedule.get(entry.name, entry)
+        current = self._reserved.pop(entry.name, None) or self.schedule.get(entry.name, entry)
         known = "" if entry.last_run_at is None else repr(_timestamp(entry.last_run_at))
         now = repr(_timestamp(getattr(current, "last_run_at", None) or self.app.now()))
         keys = self.leader_lock.keys
@@ -345,6 +364,40 @@ class LeaderMixin:
 
 class LeaderScheduler(LeaderMixin, PersistentScheduler):
     """Celery's default persistent scheduler, dispatching only while elected leader."""
+
+
+def _database_leader_scheduler() -> type:
+    """django-celery-beat's ``DatabaseScheduler`` with leadership (see the module docs).
+
+    A standby reserves nothing: ``DatabaseScheduler.reserve`` records a run in the
+    database (``last_run_at``, ``total_run_count``, written at its next sync), and
+    every beat shares that database, so a standby that reserved would record runs it
+    never sent, shown in the admin and read back by the leader at its next full
+    reload. Left unreserved, a due entry stays due on a standby until it leads; it
+    then adopts the claimed run times from Redis, as ``LeaderScheduler`` does.
+    """
+    from django_celery_beat.schedulers import DatabaseScheduler  # noqa: PLC0415 (optional)
+
+    class DatabaseLeaderScheduler(LeaderMixin, DatabaseScheduler):
+        """django-celery-beat's database scheduler, dispatching only while leader."""
+
+        def reserve(self, entry: Any) -> Any:
+            if not self._still_leading():
+                return entry
+            return super().reserve(entry)
+
+    DatabaseLeaderScheduler.__module__ = __name__
+    DatabaseLeaderScheduler.__qualname__ = "DatabaseLeaderScheduler"
+    return DatabaseLeaderScheduler
+
+
+def __getattr__(name: str) -> Any:
+    """``DatabaseLeaderScheduler``, made on first use (django-celery-beat is optional)."""
+    if name == "DatabaseLeaderScheduler":
+        scheduler = _database_leader_scheduler()
+        globals()[name] = scheduler
+        return scheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _timestamp(value: datetime) -> float:

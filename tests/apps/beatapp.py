@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 from celery_redlock import LockedTask
+from tests.apps.stamps import beat_run, write
 from tests.harness.celery_workers import make_app, redis_url_with_db
 
 REDIS_URL = os.environ.get("REDLOCK_TEST_REDIS_URL", "redis://127.0.0.1:6379")
-STAMPS = os.environ.get("REDLOCK_TEST_STAMPS", "/dev/null")
 
 app = make_app(
     REDIS_URL,
@@ -54,21 +53,10 @@ app = make_app(
 )
 
 
-def write(line: str) -> None:
-    with Path(STAMPS).open("a") as out:
-        out.write(line + "\n")
-
-
 @app.task(bind=True, shared=False)
 def stamp(self, label):
     """Record one dispatch of ``label``: arrival time and the run the leader claimed."""
     write(f"{label} {time.time():.6f} {beat_run(self)}")
-
-
-def beat_run(task) -> str:
-    """The run time the leader claimed for this message (header ``redlock_beat_run``)."""
-    run = getattr(task.request, "redlock_beat_run", None)
-    return str(run or (task.request.headers or {}).get("redlock_beat_run") or "-")
 
 
 def run_slowly(label: str, fence: int) -> None:

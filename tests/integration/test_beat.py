@@ -85,19 +85,19 @@ def dispatches(stamps: Path, label: str) -> list[float]:
     return sorted(float(run) for run in runs)
 
 
-def leader_key(server) -> str | None:
-    """The beatapp leader lock on ``server`` (``redlock:{beat:beatapp@<digest>}``)."""
+def leader_key(server, app: str = "beatapp") -> str | None:
+    """``app``'s leader lock on ``server`` (``redlock:{beat:<app>@<digest>}``)."""
     keys = [
         k
-        for k in server.client().scan_iter("redlock:{beat:beatapp*")
+        for k in server.client().scan_iter(f"redlock:{{beat:{app}@*")
         if not k.endswith((":fence", ":state"))
     ]
     assert len(keys) <= 1, f"one leader lock per project: {keys}"
     return keys[0] if keys else None
 
 
-def leader(celery_redis, beats: list[BeatProcess]) -> BeatProcess | None:
-    key = leader_key(celery_redis)
+def leader(celery_redis, beats: list[BeatProcess], app: str = "beatapp") -> BeatProcess | None:
+    key = leader_key(celery_redis, app)
     holder = parse_beat_holder(celery_redis.client().hget(key, "task_name") if key else None)
     pid = int(holder["pid"]) if holder else None
     return next((b for b in beats if b.pid == pid and b.alive()), None)

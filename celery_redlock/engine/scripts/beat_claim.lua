@@ -4,7 +4,9 @@
 -- paused past its lease and has not noticed yet:
 --   1. the caller still holds the leader lock (its token is there);
 --   2. no run of this entry later than the one the caller based its decision on has
---      been claimed (a compare-and-advance on the entry's last run time).
+--      been claimed (a compare-and-advance on the entry's last run time), and this run
+--      is later than every claimed one: a run time is claimed once, whatever a
+--      scheduler believes it last ran.
 --
 -- KEYS[1]  leader lock hash       KEYS[2]  schedule state hash (entry -> last run, unix s)
 -- ARGV[1]  leader token           ARGV[2]  entry name
@@ -12,13 +14,15 @@
 -- ARGV[4]  this run's time (unix seconds)
 --
 -- Returns  {1}                 claimed: send it
---          {0, stored}         a later run was already claimed: do not send; adopt stored
+--          {0, stored}         this run or a later one was already claimed: do not send;
+--                              adopt stored
 --          {-1}                not the leader any more
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
     return {-1}
 end
 local stored = redis.call('HGET', KEYS[2], ARGV[2])
-if stored and (ARGV[3] == '' or tonumber(stored) > tonumber(ARGV[3])) then
+if stored and (ARGV[3] == '' or tonumber(stored) > tonumber(ARGV[3])
+               or tonumber(ARGV[4]) <= tonumber(stored)) then
     return {0, stored}
 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])

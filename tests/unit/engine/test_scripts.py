@@ -216,6 +216,8 @@ def test_beat_claim_checks_leadership_and_advances_once(redis_node):
     assert claim("leader", "", "11") == [0, "10"], "someone already ran it"
     assert claim("leader", "10", "11") == [1]
     assert claim("leader", "10", "11.5") == [0, "11"], "a second leader based on 10 is refused"
+    assert claim("leader", "11", "11") == [0, "11"], "a run time is claimed once"
+    assert claim("leader", "11", "10.5") == [0, "11"], "and never an earlier one"
     assert c.hget(keys.state, "entry") == "11"
 
 
