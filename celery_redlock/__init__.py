@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import worker as _worker  # noqa: F401 (connects the worker signal receivers)
 from .config_only import lock_configured_tasks
+from .engine.aio import AsyncRedlock
 from .engine.lock import Redlock
 from .exceptions import (
     ConfigurationError,
@@ -25,6 +26,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0"
 
 __all__ = [
+    "AsyncRedlock",
     "ConfigurationError",
     "LockBusy",
     "LockKeyError",

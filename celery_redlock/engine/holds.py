@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from ..exceptions import LockNotOwned
 from ..nodes import Call
@@ -62,14 +62,19 @@ class Holds:
     a release.
     """
 
-    __slots__ = ("_by_thread",)
+    __slots__ = ("_by_thread", "_owner", "_what")
 
-    def __init__(self) -> None:
-        self._by_thread: dict[int, Hold] = {}
+    def __init__(
+        self, owner: Callable[[], Hashable] = threading.get_ident, what: str = "thread"
+    ) -> None:
+        #: Who the caller is: its thread, or (for asyncio) its task.
+        self._owner = owner
+        self._what = what
+        self._by_thread: dict[Hashable, Hold] = {}
 
     def entry(self) -> Hold | None:
         """The calling thread's entry, finished or not."""
-        return self._by_thread.get(threading.get_ident())
+        return self._by_thread.get(self._owner())
 
     def live(self) -> Hold | None:
         """The calling thread's hold, if it has one in this process."""
@@ -92,17 +97,18 @@ class Holds:
         """The calling thread's hold, or :class:`LockNotOwned` saying why there is none."""
         hold = self.entry()
         if hold is None or hold.count == 0 or hold.lease.released:
-            me = threading.get_ident()
+            me = self._owner()
             others = any(
                 h.count and not h.lease.released
                 for ident, h in list(self._by_thread.items())
                 if ident != me
             )
+            what = self._what
             why = (
-                "held by another thread of this process; a hold belongs to the thread that "
+                f"held by another {what} of this process; a hold belongs to the {what} that "
                 "acquired it"
                 if others
-                else "this thread does not hold it"
+                else f"this {what} does not hold it"
             )
             raise LockNotOwned(key, f"cannot {action}: {why}")
         if hold.lease.pid != os.getpid():
@@ -115,7 +121,7 @@ class Holds:
 
     def add(self, lease: Lease) -> None:
         """Record ``lease`` as the calling thread's hold, counted once."""
-        me = threading.get_ident()
+        me = self._owner()
         holds = self._by_thread
         if len(holds) > KEEP_HOLDS:
             # Drop other threads' finished holds, so a long-lived object does not grow.

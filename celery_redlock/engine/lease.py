@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from redis.exceptions import ResponseError
 
 from .. import metrics
-from ..exceptions import LockLost
+from ..exceptions import LockLost, NodeUnavailable
 from ..nodes import Call
 from .scripts import RENEW_MANY, RenewStatus
 
@@ -180,6 +180,22 @@ class Lease:
             else:
                 errors.append(error)
         return Tally(renewed, refused, errors)
+
+    def extended(self, replies: list[Reply | None], sent_at: float) -> float:
+        """Judge an ``extend()`` sent at ``sent_at``: the lease left, in seconds.
+
+        Raises :class:`LockLost` if the nodes say it is gone, and
+        :class:`NodeUnavailable` if too few answered.
+        """
+        renewed, refused, errors = self.tally(replies)
+        if renewed >= self.quorum:
+            self.renewed(sent_at, clock())
+            self.check()
+            return self.remaining()
+        if refused > len(self.nodeset) - self.quorum:
+            self.mark_lost("the key expired, was deleted or is held by another owner")
+            self.check()
+        raise NodeUnavailable(self.keys.lock, errors)
 
     def check(self) -> None:
         """Raise :class:`LockLost` unless the lease is held and not in doubt."""

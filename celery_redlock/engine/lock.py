@@ -64,6 +64,7 @@ exceptions at random points to find one).
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import random
@@ -89,7 +90,7 @@ from .timing import Timing
 from .vote import Attempt, sync_fences, vote
 from .waiting import Subscription
 
-__all__ = ["DEFAULT_URL", "Redlock"]
+__all__ = ["DEFAULT_URL", "Redlock", "Step"]
 
 logger = logging.getLogger("celery_redlock.lock")
 
@@ -104,6 +105,16 @@ SPLIT_BACKOFF = 0.002
 
 
 _HOST = socket.gethostname()
+
+
+class Step(enum.Enum):
+    """What a blocking acquisition does after an attempt that did not win."""
+
+    UNAVAILABLE = "too many nodes failed for any quorum: raise NodeUnavailable"
+    GIVE_UP = "not blocking, or the timeout passed: return False"
+    SPLIT = "a split vote: step back a random moment"
+    WAIT = "held: wait for its release notification, or its lease's end"
+    RETRY = "no holder to wait for: retry after a random pause"
 
 
 class Redlock:
@@ -236,28 +247,18 @@ class Redlock:
                     if subscription is not None and self.kind.admits_others:
                         subscription.pass_on()  # a share does not exclude the next waiter
                     return True
-                if len(attempt.errors) > len(self.nodeset) - self.quorum:
-                    # Too many nodes failed for any quorum: waiting would hide a
-                    # Redis outage behind a lock that looks busy.
+                step, pause = self._next_step(attempt, blocking, give_up)
+                if step is Step.UNAVAILABLE:
                     settled = True  # the attempt undid its part
                     raise NodeUnavailable(self.keys.lock, attempt.errors)
-                if not blocking or (give_up is not None and clock() >= give_up):
+                if step is Step.GIVE_UP:
                     settled = True
-                    if metrics.enabled:
-                        metrics.busy(self.task_name)
                     return False
-                left = None if give_up is None else give_up - clock()
-                if attempt.granted:
-                    # A split vote: nobody won and every contender is undoing its part,
-                    # which announces releases that would wake us all again at once.
-                    # Step back a random moment, as Redlock prescribes, and ignore the
-                    # wake-ups our own undo caused.
-                    pause = random.uniform(0, SPLIT_BACKOFF * len(self.nodeset))
-                    time.sleep(pause if left is None else max(0.0, min(pause, left)))
+                if step is Step.SPLIT:
+                    time.sleep(pause)
                     if subscription is not None:
                         subscription.event.clear()
-                    continue
-                if attempt.busy_ttl:
+                elif step is Step.WAIT:
                     if subscription is None:
                         subscription = Subscription(
                             self.nodeset.nodes,
@@ -266,16 +267,9 @@ class Redlock:
                             token=self.kind.wake_token(waiter),
                         )
                         continue  # retry once subscribed, so no release is missed
-                    # TTL fallback: an expiry publishes nothing. A waiter whose mark on
-                    # the nodes lapses (a queue place, a waiting writer) comes back in
-                    # time to renew it.
-                    pause = min(attempt.busy_ttl) + random.uniform(0, 0.01)
-                    if self.kind.refreshes_while_waiting:
-                        pause = min(pause, self.timing.renew_interval)
-                    subscription.wait(pause if left is None else min(pause, left))
+                    subscription.wait(pause)
                 else:
-                    pause = random.uniform(0, RETRY_DELAY)
-                    time.sleep(pause if left is None else min(pause, left))
+                    time.sleep(pause)
         finally:
             if not settled:
                 # Left by an exception (maybe asynchronous: a soft time limit, our own
@@ -291,6 +285,35 @@ class Redlock:
                 if leave is not None:  # else a queued place holds others up for a ttl
                     self.nodeset.call([leave])
 
+    def _next_step(
+        self, attempt: Attempt, blocking: bool, give_up: float | None
+    ) -> tuple[Step, float]:
+        """What a blocking ``acquire`` does after a failed attempt, and for how long."""
+        if len(attempt.errors) > len(self.nodeset) - self.quorum:
+            # Too many nodes failed for any quorum: waiting would hide a Redis outage
+            # behind a lock that looks busy.
+            return Step.UNAVAILABLE, 0.0
+        if not blocking or (give_up is not None and clock() >= give_up):
+            if metrics.enabled:
+                metrics.busy(self.task_name)
+            return Step.GIVE_UP, 0.0
+        if attempt.granted:
+            # A split vote: nobody won and every contender is undoing its part, which
+            # announces releases that would wake us all again at once. Step back a
+            # random moment, as Redlock prescribes, and ignore the wake-ups our own
+            # undo caused.
+            step, pause = Step.SPLIT, random.uniform(0, SPLIT_BACKOFF * len(self.nodeset))
+        elif attempt.busy_ttl:
+            # TTL fallback: an expiry publishes nothing. A waiter whose mark on the
+            # nodes lapses (a queue place, a waiting writer) comes back in time to
+            # renew it.
+            step, pause = Step.WAIT, min(attempt.busy_ttl) + random.uniform(0, 0.01)
+            if self.kind.refreshes_while_waiting:
+                pause = min(pause, self.timing.renew_interval)
+        else:
+            step, pause = Step.RETRY, random.uniform(0, RETRY_DELAY)
+        return step, pause if give_up is None else max(0.0, min(pause, give_up - clock()))
+
     def try_acquire(self) -> None:
         """Take the lock now or raise :class:`LockBusy` naming the holder."""
         if self._reenter():
@@ -304,6 +327,10 @@ class Redlock:
         finally:
             if not settled:
                 self._abandon(waiter)
+        self._tried(attempt, started)
+
+    def _tried(self, attempt: Attempt | None, started: float) -> None:
+        """Count ``try_acquire``'s attempt; raise :class:`LockBusy` or why not held."""
         if attempt is None:
             if metrics.enabled:
                 metrics.acquired(self.task_name, clock() - started)
@@ -316,21 +343,28 @@ class Redlock:
 
     def _abandon(self, waiter: Waiter) -> None:
         """Undo an acquisition interrupted by an exception, wherever it stopped."""
-        hold = self._holds.entry()
-        if hold is not None and hold.lease.token == waiter.token:
-            hold.lease.released = True  # first: the renewer must stop renewing it
-            hold.count = 0
-        if not waiter.sent:
+        if not self._end_abandoned(waiter):
             return
         try:
             self._unlock(waiter.token)
         except Exception:  # the original exception matters more; the lease ends by itself
-            logger.warning(
-                "Lock(%r): could not undo an interrupted acquisition; it expires within %.1fs",
-                self.keys.lock,
-                self.timing.ttl,
-                exc_info=True,
-            )
+            self._undo_failed()
+
+    def _end_abandoned(self, waiter: Waiter) -> bool:
+        """End the hold an interrupted acquisition recorded; whether it sent anything."""
+        hold = self._holds.entry()
+        if hold is not None and hold.lease.token == waiter.token:
+            hold.lease.released = True  # first: the renewer must stop renewing it
+            hold.count = 0
+        return waiter.sent
+
+    def _undo_failed(self) -> None:
+        logger.warning(
+            "Lock(%r): could not undo an interrupted acquisition; it expires within %.1fs",
+            self.keys.lock,
+            self.timing.ttl,
+            exc_info=True,
+        )
 
     def _attempt(self, waiter: Waiter) -> Attempt | None:
         """One acquisition attempt; None when it succeeded (and the hold is recorded)."""
@@ -377,9 +411,21 @@ class Redlock:
             return f"{self.task_name or 'task'}[{self.task_id}]"
         return self.task_name or "-"
 
-    def _won(self, token: str, fences: tuple[int, ...], sent_at: float, granted: int) -> bool:
-        """Record the hold; False if the lease ran out before it could be recorded."""
-        callbacks = [self.on_lost] if self.on_lost is not None else []
+    def _won(
+        self,
+        token: str,
+        fences: tuple[int, ...],
+        sent_at: float,
+        granted: int,
+        on_lost: Callable[[LockLost], object] | None = None,
+    ) -> bool:
+        """Record the hold; False if the lease ran out before it could be recorded.
+
+        ``on_lost`` replaces :attr:`on_lost` for this hold (AsyncRedlock's delivers the
+        loss to the holder's event loop).
+        """
+        report = on_lost or self.on_lost
+        callbacks = [report] if report is not None else []
         lease = Lease(
             self.keys,
             token,
@@ -434,6 +480,19 @@ class Redlock:
         A hold whose lease has run out by the local deadline (not renewed, or lost)
         is dropped instead: the caller then makes a real acquisition.
         """
+        token = self._reenter_or_end()
+        if token is True or token is False:
+            return token
+        self._unlock(token)
+        return False
+
+    def _reenter_or_end(self) -> bool | str:
+        """Count one more hold on a lease still valid (True); False: no hold.
+
+        Else the token of a hold whose lease has run out, ended here: the caller
+        frees whatever may be left of it on the nodes (within the drift allowance it
+        can still be there) before a real acquisition.
+        """
         hold = self._holds.live()
         if hold is None:
             return False
@@ -441,12 +500,9 @@ class Redlock:
         if lease.lost is None and clock() < lease.give_up_at:
             hold.count += 1
             return True
-        # Over: stop renewing it and free whatever may be left of it on the nodes
-        # (within the drift allowance it can still be there, under our old token).
-        lease.released = True
+        lease.released = True  # stop renewing it
         hold.count = 0
-        self._unlock(lease.token)
-        return False
+        return lease.token
 
     @property
     def lease(self) -> Lease | None:
@@ -517,15 +573,7 @@ class Redlock:
         lease = self._holds.own(self.keys.lock, "extend").lease
         lease.check()
         sent_at = clock()
-        renewed, refused, errors = lease.tally(self.nodeset.call([renew_call([lease])]))
-        if renewed >= self.quorum:
-            lease.renewed(sent_at, clock())
-            lease.check()
-            return lease.remaining()
-        if refused > len(self.nodeset) - self.quorum:
-            lease.mark_lost("the key expired, was deleted or is held by another owner")
-            lease.check()
-        raise NodeUnavailable(self.keys.lock, errors)
+        return lease.extended(self.nodeset.call([renew_call([lease])]), sent_at)
 
     def check(self) -> None:
         """Raise :class:`LockLost` unless this object holds the lock and the lease is sure.

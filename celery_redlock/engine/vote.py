@@ -23,7 +23,18 @@ from ..nodes import Call, NodeSet, Reply
 from .lease import clock
 from .scripts import AcquireStatus, FenceSyncStatus
 
-__all__ = ["Attempt", "budget", "granted_fences", "is_busy", "sync_fences", "vote"]
+__all__ = [
+    "Attempt",
+    "budget",
+    "fence_requests",
+    "fences_stored",
+    "granted_fences",
+    "is_busy",
+    "sync_fences",
+    "tally",
+    "vote",
+    "vote_calls",
+]
 
 
 class Attempt:
@@ -91,13 +102,28 @@ def budget(node_timeout: float, min_replicas: int) -> float:
     return node_timeout if not min_replicas else 2 * node_timeout + 0.1
 
 
+def vote_calls(acquire: Call, min_replicas: int, node_timeout: float) -> list[Call]:
+    """What each node is sent: the acquire call, then ``WAIT`` with ``min_replicas``."""
+    calls = [acquire]
+    if min_replicas:
+        calls.append(Call.command("WAIT", min_replicas, max(1, round(node_timeout * 1000))))
+    return calls
+
+
+def tally(replies: list[Reply | None], elapsed: float, min_replicas: int) -> Attempt:
+    """The attempt the nodes' ``replies`` make, ``elapsed`` seconds after sending."""
+    attempt = Attempt(replies, elapsed)
+    for i, reply in enumerate(replies):
+        if reply is not None:
+            attempt._tally(i, reply, min_replicas)
+    return attempt
+
+
 def vote(
     nodeset: NodeSet, acquire: Call, quorum: int, min_replicas: int, node_timeout: float
 ) -> tuple[Attempt, float]:
     """Send ``acquire`` to every node; the tally, and when the requests were sent."""
-    calls = [acquire]
-    if min_replicas:
-        calls.append(Call.command("WAIT", min_replicas, max(1, round(node_timeout * 1000))))
+    calls = vote_calls(acquire, min_replicas, node_timeout)
     n = len(nodeset)
 
     def decided(replies: list[Reply | None]) -> bool:
@@ -114,11 +140,7 @@ def vote(
     replies = nodeset.call(
         calls, timeout=budget(node_timeout, min_replicas), decided=decided if n > 1 else None
     )
-    attempt = Attempt(replies, clock() - sent_at)
-    for i, reply in enumerate(replies):
-        if reply is not None:
-            attempt._tally(i, reply, min_replicas)
-    return attempt, sent_at
+    return tally(replies, clock() - sent_at, min_replicas), sent_at
 
 
 def granted_fences(reply: Reply, min_replicas: int) -> tuple[int, ...] | None:
@@ -150,10 +172,19 @@ def is_busy(reply: Reply | None) -> bool:
 
 def sync_fences(nodeset: NodeSet, calls: list[Call], granted: list[int]) -> int:
     """Send ``calls`` (fence stores) to the ``granted`` nodes; how many stored them all."""
-    requests: list[list[Call] | None] = [None] * len(nodeset)
+    return fences_stored(nodeset.call(fence_requests(len(nodeset), calls, granted), per_node=True))
+
+
+def fence_requests(nodes: int, calls: list[Call], granted: list[int]) -> list[list[Call] | None]:
+    """Per node, the fence stores to send: ``calls`` to the ``granted`` nodes only."""
+    requests: list[list[Call] | None] = [None] * nodes
     for i in granted:
         requests[i] = calls
-    replies = nodeset.call(requests, per_node=True)
+    return requests
+
+
+def fences_stored(replies: list[Reply | None]) -> int:
+    """Nodes that stored every fence sent to them."""
     return sum(
         1
         for r in replies

@@ -21,6 +21,7 @@ blocks for ever, and with it every waiter of the process.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -37,7 +38,7 @@ from redis.exceptions import RedisError
 from ..nodes import LockNode
 from .threads import START_GRACE, start_daemon
 
-__all__ = ["Subscription", "Wakeup", "get_listener"]
+__all__ = ["LoopWakeup", "Subscription", "Wakeup", "get_listener"]
 
 logger = logging.getLogger("celery_redlock.waiting")
 
@@ -79,6 +80,35 @@ class Wakeup:
         if timeout is None:
             return self._lock.acquire()
         return self._lock.acquire(timeout=max(0.0, timeout))
+
+
+class LoopWakeup(Wakeup):
+    """A :class:`Wakeup` that an asyncio waiter awaits (:meth:`wait_async`).
+
+    The listener thread sets it as any other; the wake-up is also handed to the
+    waiter's event loop, thread-safely.
+    """
+
+    __slots__ = ("_event", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._loop = loop
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        """Deliver a wake-up, and wake the loop's waiter."""
+        super().set()
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def wait_async(self, timeout: float) -> bool:
+        """Wait (in the loop) for a wake-up and consume it; False if ``timeout`` passed."""
+        if not self.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._event.wait(), max(0.0, timeout))
+        self._event.clear()
+        return self._lock.acquire(blocking=False)
 
 
 class _Listener:
@@ -264,25 +294,33 @@ class Subscription:
         nodes: tuple[LockNode, ...],
         channel: str,
         *,
-        confirm_timeout: float,
+        confirm_timeout: float | None,
         token: str | None = None,
+        event: Wakeup | None = None,
     ) -> None:
         self.channel = channel
-        self.event = Wakeup()
+        self.event = event or Wakeup()
         self._listeners: list[_Listener] = []
-        confirmations = []
+        #: Set by the listeners once subscribed (one per node).
+        self.confirmations: list[Wakeup] = []
         for node in nodes:
             listener = get_listener(node)
-            confirmations.append(listener.add(channel, self.event, token))
+            self.confirmations.append(listener.add(channel, self.event, token))
             self._listeners.append(listener)  # after add: close() removes only what was added
         # Wait until subscribed on at least one node before the caller retries, so
         # a release between that retry and the wait cannot go unnoticed. If no node
-        # confirms in time the caller still has the TTL fallback.
-        deadline = time.monotonic() + confirm_timeout
-        for confirmed in confirmations:
-            if confirmed.is_set() or confirmed.wait(max(0.0, deadline - time.monotonic())):
-                confirmed.set()  # a confirmation stands for every waiter of the channel
-                break
+        # confirms in time the caller still has the TTL fallback. (None: the caller
+        # waits for it, as an asyncio waiter does without blocking its loop.)
+        if confirm_timeout is not None:
+            deadline = time.monotonic() + confirm_timeout
+            for confirmed in self.confirmations:
+                if confirmed.is_set() or confirmed.wait(max(0.0, deadline - time.monotonic())):
+                    confirmed.set()  # a confirmation stands for every waiter of the channel
+                    break
+
+    def confirmed(self) -> bool:
+        """Subscribed on at least one node."""
+        return any(confirmed.is_set() for confirmed in self.confirmations)
 
     def wait(self, timeout: float) -> bool:
         """Block until a release is announced or ``timeout`` passes; True if announced."""

@@ -103,7 +103,9 @@ def parse_hosts(hostlist: str, default_port: int, *, what: str = "host") -> list
     return hosts
 
 
-def connection_options(timeout: float) -> dict[str, Any]:
+def connection_options(
+    timeout: float, connection: type = AbstractConnection, retry: type = Retry
+) -> dict[str, Any]:
     """Connection settings for a lock node, for the installed redis-py.
 
     Explicit connect and socket timeouts and no retries: redis-py's ready-made client
@@ -111,18 +113,19 @@ def connection_options(timeout: float) -> dict[str, Any]:
     node with a 0.5 s socket timeout), and a lock call must fail within its budget.
     Every round trip a connection makes by itself on connect (``HELLO`` for RESP3,
     ``CLIENT SETINFO``, maintenance notifications) is one more place a hung node can
-    stall us, so only the URL's own AUTH and SELECT remain.
+    stall us, so only the URL's own AUTH and SELECT remain. ``connection`` and
+    ``retry`` are the classes the options are for (``redis.asyncio``'s for asyncio).
     """
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
-        "retry": Retry(NoBackoff(), 0),
+        "retry": retry(NoBackoff(), 0),
         "retry_on_timeout": False,
         "health_check_interval": 0,
         "decode_responses": True,
         "protocol": 2,
     }
-    accepted = inspect.signature(AbstractConnection.__init__).parameters
+    accepted = inspect.signature(connection).parameters
     if "driver_info" in accepted:  # redis-py >= 7.1; lib_name is deprecated there
         options["driver_info"] = None
     elif "lib_name" in accepted:

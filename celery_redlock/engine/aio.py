@@ -1,0 +1,356 @@
+"""``AsyncRedlock``: the same lock as :class:`~celery_redlock.Redlock`, for asyncio callers.
+
+::
+
+    async with AsyncRedlock("account:7", nodes=["redis://redis:6379/0"]) as lock:
+        await store(page, fence=lock.fence)
+
+Same scripts, same keys, same quorum, fences, kinds (exclusive, several resources,
+shared, ``limit``, ``fair``) and release notifications: an ``AsyncRedlock`` and a
+``Redlock`` (or a task with ``lock_key="account:{account_id}"``) on the same nodes
+exclude each other, wake each other's waiters and share one fence sequence. What
+differs is who holds it: a hold belongs to the asyncio **task** that acquired it, as
+a ``Redlock`` hold belongs to a thread.
+
+Only the calls an owner waits for are asyncio (acquire, release, extend, owned,
+locked, inspect). Two parts run in the process's threads, as for ``Redlock``, on
+purpose:
+
+* **Renewal** is the process's watchdog thread. An event loop that a coroutine
+  blocks (CPU-bound work, a synchronous client called by mistake) is the moment a
+  lease must go on being renewed: a renewer that was a task on that loop would let
+  it lapse while the code it protects runs.
+* **Release notifications** come from the process's listener thread (one pub/sub
+  connection per node), which wakes the waiting task in its loop.
+
+A loss is reported the same way: ``check()`` raises :class:`LockLost`, and
+``on_lost`` (a function, or a coroutine function) is called in the holder's event
+loop. Plain masters only (``redis://``, ``rediss://``, ``unix://``): Sentinel and
+Cluster nodes raise :class:`ConfigurationError` (use ``Redlock`` there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from .. import metrics
+from ..exceptions import LockLost, NodeUnavailable
+from ..nodes import Call, Reply
+from ..nodes.aio import AsyncNodeSet
+from .holds import Holds
+from .keys import DEFAULT_PREFIX
+from .kinds import Holder, Waiter
+from .lease import Lease, clock, renew_call
+from .lock import _HOST, Redlock, Step, _agreeing, _report_release, _view
+from .scripts import INSPECT
+from .timing import Timing
+from .vote import Attempt, budget, fence_requests, fences_stored, tally, vote_calls
+from .waiting import LoopWakeup, Subscription
+
+__all__ = ["AsyncRedlock"]
+
+logger = logging.getLogger("celery_redlock.lock")
+
+OnLost = Callable[[LockLost], object] | Callable[[LockLost], Awaitable[object]]
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    return asyncio.current_task()
+
+
+class AsyncRedlock:
+    """A distributed lock for asyncio: :class:`~celery_redlock.Redlock`'s, awaited.
+
+    Takes the same arguments as ``Redlock`` (``nodes``, ``ttl``, ``mode``, ``limit``,
+    ``fair``, ``key_prefix``, ``min_replicas``, ``timing``...); ``task_id`` is not
+    one: the holder recorded is ``task_name`` (default ``asyncio``). ``on_lost`` may
+    be a coroutine function; it runs in the holder's event loop.
+    """
+
+    def __init__(
+        self,
+        name: str | Sequence[str],
+        *,
+        nodes: Sequence[str] | str | None = None,
+        ttl: float = 30.0,
+        auto_renew: bool = True,
+        on_lost: OnLost | None = None,
+        renew_interval: float | None = None,
+        node_timeout: float | None = None,
+        drift_factor: float = 0.01,
+        key_prefix: str = DEFAULT_PREFIX,
+        min_replicas: int = 0,
+        task_name: str | None = "asyncio",
+        mode: str | None = None,
+        limit: int | None = None,
+        fair: bool = False,
+        timing: Timing | None = None,
+    ) -> None:
+        # The sync lock validates the arguments and keeps the kind, keys, timing and
+        # holds; its holds are kept per asyncio task here. Its I/O is never used.
+        self._sync = Redlock(
+            name,
+            nodes=nodes,
+            ttl=ttl,
+            auto_renew=auto_renew,
+            renew_interval=renew_interval,
+            node_timeout=node_timeout,
+            drift_factor=drift_factor,
+            key_prefix=key_prefix,
+            min_replicas=min_replicas,
+            task_name=task_name,
+            mode=mode,
+            limit=limit,
+            fair=fair,
+            timing=timing,
+        )
+        self._sync._holds = Holds(owner=_current_task, what="asyncio task")
+        self.nodeset = AsyncNodeSet(self._sync.nodeset)
+        self.on_lost = on_lost
+        self.kind, self.keys, self.timing = self._sync.kind, self._sync.keys, self._sync.timing
+        self.names, self.name, self.quorum = self._sync.names, self._sync.name, self._sync.quorum
+        self.mode, self.limit, self.fair = self._sync.mode, self._sync.limit, self._sync.fair
+        self.task_name = task_name
+
+    def __repr__(self) -> str:
+        return "<Async" + repr(self._sync)[1:]
+
+    # -- acquisition -----------------------------------------------------------
+
+    async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Take the lock; True once held, False if ``timeout`` passed (or not blocking).
+
+        As :meth:`Redlock.acquire`: a blocking call waits for the holder's release
+        notification (or the end of its lease), and :class:`NodeUnavailable` is
+        raised when too many nodes fail for any quorum. Cancelling it undoes
+        whatever the nodes granted.
+        """
+        if await self._reenter():
+            return True
+        started = clock()
+        give_up = None if timeout is None or not blocking else started + timeout
+        waiter = self.kind.new_waiter(blocking, len(self.nodeset))
+        subscription: Subscription | None = None
+        wakeup = LoopWakeup(asyncio.get_running_loop())
+        acquired = settled = False
+        try:
+            while True:
+                attempt = await self._attempt(waiter)
+                if attempt is None:
+                    acquired = settled = True
+                    if metrics.enabled:
+                        metrics.acquired(self.task_name, clock() - started)
+                    if subscription is not None and self.kind.admits_others:
+                        subscription.pass_on()
+                    return True
+                step, pause = self._sync._next_step(attempt, blocking, give_up)
+                if step is Step.UNAVAILABLE:
+                    settled = True
+                    raise NodeUnavailable(self.keys.lock, attempt.errors)
+                if step is Step.GIVE_UP:
+                    settled = True
+                    return False
+                if step is Step.WAIT and subscription is None:
+                    subscription = await self._subscribe(waiter, wakeup)
+                    continue  # retry once subscribed, so no release is missed
+                if step is Step.WAIT:
+                    await wakeup.wait_async(pause)
+                else:
+                    await asyncio.sleep(pause)
+                    if step is Step.SPLIT:
+                        wakeup.clear()
+        finally:
+            if not settled:
+                await asyncio.shield(self._abandon(waiter))
+            if subscription is not None:
+                subscription.close()
+            if blocking and not acquired:
+                leave = self.kind.leave_call(waiter.token)
+                if leave is not None:
+                    await asyncio.shield(self.nodeset.call([leave]))
+
+    async def _subscribe(self, waiter: Waiter, wakeup: LoopWakeup) -> Subscription:
+        """Listen for the lock's releases; wait (in the loop) until one node confirms."""
+        subscription = Subscription(
+            self.nodeset.nodes,
+            self.keys.channel,
+            confirm_timeout=None,
+            token=self.kind.wake_token(waiter),
+            event=wakeup,
+        )
+        deadline = time.monotonic() + self.timing.node_timeout
+        while not subscription.confirmed() and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # the listener thread confirms within a round trip
+        return subscription
+
+    async def try_acquire(self) -> None:
+        """Take the lock now or raise :class:`LockBusy` naming the holder."""
+        if await self._reenter():
+            return
+        started = clock()
+        waiter = self.kind.new_waiter(False, len(self.nodeset))
+        settled = False
+        try:
+            attempt = await self._attempt(waiter)
+            settled = True
+        finally:
+            if not settled:
+                await asyncio.shield(self._abandon(waiter))
+        self._sync._tried(attempt, started)
+
+    async def _attempt(self, waiter: Waiter) -> Attempt | None:
+        """One acquisition attempt; None when it succeeded (and the hold is recorded)."""
+        sync, token, quorum = self._sync, waiter.token, self.quorum
+        holder = Holder("", _HOST, os.getpid(), f"{time.time():.3f}", self.task_name or "")
+        calls = vote_calls(
+            self.kind.acquire_call(waiter, self.timing.ttl_ms, holder),
+            sync.min_replicas,
+            self.timing.node_timeout,
+        )
+        waiter.sent = True
+        sent_at = clock()
+        replies = await self.nodeset.call(
+            calls, timeout=budget(self.timing.node_timeout, sync.min_replicas)
+        )
+        attempt = tally(replies, clock() - sent_at, sync.min_replicas)
+        validity = self.timing.ttl - attempt.elapsed - self.timing.drift
+        if len(attempt.granted) >= quorum and validity > 0:
+            fences = attempt.top_fences()
+            if (
+                attempt.agreeing(fences) >= quorum or await self._sync_fence(token, fences, attempt)
+            ) and sync._won(token, fences, sent_at, len(attempt.granted), self._loss_reporter()):
+                return None
+        if not attempt.all_busy():
+            await self._unlock(token)  # everywhere: a silent node may have granted it
+        if len(attempt.granted) >= quorum:
+            attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
+        return attempt
+
+    async def _sync_fence(self, token: str, fences: tuple[int, ...], attempt: Attempt) -> bool:
+        """Store the fences back on the granting nodes; True if a quorum holds them."""
+        calls = self.kind.fence_sync_calls(token, fences)
+        requests = fence_requests(len(self.nodeset), calls, attempt.granted)
+        synced = fences_stored(await self.nodeset.call(requests, per_node=True))
+        if synced < self.quorum:
+            attempt.errors.append(f"fence stored on {synced} nodes only")
+            return False
+        return True
+
+    def _loss_reporter(self) -> Callable[[LockLost], object] | None:
+        """``on_lost``, delivered in this event loop (the watchdog thread finds losses)."""
+        on_lost = self.on_lost
+        if on_lost is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def report(lost: LockLost) -> None:
+            if inspect.iscoroutinefunction(on_lost):
+                asyncio.run_coroutine_threadsafe(on_lost(lost), loop)
+            else:
+                loop.call_soon_threadsafe(on_lost, lost)
+
+        return report
+
+    async def _abandon(self, waiter: Waiter) -> None:
+        """Undo an acquisition that was cancelled (or raised), wherever it stopped."""
+        if not self._sync._end_abandoned(waiter):
+            return
+        try:
+            await self._unlock(waiter.token)
+        except Exception:  # the original exception matters more; the lease ends by itself
+            self._sync._undo_failed()
+
+    async def _unlock(self, token: str) -> list[Reply | None]:
+        return await self.nodeset.call([self.kind.release_call(token)])
+
+    async def _reenter(self) -> bool:
+        """Count one more hold if this task holds the lock on a lease still valid."""
+        token = self._sync._reenter_or_end()
+        if token is True or token is False:
+            return token
+        await self._unlock(token)
+        return False
+
+    # -- holding -----------------------------------------------------------------
+
+    async def release(self) -> None:
+        """Release this task's hold (its outermost release frees the lock).
+
+        Only this acquisition's token is deleted. Raises :class:`LockNotOwned` if
+        the calling task does not hold the lock. Cancelled, it still ends the hold.
+        """
+        hold = self._sync._holds.own(self.keys.lock, "release")
+        hold.count -= 1
+        if hold.count:
+            return
+        lease = hold.lease
+        lease.released = True
+        replies = await asyncio.shield(self._unlock(lease.token))
+        _report_release(self._sync, lease, replies)
+
+    async def extend(self) -> float:
+        """Renew the lease now; the lease left, in seconds (as :meth:`Redlock.extend`)."""
+        lease = self._sync._holds.own(self.keys.lock, "extend").lease
+        lease.check()
+        sent_at = clock()
+        return lease.extended(await self.nodeset.call([renew_call([lease])]), sent_at)
+
+    def check(self) -> None:
+        """Raise :class:`LockLost` unless this task holds the lock and the lease is sure."""
+        self._sync.check()
+
+    async def owned(self) -> bool:
+        """True if this task holds the lock: a quorum of nodes has its token."""
+        hold = self._sync._holds.live()
+        if hold is None:
+            return False
+        token = hold.lease.token
+        replies = await self.nodeset.call(self.kind.owned_calls(token))
+        return _agreeing(replies, lambda values: self.kind.owns(values, token)) >= self.quorum
+
+    async def locked(self) -> bool:
+        """True if a quorum of nodes says the lock is held (``acquire`` would wait)."""
+        replies = await self.nodeset.call(self.kind.locked_calls())
+        return _agreeing(replies, self.kind.held) >= self.quorum
+
+    async def inspect(self) -> list[dict[str, Any]]:
+        """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
+        replies = await self.nodeset.call([Call(INSPECT, self.keys.inspect)])
+        return [_view(reply) for reply in replies]
+
+    @property
+    def lease(self) -> Lease | None:
+        """The calling task's current (or last) lease on this lock."""
+        return self._sync.lease
+
+    @property
+    def key(self) -> str:
+        """The Redis key of the lock (``<prefix>{<name>}``)."""
+        return self.keys.lock
+
+    @property
+    def fence(self) -> int:
+        """The fencing token of the calling task's acquisition (see ``Redlock.fence``)."""
+        return self._sync.fence
+
+    @property
+    def fences(self) -> dict[str, int]:
+        """Each resource's fencing token for the current acquisition, by name."""
+        return self._sync.fences
+
+    def remaining(self) -> float:
+        """Seconds of lease left by the local deadline; 0 when not held."""
+        return self._sync.remaining()
+
+    async def __aenter__(self) -> AsyncRedlock:
+        await self.acquire()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.release()

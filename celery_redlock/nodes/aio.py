@@ -1,0 +1,176 @@
+"""The nodes of a lock for asyncio callers: :class:`AsyncNodeSet`.
+
+The same rules as :func:`~celery_redlock.nodes.fan_out`: every node's request goes
+out at once, one budget bounds the whole fan-out, a node that fails or does not
+answer in time becomes a :class:`Reply` with its ``error`` (a vote that did not
+come), and nothing is retried behind the caller's back. Scripts run by EVALSHA and
+are loaded (``SCRIPT LOAD``) only when a node answers NOSCRIPT.
+
+Connections are ``redis.asyncio`` pools, one per node URL and event loop (an
+asyncio connection belongs to the loop that opened it). Only plain masters
+(``redis://``, ``rediss://``, ``unix://``): Sentinel and Cluster URLs are refused
+with a :class:`~celery_redlock.ConfigurationError`.
+
+Unlike the threaded fan-out, this one waits for every node's reply (or the budget)
+instead of returning once the outcome is decided: a request left in flight on an
+asyncio connection cannot be kept for the next request of the same caller, which is
+what lets the threaded fan-out queue an undo behind its acquisition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Sequence
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection as AsyncConnection
+from redis.asyncio.retry import Retry
+from redis.exceptions import NoScriptError, RedisError
+
+from ..exceptions import ConfigurationError
+from .calls import Call, LockNode, Reply
+from .nodeset import NodeSet
+from .sentinel import is_sentinel_url
+from .urls import connection_options, safe_url
+
+__all__ = ["AsyncNodeSet"]
+
+#: Failures of one node's request that make it a missing vote, not a crash.
+_NODE_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class AsyncNodeSet:
+    """The nodes of a :class:`NodeSet`, called from asyncio.
+
+    The sync set stays the one the renewer and the release listener use: an
+    asynchronous lock's lease is renewed by the process's watchdog thread like any
+    other, so that a coroutine that blocks its event loop keeps its lock.
+    """
+
+    def __init__(self, nodeset: NodeSet) -> None:
+        for node in nodeset.nodes:
+            if is_sentinel_url(node.url) or not node.url.startswith(
+                ("redis://", "rediss://", "unix://")
+            ):
+                raise ConfigurationError(
+                    f"AsyncRedlock supports redis://, rediss:// and unix:// nodes, not "
+                    f"{safe_url(node.url)!r} (Sentinel and Cluster: use Redlock)"
+                )
+        self.sync = nodeset
+        self.nodes: tuple[LockNode, ...] = nodeset.nodes
+        self.quorum = nodeset.quorum
+        self.timeout = nodeset.timeout
+        self._clients: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, list[aioredis.Redis]
+        ] = weakref.WeakKeyDictionary()
+        self._keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def _loop_clients(self) -> list[aioredis.Redis]:
+        loop = asyncio.get_running_loop()
+        clients = self._clients.get(loop)
+        if clients is None:
+            options = connection_options(
+                max(node.timeout for node in self.nodes), AsyncConnection, Retry
+            )
+            clients = self._clients[loop] = [
+                aioredis.Redis(connection_pool=aioredis.ConnectionPool.from_url(n.url, **options))
+                for n in self.nodes
+            ]
+            self._keepers[loop] = loop.create_task(self._close_at_shutdown(loop))
+        return clients
+
+    async def _close_at_shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close this loop's connections when the loop shuts down.
+
+        An asyncio connection must be closed in its loop, and a loop has no hook for
+        its end; but ``asyncio.run`` (and servers that stop alike) cancel every task
+        left before closing the loop, this one included.
+        """
+        try:
+            await asyncio.Event().wait()
+        finally:
+            for client in self._clients.pop(loop, []):
+                await client.connection_pool.disconnect()  # aclose() keeps a given pool
+
+    async def call(
+        self,
+        calls: Sequence[Call] | Sequence[Sequence[Call] | None],
+        *,
+        timeout: float | None = None,
+        per_node: bool = False,
+    ) -> list[Reply | None]:
+        """Send ``calls`` to every node (``per_node``: node i gets ``calls[i]``, or nothing).
+
+        Returns each node's :class:`Reply` (None where nothing was sent), within
+        ``timeout`` (default: the node timeout) for the whole fan-out.
+        """
+        clients = self._loop_clients()
+        requests: list[Sequence[Call] | None]
+        if per_node:
+            requests = list(cast("Sequence[Sequence[Call] | None]", calls))
+        else:
+            requests = [cast("Sequence[Call]", calls)] * len(self.nodes)
+        budget = self.timeout if timeout is None else timeout
+        pending = [
+            _ask(node, client, request, budget)
+            for node, client, request in zip(self.nodes, clients, requests, strict=True)
+            if request is not None
+        ]
+        answers = iter(await asyncio.gather(*pending))
+        return [None if request is None else next(answers) for request in requests]
+
+    async def aclose(self) -> None:
+        """Close this event loop's connections now (they reopen on the next call)."""
+        loop = asyncio.get_running_loop()
+        keeper = self._keepers.pop(loop, None)
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+
+
+async def _ask(
+    node: LockNode, client: aioredis.Redis, calls: Sequence[Call], budget: float
+) -> Reply:
+    """One node's reply to ``calls``, or a reply carrying why there is none."""
+    try:
+        values = await asyncio.wait_for(_send(client, calls), budget)
+    except _NODE_FAILURES as exc:
+        return Reply(node, error=exc)
+    return Reply(node, values)
+
+
+async def _send(client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:
+    """Run ``calls`` in one round trip; load the scripts a node lost and run them again."""
+    values = await _pipeline(client, calls)
+    missing = {
+        call.script.sha: call.script
+        for call, value in zip(calls, values, strict=True)
+        if isinstance(value, NoScriptError) and call.script is not None
+    }
+    if not missing:
+        return values
+    # The node lost its script cache (restart, SCRIPT FLUSH, failover). A call that
+    # answered NOSCRIPT did not run, so sending the request again runs nothing twice
+    # (except a WAIT behind it, which only waits).
+    return await _pipeline(
+        client, [Call.command("SCRIPT", "LOAD", s.source) for s in missing.values()], *calls
+    )
+
+
+async def _pipeline(client: aioredis.Redis, calls: Sequence[Call], *more: Call) -> list[Any]:
+    """Send ``calls``, then ``more``, on one connection; each reply or its ``ResponseError``.
+
+    With ``more`` (what ``calls`` prepare, such as ``SCRIPT LOAD``), only their replies.
+    """
+    pipe = client.pipeline(transaction=False)
+    for call in (*calls, *more):
+        pipe.execute_command(*call.packed_args())
+    values: list[Any] = await pipe.execute(raise_on_error=False)
+    return values[len(calls) :] if more else values

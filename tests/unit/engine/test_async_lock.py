@@ -1,0 +1,294 @@
+"""AsyncRedlock against real servers: the sync lock's semantics, awaited.
+
+Each test runs its scenario with ``asyncio.run``; the servers are the suite's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from celery_redlock import AsyncRedlock, ConfigurationError, LockBusy, LockLost, Redlock
+from celery_redlock.exceptions import LockNotOwned, NodeUnavailable
+from tests.harness import wait_for
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def queued(client, key: str) -> int:
+    kind = client.type(key)
+    return {"list": client.llen, "zset": client.zcard}.get(kind, lambda _k: 0)(key)
+
+
+def test_acquire_release_and_fences_continue_the_sync_sequence(redis_node):
+    url = redis_node.url
+
+    async def scenario():
+        lock = AsyncRedlock("account:7", nodes=[url])
+        assert lock.key == Redlock("account:7", nodes=[url]).key == "redlock:{account:7}"
+        async with lock:
+            first = lock.fence
+            assert await lock.owned() and await lock.locked()
+            lock.check()
+        assert not await lock.locked()
+        sync = Redlock("account:7", nodes=[url])
+        with sync:
+            assert sync.fence == first + 1
+        assert await lock.acquire()
+        assert lock.fence == first + 2
+        await lock.release()
+        with pytest.raises(LockNotOwned):
+            await lock.release()
+
+    run(scenario())
+
+
+def test_busy_lock_try_nonblocking_and_timeout(redis_node):
+    url = redis_node.url
+    holder = Redlock("busy", nodes=[url], task_id="t-1")
+    holder.acquire()
+    try:
+
+        async def scenario():
+            lock = AsyncRedlock("busy", nodes=[url])
+            with pytest.raises(LockBusy) as busy:
+                await lock.try_acquire()
+            assert busy.value.holder == "t-1"
+            assert await lock.acquire(blocking=False) is False
+            started = time.monotonic()
+            assert await lock.acquire(timeout=0.3) is False
+            assert time.monotonic() - started >= 0.3
+
+        run(scenario())
+    finally:
+        holder.release()
+
+
+def test_a_blocked_acquire_is_woken_by_the_release_without_polling(redis_node):
+    """Sync holder, async waiter, and the reverse: each wakes the other on release."""
+    url = redis_node.url
+    client = redis_node.client()
+
+    async def scenario():
+        sync = Redlock("wake", nodes=[url], ttl=30)
+        sync.acquire()
+        waiter = AsyncRedlock("wake", nodes=[url])
+        acquired, release_now = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:  # a hold is its task's: the same task releases it
+            assert await waiter.acquire(timeout=20)
+            acquired.set()
+            await release_now.wait()
+            await waiter.release()
+
+        holding = asyncio.ensure_future(hold())
+        await asyncio.to_thread(wait_for, lambda: client.pubsub_numsub(sync.keys.channel)[0][1])
+        redis_node.reset_stats()
+        await asyncio.sleep(0.5)  # the scenario: a holder working for half a second
+        idle = redis_node.commandstats().get("evalsha", 0)
+        started = time.monotonic()
+        sync.release()
+        await asyncio.wait_for(acquired.wait(), 10)
+        assert time.monotonic() - started < 1.0
+        assert idle <= 1, "nothing but the retry that follows subscribing"
+        # and the reverse: the async holder's release wakes a sync waiter
+        woken = threading.Event()
+
+        def sync_waiter():
+            other = Redlock("wake", nodes=[url])
+            if other.acquire(timeout=20):
+                woken.set()
+                other.release()
+
+        thread = threading.Thread(target=sync_waiter)
+        thread.start()
+        await asyncio.to_thread(wait_for, lambda: client.pubsub_numsub(sync.keys.channel)[0][1])
+        release_now.set()
+        await holding
+        await asyncio.to_thread(thread.join, 10)
+        assert woken.is_set()
+
+    run(scenario())
+
+
+def test_shared_and_limit(redis_node):
+    url = redis_node.url
+
+    async def scenario():
+        shares = [AsyncRedlock("pool", nodes=[url], limit=2) for _ in range(3)]
+        await shares[0].try_acquire()
+        await shares[1].try_acquire()
+        with pytest.raises(LockBusy):
+            await shares[2].try_acquire()
+        writer = AsyncRedlock("pool", nodes=[url])
+        assert await writer.acquire(blocking=False) is False
+        await shares[0].release()
+        await shares[2].try_acquire()
+        await shares[1].release()
+        await shares[2].release()
+        assert await writer.acquire(blocking=False)
+        await writer.release()
+        readers = [AsyncRedlock("doc", nodes=[url], mode="shared") for _ in range(4)]
+        for reader in readers:
+            await reader.try_acquire()
+        assert not await AsyncRedlock("doc", nodes=[url]).acquire(blocking=False)
+        for reader in readers:
+            await reader.release()
+
+    run(scenario())
+
+
+def test_several_resources_all_or_none(redis_node):
+    url = redis_node.url
+    other = Redlock("acct:2", nodes=[url])
+    other.acquire()
+
+    async def scenario():
+        both = AsyncRedlock(["acct:1", "acct:2"], nodes=[url])
+        with pytest.raises(LockBusy):
+            await both.try_acquire()
+        assert not redis_node.client().exists("redlock:{acct:1}"), "no partial hold"
+        other.release()
+        await both.try_acquire()
+        assert set(both.fences) == {"acct:1", "acct:2"}
+        await both.release()
+
+    run(scenario())
+
+
+def test_fair_waiters_are_served_in_arrival_order(redis_node):
+    url = redis_node.url
+    client = redis_node.client()
+
+    async def scenario():
+        holder = AsyncRedlock("queue", nodes=[url], fair=True)
+        await holder.acquire()
+        order: list[int] = []
+
+        async def wait_turn(i: int) -> None:
+            lock = AsyncRedlock("queue", nodes=[url], fair=True)
+            await lock.acquire(timeout=30)
+            order.append(i)
+            await lock.release()
+
+        tasks = []
+        for i in range(3):
+            tasks.append(asyncio.ensure_future(wait_turn(i)))
+            while queued(client, holder.keys.queue) < i + 1:
+                await asyncio.sleep(0.005)  # until this waiter has its place
+        await holder.release()
+        await asyncio.gather(*tasks)
+        assert order == [0, 1, 2]
+
+    run(scenario())
+
+
+def test_the_watchdog_thread_renews_even_while_the_loop_is_blocked(redis_node):
+    """ttl 1 s, held 3.5 s, of which 1.5 s with the event loop blocked."""
+    url = redis_node.url
+
+    async def scenario():
+        async with AsyncRedlock("long", nodes=[url], ttl=1.0) as lock:
+            await asyncio.sleep(2.0)
+            time.sleep(1.5)  # the scenario: a coroutine that blocks its loop
+            lock.check()
+            assert await lock.owned()
+            assert lock.remaining() > 0.3
+
+    run(scenario())
+
+
+def test_a_loss_is_reported_in_the_loop_and_by_check(redis_node):
+    url = redis_node.url
+
+    async def scenario():
+        told = asyncio.Event()
+        seen: list[tuple[LockLost, bool]] = []
+        loop = asyncio.get_running_loop()
+
+        async def on_lost(lost: LockLost) -> None:
+            seen.append((lost, asyncio.get_running_loop() is loop))
+            told.set()
+
+        lock = AsyncRedlock("doomed", nodes=[url], ttl=1.0, on_lost=on_lost)
+        await lock.acquire()
+        redis_node.client().delete(lock.key)
+        await asyncio.wait_for(told.wait(), 5)
+        ((lost, in_loop),) = seen
+        assert in_loop and lost.key == lock.key
+        with pytest.raises(LockLost):
+            lock.check()
+        await lock.release()  # ends the hold; the lock it lost is not touched
+
+    run(scenario())
+
+
+def test_three_nodes_one_down_still_a_quorum_two_down_unavailable(redis_factory):
+    servers = redis_factory(3)
+    urls = [s.url for s in servers]
+
+    async def scenario():
+        lock = AsyncRedlock("quorum", nodes=urls, node_timeout=0.2)
+        servers[0].kill()
+        async with lock:
+            assert await lock.owned()
+        servers[1].kill()
+        with pytest.raises(NodeUnavailable):
+            await lock.acquire(timeout=1)
+
+    run(scenario())
+
+
+def test_many_tasks_on_one_loop_and_two_loops_exclude_each_other(redis_node):
+    """A read-await-write counter under the lock ends exact."""
+    url = redis_node.url
+    shared = AsyncRedlock("counter", nodes=[url])
+    counter = {"n": 0}
+    guard = threading.Lock()
+
+    async def bump() -> None:
+        async with shared:
+            with guard:
+                value = counter["n"]
+            await asyncio.sleep(0.001)
+            with guard:
+                counter["n"] = value + 1
+
+    async def many() -> None:
+        await asyncio.gather(*(bump() for _ in range(20)))
+
+    threads = [threading.Thread(target=lambda: run(many())) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert counter["n"] == 40
+
+
+def test_another_task_cannot_release_and_a_cancelled_waiter_leaves_nothing(redis_node):
+    url = redis_node.url
+
+    async def scenario():
+        lock = AsyncRedlock("owner", nodes=[url])
+        await lock.acquire()
+        with pytest.raises(LockNotOwned, match="asyncio task"):
+            await asyncio.ensure_future(lock.release())
+        waiter = asyncio.ensure_future(AsyncRedlock("owner", nodes=[url]).acquire())
+        await asyncio.sleep(0.1)  # the scenario: give up on a waiter that is waiting
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await lock.release()
+        assert not await lock.locked(), "the cancelled waiter took nothing"
+
+    run(scenario())
+
+
+def test_sentinel_and_cluster_nodes_are_refused():
+    with pytest.raises(ConfigurationError, match="Sentinel and Cluster"):
+        AsyncRedlock("x", nodes=["redis+sentinel://127.0.0.1:26379/mymaster"])
