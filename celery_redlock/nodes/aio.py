@@ -7,7 +7,8 @@ come), and nothing is retried behind the caller's back. Scripts run by EVALSHA a
 are loaded (``SCRIPT LOAD``) only when a node answers NOSCRIPT.
 
 Connections are ``redis.asyncio`` pools, one per node URL and event loop (an
-asyncio connection belongs to the loop that opened it). Only plain masters
+asyncio connection belongs to the loop that opened it), shared by every lock object
+of that loop. Only plain masters
 (``redis://``, ``rediss://``, ``unix://``): Sentinel and Cluster URLs are refused
 with a :class:`~celery_redlock.ConfigurationError`.
 
@@ -35,10 +36,66 @@ from .nodeset import NodeSet
 from .sentinel import is_sentinel_url
 from .urls import connection_options, safe_url
 
-__all__ = ["AsyncNodeSet"]
+__all__ = ["AsyncNodeSet", "aclose_loop_clients"]
 
 #: Failures of one node's request that make it a missing vote, not a crash.
 _NODE_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class _LoopClients:
+    """One event loop's clients, one per node URL, shared by every lock in that loop.
+
+    Locks are cheap objects made per request (a web view); their connections are not:
+    a pool per lock object would open connections per request and keep them until the
+    loop ends.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.by_url: dict[str, aioredis.Redis] = {}
+        self.keeper = loop.create_task(self._close_at_shutdown())
+
+    def client(self, node: LockNode) -> aioredis.Redis:
+        client = self.by_url.get(node.url)
+        if client is None:
+            options = connection_options(node.timeout, AsyncConnection, Retry)
+            pool = aioredis.ConnectionPool.from_url(node.url, **options)
+            client = self.by_url[node.url] = aioredis.Redis(connection_pool=pool)
+        return client
+
+    async def _close_at_shutdown(self) -> None:
+        """Close the loop's connections when the loop shuts down.
+
+        An asyncio connection must be closed in its loop, and a loop has no hook for
+        its end; but ``asyncio.run`` (and servers that stop alike) cancel every task
+        left before closing the loop, this one included.
+        """
+        try:
+            await asyncio.Event().wait()
+        finally:
+            clients, self.by_url = list(self.by_url.values()), {}
+            for client in clients:
+                await client.connection_pool.disconnect()  # aclose() keeps a given pool
+
+
+_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClients] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _clients_of_this_loop() -> _LoopClients:
+    loop = asyncio.get_running_loop()
+    clients = _loops.get(loop)
+    if clients is None or clients.keeper.done():
+        clients = _loops[loop] = _LoopClients(loop)
+    return clients
+
+
+async def aclose_loop_clients() -> None:
+    """Close the running loop's lock connections now (they reopen on the next call)."""
+    clients = _loops.pop(asyncio.get_running_loop(), None)
+    if clients is not None:
+        clients.keeper.cancel()
+        await asyncio.gather(clients.keeper, return_exceptions=True)
 
 
 class AsyncNodeSet:
@@ -62,42 +119,9 @@ class AsyncNodeSet:
         self.nodes: tuple[LockNode, ...] = nodeset.nodes
         self.quorum = nodeset.quorum
         self.timeout = nodeset.timeout
-        self._clients: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, list[aioredis.Redis]
-        ] = weakref.WeakKeyDictionary()
-        self._keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
-            weakref.WeakKeyDictionary()
-        )
 
     def __len__(self) -> int:
         return len(self.nodes)
-
-    def _loop_clients(self) -> list[aioredis.Redis]:
-        loop = asyncio.get_running_loop()
-        clients = self._clients.get(loop)
-        if clients is None:
-            options = connection_options(
-                max(node.timeout for node in self.nodes), AsyncConnection, Retry
-            )
-            clients = self._clients[loop] = [
-                aioredis.Redis(connection_pool=aioredis.ConnectionPool.from_url(n.url, **options))
-                for n in self.nodes
-            ]
-            self._keepers[loop] = loop.create_task(self._close_at_shutdown(loop))
-        return clients
-
-    async def _close_at_shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Close this loop's connections when the loop shuts down.
-
-        An asyncio connection must be closed in its loop, and a loop has no hook for
-        its end; but ``asyncio.run`` (and servers that stop alike) cancel every task
-        left before closing the loop, this one included.
-        """
-        try:
-            await asyncio.Event().wait()
-        finally:
-            for client in self._clients.pop(loop, []):
-                await client.connection_pool.disconnect()  # aclose() keeps a given pool
 
     async def call(
         self,
@@ -111,7 +135,8 @@ class AsyncNodeSet:
         Returns each node's :class:`Reply` (None where nothing was sent), within
         ``timeout`` (default: the node timeout) for the whole fan-out.
         """
-        clients = self._loop_clients()
+        loop_clients = _clients_of_this_loop()
+        clients = [loop_clients.client(node) for node in self.nodes]
         requests: list[Sequence[Call] | None]
         if per_node:
             requests = list(cast("Sequence[Sequence[Call] | None]", calls))
@@ -125,14 +150,6 @@ class AsyncNodeSet:
         ]
         answers = iter(await asyncio.gather(*pending))
         return [None if request is None else next(answers) for request in requests]
-
-    async def aclose(self) -> None:
-        """Close this event loop's connections now (they reopen on the next call)."""
-        loop = asyncio.get_running_loop()
-        keeper = self._keepers.pop(loop, None)
-        if keeper is not None:
-            keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
 
 
 async def _ask(

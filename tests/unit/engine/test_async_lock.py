@@ -292,3 +292,22 @@ def test_another_task_cannot_release_and_a_cancelled_waiter_leaves_nothing(redis
 def test_sentinel_and_cluster_nodes_are_refused():
     with pytest.raises(ConfigurationError, match="Sentinel and Cluster"):
         AsyncRedlock("x", nodes=["redis+sentinel://127.0.0.1:26379/mymaster"])
+
+
+def test_locks_made_per_request_share_one_loop_s_connections(redis_node):
+    """A lock object per request (a web view) opens no connection of its own."""
+    url = redis_node.url
+    client = redis_node.client()
+
+    async def scenario():
+        async with AsyncRedlock("warm-up", nodes=[url]):
+            pass
+        connected = client.info("clients")["connected_clients"]
+        tasks = len(asyncio.all_tasks())
+        for i in range(50):
+            async with AsyncRedlock(f"request:{i}", nodes=[url]) as lock:
+                assert await lock.owned()
+        assert client.info("clients")["connected_clients"] <= connected + 1
+        assert len(asyncio.all_tasks()) == tasks, "no task per lock object"
+
+    run(scenario())
