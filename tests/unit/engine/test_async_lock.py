@@ -189,16 +189,18 @@ def test_fair_waiters_are_served_in_arrival_order(redis_node):
 
 
 def test_the_watchdog_thread_renews_even_while_the_loop_is_blocked(redis_node):
-    """ttl 1 s, held 3.5 s, of which 1.5 s with the event loop blocked."""
+    """ttl 2 s, held 5 s, of which 3 s (longer than the ttl) with the event loop blocked."""
     url = redis_node.url
 
     async def scenario():
-        async with AsyncRedlock("long", nodes=[url], ttl=1.0) as lock:
+        async with AsyncRedlock("long", nodes=[url], ttl=2.0) as lock:
+            fence = lock.fence
             await asyncio.sleep(2.0)
-            time.sleep(1.5)  # the scenario: a coroutine that blocks its loop
+            time.sleep(3.0)  # the scenario: a coroutine that blocks its loop
             lock.check()
             assert await lock.owned()
-            assert lock.remaining() > 0.3
+            assert lock.remaining() > 0
+            assert lock.fence == fence
 
     run(scenario())
 
