@@ -6,6 +6,7 @@ Each test runs its scenario with ``asyncio.run``; the servers are the suite's ow
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -311,5 +312,40 @@ def test_locks_made_per_request_share_one_loop_s_connections(redis_node):
                 assert await lock.owned()
         assert client.info("clients")["connected_clients"] <= connected + 1
         assert len(asyncio.all_tasks()) == tasks, "no task per lock object"
+
+    run(scenario())
+
+
+def test_cancelled_at_random_points_leaves_no_lock_behind(redis_node):
+    """Cancel acquire-then-release at 60 random moments: the lock always ends free."""
+    url = redis_node.url
+    rng = random.Random(20261124)
+
+    async def scenario():
+        probe = AsyncRedlock("cancel", nodes=[url])
+        holder = AsyncRedlock("cancel", nodes=[url], ttl=30)
+        for i in range(60):
+            lock = AsyncRedlock("cancel", nodes=[url], ttl=30, fair=i % 3 == 0)
+
+            async def use(lock=lock):
+                if await lock.acquire(timeout=5):
+                    await asyncio.sleep(0)
+                    await lock.release()
+
+            contended = i % 2 == 0
+            if contended:
+                await holder.acquire()
+            task = asyncio.ensure_future(use())
+            await asyncio.sleep(rng.uniform(0, 0.004))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if contended:
+                await holder.release()
+            deadline = time.monotonic() + 2
+            while await probe.locked():
+                assert time.monotonic() < deadline, f"round {i}: the lock was left held"
+                await asyncio.sleep(0.01)
+            await probe.try_acquire()  # and nothing on the nodes keeps it from being taken
+            await probe.release()
 
     run(scenario())
