@@ -28,6 +28,7 @@ unless ``redlock_fail_open`` is set, in which case it runs unlocked with a warni
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import weakref
@@ -65,6 +66,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("celery_redlock.task")
+
+#: ``EagerResult`` takes the task's name from Celery 5.4 on.
+_EAGER_RESULT_NAMED = "name" in inspect.signature(EagerResult).parameters
 
 # The locks of the executions running in this thread (greenlet, under gevent), as a
 # stack of (task id, lock), innermost last. A stack, because one thread can run
@@ -375,7 +379,8 @@ class LockedTask(Task):
             return result
         if self.app.conf.task_eager_propagates if throw is None else throw:
             raise skipped.busy
-        return EagerResult(result.id, skipped.busy, states.FAILURE, name=self.name)
+        named = {"name": self.name} if _EAGER_RESULT_NAMED else {}
+        return EagerResult(result.id, skipped.busy, states.FAILURE, **named)
 
 
 def acquire_for(

@@ -42,7 +42,7 @@ from typing import Any
 from .. import metrics
 from ..exceptions import LockLost, NodeUnavailable
 from ..nodes import Call, Reply
-from ..nodes.aio import AsyncNodeSet
+from ..nodes.aio import AsyncNodeSet, settle
 from .holds import Holds
 from .keys import DEFAULT_PREFIX
 from .kinds import Holder, Waiter
@@ -138,10 +138,11 @@ class AsyncRedlock:
         waiter = self.kind.new_waiter(blocking, len(self.nodeset))
         subscription: Subscription | None = None
         wakeup = LoopWakeup(asyncio.get_running_loop())
+        inflight: list[asyncio.Future[Any]] = []
         acquired = settled = False
         try:
             while True:
-                attempt = await self._attempt(waiter)
+                attempt = await self._attempt(waiter, inflight)
                 if attempt is None:
                     acquired = settled = True
                     if metrics.enabled:
@@ -167,7 +168,7 @@ class AsyncRedlock:
                         wakeup.clear()
         finally:
             if not settled:
-                await asyncio.shield(self._abandon(waiter))
+                await asyncio.shield(self._abandon(waiter, inflight))
             if subscription is not None:
                 subscription.close()
             if blocking and not acquired:
@@ -195,17 +196,22 @@ class AsyncRedlock:
             return
         started = clock()
         waiter = self.kind.new_waiter(False, len(self.nodeset))
+        inflight: list[asyncio.Future[Any]] = []
         settled = False
         try:
-            attempt = await self._attempt(waiter)
+            attempt = await self._attempt(waiter, inflight)
             settled = True
         finally:
             if not settled:
-                await asyncio.shield(self._abandon(waiter))
+                await asyncio.shield(self._abandon(waiter, inflight))
         self._sync._tried(attempt, started)
 
-    async def _attempt(self, waiter: Waiter) -> Attempt | None:
-        """One acquisition attempt; None when it succeeded (and the hold is recorded)."""
+    async def _attempt(self, waiter: Waiter, inflight: list[asyncio.Future[Any]]) -> Attempt | None:
+        """One acquisition attempt; None when it succeeded (and the hold is recorded).
+
+        ``inflight`` collects the requests still running on the nodes: an undo waits
+        for them, so that it cannot overtake what it undoes.
+        """
         sync, token, quorum = self._sync, waiter.token, self.quorum
         holder = Holder("", _HOST, os.getpid(), f"{time.time():.3f}", self.task_name or "")
         calls = vote_calls(
@@ -216,27 +222,36 @@ class AsyncRedlock:
         waiter.sent = True
         sent_at = clock()
         replies = await self.nodeset.call(
-            calls, timeout=budget(self.timing.node_timeout, sync.min_replicas)
+            calls, timeout=budget(self.timing.node_timeout, sync.min_replicas), inflight=inflight
         )
         attempt = tally(replies, clock() - sent_at, sync.min_replicas)
         validity = self.timing.ttl - attempt.elapsed - self.timing.drift
         if len(attempt.granted) >= quorum and validity > 0:
             fences = attempt.top_fences()
             if (
-                attempt.agreeing(fences) >= quorum or await self._sync_fence(token, fences, attempt)
+                attempt.agreeing(fences) >= quorum
+                or await self._sync_fence(token, fences, attempt, inflight)
             ) and sync._won(token, fences, sent_at, len(attempt.granted), self._loss_reporter()):
                 return None
         if not attempt.all_busy():
+            await settle(inflight, self.timing.node_timeout)
             await self._unlock(token)  # everywhere: a silent node may have granted it
         if len(attempt.granted) >= quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
 
-    async def _sync_fence(self, token: str, fences: tuple[int, ...], attempt: Attempt) -> bool:
+    async def _sync_fence(
+        self,
+        token: str,
+        fences: tuple[int, ...],
+        attempt: Attempt,
+        inflight: list[asyncio.Future[Any]],
+    ) -> bool:
         """Store the fences back on the granting nodes; True if a quorum holds them."""
         calls = self.kind.fence_sync_calls(token, fences)
         requests = fence_requests(len(self.nodeset), calls, attempt.granted)
-        synced = fences_stored(await self.nodeset.call(requests, per_node=True))
+        replies = await self.nodeset.call(requests, per_node=True, inflight=inflight)
+        synced = fences_stored(replies)
         if synced < self.quorum:
             attempt.errors.append(f"fence stored on {synced} nodes only")
             return False
@@ -257,11 +272,12 @@ class AsyncRedlock:
 
         return report
 
-    async def _abandon(self, waiter: Waiter) -> None:
+    async def _abandon(self, waiter: Waiter, inflight: list[asyncio.Future[Any]]) -> None:
         """Undo an acquisition that was cancelled (or raised), wherever it stopped."""
         if not self._sync._end_abandoned(waiter):
             return
         try:
+            await settle(inflight, self.timing.node_timeout)
             await self._unlock(waiter.token)
         except Exception:  # the original exception matters more; the lease ends by itself
             self._sync._undo_failed()

@@ -36,7 +36,7 @@ from .nodeset import NodeSet
 from .sentinel import is_sentinel_url
 from .urls import connection_options, safe_url
 
-__all__ = ["AsyncNodeSet", "aclose_loop_clients"]
+__all__ = ["AsyncNodeSet", "aclose_loop_clients", "settle"]
 
 #: Failures of one node's request that make it a missing vote, not a crash.
 _NODE_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
@@ -129,11 +129,19 @@ class AsyncNodeSet:
         *,
         timeout: float | None = None,
         per_node: bool = False,
+        inflight: list[asyncio.Future[Any]] | None = None,
     ) -> list[Reply | None]:
         """Send ``calls`` to every node (``per_node``: node i gets ``calls[i]``, or nothing).
 
         Returns each node's :class:`Reply` (None where nothing was sent), within
         ``timeout`` (default: the node timeout) for the whole fan-out.
+
+        A request is never interrupted once sent, neither by the budget nor by the
+        caller's cancellation: a connection cut mid-command can hand a later request
+        the earlier one's reply (older redis-py), and an undo sent meanwhile on another
+        connection could overtake the request it undoes. A request that outlives its
+        budget or its caller runs on (its connection's socket timeout ends it) and is
+        added to ``inflight``, for an undo to :func:`settle` first.
         """
         loop_clients = _clients_of_this_loop()
         clients = [loop_clients.client(node) for node in self.nodes]
@@ -143,24 +151,45 @@ class AsyncNodeSet:
         else:
             requests = [cast("Sequence[Call]", calls)] * len(self.nodes)
         budget = self.timeout if timeout is None else timeout
-        pending = [
-            _ask(node, client, request, budget)
+        sent = [
+            (node, asyncio.ensure_future(_send(client, request)))
             for node, client, request in zip(self.nodes, clients, requests, strict=True)
             if request is not None
         ]
-        answers = iter(await asyncio.gather(*pending))
+        for _, request in sent:
+            request.add_done_callback(_retrieve)
+            if inflight is not None:
+                inflight.append(request)
+        if sent:
+            await asyncio.wait([request for _, request in sent], timeout=budget)
+        answers = iter([_reply(node, request) for node, request in sent])
         return [None if request is None else next(answers) for request in requests]
 
 
-async def _ask(
-    node: LockNode, client: aioredis.Redis, calls: Sequence[Call], budget: float
-) -> Reply:
-    """One node's reply to ``calls``, or a reply carrying why there is none."""
-    try:
-        values = await asyncio.wait_for(_send(client, calls), budget)
-    except _NODE_FAILURES as exc:
-        return Reply(node, error=exc)
-    return Reply(node, values)
+async def settle(inflight: list[asyncio.Future[Any]], timeout: float) -> None:
+    """Wait (up to ``timeout``) for the requests still in flight, and forget the others."""
+    pending = [request for request in inflight if not request.done()]
+    inflight.clear()
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
+
+
+def _reply(node: LockNode, request: asyncio.Future[list[Any]]) -> Reply:
+    """One node's reply, or a reply carrying why there is none (yet)."""
+    if not request.done():
+        return Reply(node, error=TimeoutError("no reply within the budget"))
+    error = request.exception()
+    if error is None:
+        return Reply(node, request.result())
+    if isinstance(error, _NODE_FAILURES):
+        return Reply(node, error=error)
+    raise error
+
+
+def _retrieve(request: asyncio.Future[Any]) -> None:
+    """Read a finished request's exception, so asyncio does not log it as unretrieved."""
+    if not request.cancelled():
+        request.exception()
 
 
 async def _send(client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:

@@ -152,6 +152,7 @@ def test_a_project_tests_its_locked_tasks_with_the_plugin(project):
     result.assert_outcomes(passed=7)
 
 
+@pytest.mark.smoke
 def test_the_plugin_can_be_opted_into_and_out_of(project, monkeypatch):
     """By name with autoloading off; `-p no:` removes it (its fixtures with it)."""
     for autoload in ("on", "off"):
