@@ -98,7 +98,7 @@ def worker_tasks(celery_app):
         return n, self.lock.fence
 
     @celery_app.task(base=LockedTask, bind=True, lock_on_busy="retry",
-                     lock_retry_countdown=0.05, max_retries=None, shared=False)
+                     lock_retry_countdown=0.5, max_retries=None, shared=False)
     def persistent(self, n):
         return n, self.request.retries
 

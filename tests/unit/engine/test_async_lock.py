@@ -97,7 +97,7 @@ def test_a_blocked_acquire_is_woken_by_the_release_without_polling(redis_node):
         started = time.monotonic()
         sync.release()
         await asyncio.wait_for(acquired.wait(), 10)
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 5.0, "woken by the release, not the 30 s lease"
         assert idle <= 1, "nothing but the retry that follows subscribing"
         # and the reverse: the async holder's release wakes a sync waiter
         woken = threading.Event()
