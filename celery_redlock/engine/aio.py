@@ -186,8 +186,14 @@ class AsyncRedlock:
             event=wakeup,
         )
         deadline = time.monotonic() + self.timing.node_timeout
-        while not subscription.confirmed() and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)  # the listener thread confirms within a round trip
+        try:
+            while not subscription.confirmed() and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)  # the listener thread confirms within a round trip
+        except BaseException:
+            # Cancelled here: a registration left behind would be handed the wake-up of
+            # the next release, which no one would use.
+            subscription.close()
+            raise
         return subscription
 
     async def try_acquire(self) -> None:

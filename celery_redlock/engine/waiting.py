@@ -102,6 +102,11 @@ class LoopWakeup(Wakeup):
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
             self._loop.call_soon_threadsafe(self._event.set)
 
+    def clear(self) -> None:
+        """Drop a pending wake-up, the loop's included."""
+        super().clear()
+        self._event.clear()
+
     async def wait_async(self, timeout: float) -> bool:
         """Wait (in the loop) for a wake-up and consume it; False if ``timeout`` passed."""
         if not self.is_set():

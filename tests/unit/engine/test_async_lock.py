@@ -351,5 +351,57 @@ def test_cancelled_at_random_points_leaves_no_lock_behind(redis_node):
                 await asyncio.sleep(0.01)
             await probe.try_acquire()  # and nothing on the nodes keeps it from being taken
             await probe.release()
+        # No cancelled waiter left a registration behind to swallow a release's wake-up:
+        # a waiter now is woken by the release, not by the end of the 30 s lease.
+        await holder.acquire()
+
+        async def wait_then_release() -> bool:  # a hold is its task's: released there
+            got = await probe.acquire(timeout=10)
+            await probe.release()
+            return got
+
+        waiting = asyncio.ensure_future(wait_then_release())
+        while not redis_node.client().pubsub_numsub(holder.keys.channel)[0][1]:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # the scenario: the waiter is waiting
+        started = time.monotonic()
+        await holder.release()
+        assert await waiting
+        assert time.monotonic() - started < 5.0
+
+    run(scenario())
+
+
+def test_a_waiter_cancelled_while_subscribing_leaves_no_registration(redis_node, monkeypatch):
+    """Its registration would be handed the next release's wake-up, and waste it."""
+    from celery_redlock.engine import waiting
+
+    url = redis_node.url
+    client = redis_node.client()
+
+    async def scenario():
+        holder = AsyncRedlock("subscribing", nodes=[url], ttl=30)
+        await holder.acquire()
+        slow = AsyncRedlock("subscribing", nodes=[url], node_timeout=2.0)
+        with monkeypatch.context() as patch:
+            patch.setattr(waiting.Subscription, "confirmed", lambda self: False)
+            task = asyncio.ensure_future(slow.acquire())
+            while not client.pubsub_numsub(holder.keys.channel)[0][1]:
+                await asyncio.sleep(0.005)  # registered, and still waiting for confirmation
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        async def wait_then_release() -> bool:
+            waiter = AsyncRedlock("subscribing", nodes=[url])
+            got = await waiter.acquire(timeout=10)
+            await waiter.release()
+            return got
+
+        waiting_task = asyncio.ensure_future(wait_then_release())
+        await asyncio.sleep(0.2)  # the scenario: the second waiter is waiting
+        started = time.monotonic()
+        await holder.release()
+        assert await waiting_task
+        assert time.monotonic() - started < 5.0, "woken by the release"
 
     run(scenario())
