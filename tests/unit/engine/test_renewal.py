@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import importlib
 import math
 import multiprocessing
 import threading
 import time
+import types
+
+import pytest
 
 from celery_redlock import LockLost, LockNotOwned, Redlock
 from celery_redlock.engine import renewal
@@ -169,3 +173,98 @@ def test_the_drain_after_each_test_finds_the_renewer():
     from tests.conftest import RENEWAL_MODULE
 
     assert importlib.import_module(RENEWAL_MODULE)._renewer is renewal._renewer
+
+
+def _held(redis_node, name, ttl=30):
+    lock = Redlock(name, nodes=[redis_node.url], ttl=ttl, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    return lock
+
+
+def test_a_lease_due_after_the_renewers_wake_up_time_does_not_wake_it(redis_node):
+    """Taking a lock costs the renewer thread no wake-up unless the lease is due first.
+
+    The task path adds a lease per task; a pipe write and a thread switch for each
+    showed in the pool children's CPU (issue 17). A lease due before the thread's
+    wake-up time still wakes it: with a 60 s sleep, only a wake-up renews it in time.
+    """
+    renewer = Renewer()
+    renewer.MAX_SLEEP = 60.0
+    first = _held(redis_node, "first")
+    later = [_held(redis_node, f"later:{i}") for i in range(100)]
+    urgent = _held(redis_node, "urgent")
+    try:
+        renewer._schedule(first.lease, clock() + 20)
+        renewer.start()
+        wait_for(lambda: renewer._wakes_at > 0, timeout=5, message="renewer never slept")
+        before = renewer.wakeups
+        for lock in later:
+            renewer._schedule(lock.lease, clock() + 30)
+        assert renewer.wakeups == before, "leases due after its wake-up time woke it"
+        deadline = urgent.lease.deadline
+        renewer._schedule(urgent.lease, clock())
+        assert renewer.wakeups == before + 1
+        wait_for(lambda: urgent.lease.deadline > deadline, timeout=10, message="not renewed")
+    finally:
+        for lock in [first, *later, urgent]:
+            lock.lease.released = True
+        renewer._wake()
+
+
+class _HookedInbox(collections.deque):
+    """An inbox that runs ``hook`` the first time the renewer asks whether it is empty."""
+
+    def __init__(self, hook):
+        super().__init__()
+        self.hook = hook
+
+    def __len__(self):
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return super().__len__()
+
+
+@pytest.mark.parametrize(
+    ("moment", "due_in", "woken_or_seen"),
+    [
+        ("before_sleeping", 0.0, True),
+        ("before_looking", 0.0, True),
+        ("after_looking", 0.0, True),
+        # The control: a lease due after the wake-up time is meant to wait for it.
+        ("after_looking", 3600.0, False),
+    ],
+)
+def test_a_lease_queued_at_any_moment_of_the_renewers_sleep_is_seen(
+    monkeypatch, moment, due_in, woken_or_seen
+):
+    """Whichever way a task thread's queueing interleaves with the renewer going to
+    sleep, a lease due before the wake-up time is in the inbox before the thread
+    sleeps, or the pipe is readable when it calls select."""
+    renewer = Renewer()
+    lease = object()
+
+    def queue():
+        renewer._schedule(lease, clock() + due_in)
+
+    slept = []
+
+    def fake_select(readers, writers, errors, timeout):
+        if moment == "after_looking":
+            queue()
+        ready = real_select.select(readers, writers, errors, 0)[0]
+        slept.append(not ready)
+        return ready, [], []
+
+    real_select = renewal.select
+    monkeypatch.setattr(renewal, "select", types.SimpleNamespace(select=fake_select))
+    renewer._inbox = _HookedInbox(queue if moment == "before_looking" else None)
+    if moment == "before_sleeping":
+        queue()
+    try:
+        renewer._sleep(30)
+    finally:
+        renewer.close()
+    assert list(renewer._inbox) and renewer._inbox[0][1] is lease
+    assert slept == ([] if moment != "after_looking" else [not woken_or_seen])
+    assert renewer._wakes_at == 0.0, "awake again: queueing must not write the pipe"
