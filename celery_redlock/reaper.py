@@ -5,24 +5,33 @@ left alone the lock would block the task's key for up to one TTL. The worker's
 main process releases it at once instead:
 
 * Before taking a lock, the child announces ``["+", <task id>, <key>]`` (JSON) on a
-  pipe the main process created before forking its children (``"-"`` when the lock
-  is released or was never obtained). JSON escapes every newline, so any task name,
+  pipe the main process created before forking its children; ``"-"`` when the lock
+  is released or was never obtained. JSON escapes every newline, so any task name,
   key and task id round-trips. A message is sent as lines ``<pid> <n> <+|.> <part>``
-  each written by one ``write`` call of at most ``PIPE_BUF`` bytes, so children
-  never interleave within a line; the main process joins a child's parts in order
-  (``n`` = 0 starts a message, ``.`` ends it). The pipe is non-blocking, so a busy
-  main process can never stall a task (a dropped message only means that lock
-  waits for its TTL).
-* The main process watches each announcing child with a ``pidfd`` (Linux 5.3+) in
-  the worker's event loop (a thread when the worker has none). When the child
-  exits it runs ``release_if.lua`` for each lock the child announced: the lock is
-  deleted only if it is still held by that task id *and* that pid, so a later
-  attempt of the same task (a redelivery, in another process) is never touched.
+  of at most ``PIPE_BUF`` bytes, each within one ``write`` call (which may carry
+  several), so children never interleave within a line; the main process joins a
+  child's parts in order (``n`` = 0 starts a message, ``.`` ends it). The pipe is
+  non-blocking, so a busy main process can never stall a task: what does not fit
+  waits in the child for its next write (a child that dies meanwhile leaves that
+  lock to its TTL).
+* A ``"-"`` is not written on its own: it waits for the child's next ``"+"`` (or its
+  exit), so a task costs its child one ``write``. Until then the main process
+  believes the child still holds the key, which is harmless: see below.
+* The main process reads the pipe every :data:`DRAIN_INTERVAL` seconds rather than
+  on every write (a wake-up of the worker's busiest process per message), and
+  watches each announcing child with a ``pidfd`` (Linux 5.3+) in the worker's event
+  loop (a thread when the worker has none). When the child exits it reads the pipe
+  once more and runs ``release_if.lua`` for each lock the child announced: the lock
+  is deleted only if it is still held by that task id *and* that pid, so a lock the
+  child had released, and a later attempt of the same task (a redelivery, in
+  another process), are never touched. A child that dies before its first
+  announcement was read is found dead when it is read, and released then.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -36,12 +45,24 @@ from .engine.keys import keys_of
 from .engine.scripts import RELEASE_IF, ReleaseIfStatus
 from .nodes import Call, NodeSet
 
-__all__ = ["Reaper", "announce", "encode", "forget", "in_pool_child"]
+__all__ = ["DRAIN_INTERVAL", "Reaper", "announce", "encode", "flush", "forget", "in_pool_child"]
 
 logger = logging.getLogger("celery_redlock.reaper")
 
-# In a pool child: the pipe's write end, inherited from the main process.
+#: Seconds between two reads of the pipe by the main process.
+DRAIN_INTERVAL = 0.2
+
+#: The pipe's capacity asked for: a main process busy for a whole drain interval
+#: must find every child's messages there (Linux's default of 64 KiB holds ~500).
+PIPE_SIZE = 1 << 20
+
+# In a pool child: the pipe's write end, inherited from the main process, and the
+# lines not written yet (each "-" until the next "+"; what a full pipe refused).
 _write_fd: int | None = None
+_pending: list[bytes] = []
+
+#: ``write`` calls this process made on the pipe, for tests.
+writes = 0
 
 
 def in_pool_child() -> bool:
@@ -51,25 +72,45 @@ def in_pool_child() -> bool:
 
 def announce(task_id: str, key: str) -> None:
     """Tell the main process this child is about to hold ``key`` for ``task_id``."""
-    _send("+", task_id, key)
+    if _write_fd is not None:
+        _pending.extend(encode(os.getpid(), "+", task_id, key))
+        flush()
 
 
 def forget(task_id: str, key: str) -> None:
-    """Tell the main process this child no longer holds ``key`` for ``task_id``."""
-    _send("-", task_id, key)
+    """Tell the main process, with the next announcement, that ``key`` is no longer held."""
+    if _write_fd is not None:
+        _pending.extend(encode(os.getpid(), "-", task_id, key))
 
 
-def _send(op: str, task_id: str, key: str) -> None:
+def flush() -> None:
+    """Write the lines still pending, as few ``write`` calls as ``PIPE_BUF`` allows.
+
+    A line leaves the list only once written: an exception in between (a soft time
+    limit, an abort) sends it twice at worst, which the main process takes as is.
+    """
+    global writes  # noqa: PLW0603
     fd = _write_fd
     if fd is None:
         return
     try:
-        for line in encode(os.getpid(), op, task_id, key):
-            os.write(fd, line)
+        while _pending:
+            size, count = len(_pending[0]), 1
+            while count < len(_pending) and size + len(_pending[count]) <= select.PIPE_BUF:
+                size += len(_pending[count])
+                count += 1
+            os.write(fd, b"".join(_pending[:count]))
+            writes += 1
+            del _pending[:count]
     except BlockingIOError:
-        logger.warning("worker busy; lock %r of a dead child would wait for its TTL", key)
-    except OSError as exc:
-        logger.warning("cannot announce lock %r to the worker: %s", key, exc)
+        logger.warning(
+            "worker busy: %d lock announcement(s) wait for the next one (a lock of a child "
+            "that dies meanwhile waits for its TTL)",
+            len(_pending),
+        )
+    except OSError as exc:  # the main process is gone: nobody will read them
+        _pending.clear()
+        logger.warning("cannot announce locks to the worker: %s", exc)
 
 
 def encode(pid: int, op: str, task_id: str, key: str) -> list[bytes]:
@@ -102,8 +143,13 @@ class Reaper:
         # pid -> pidfd, and pid -> {(task id, key)}
         self._pidfds: dict[int, int] = {}
         self._held: dict[int, set[tuple[str, str]]] = {}
+        with contextlib.suppress(AttributeError, OSError):  # Linux only; capped by the OS
+            fcntl.fcntl(self.write_fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
         self._add_reader: Callable[..., Any] | None = None
         self._remove_reader: Callable[[int], Any] | None = None
+        self._timer: Any = None
+        #: Reads of the pipe, for tests.
+        self.drains = 0
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
         #: Locks released for dead children, for tests and logs.
@@ -115,6 +161,7 @@ class Reaper:
         """Run in a freshly forked pool child: announce locks on our pipe."""
         global _write_fd  # noqa: PLW0603
         _write_fd = self.write_fd
+        _pending.clear()
         for fd in (self.read_fd, self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -128,7 +175,7 @@ class Reaper:
         """Watch the pipe and the children, in ``hub`` (kombu's event loop) or a thread."""
         if hub is not None:
             self._add_reader, self._remove_reader = hub.add_reader, hub.remove_reader
-            hub.add_reader(self.read_fd, self.on_pipe_readable)
+            self._timer = hub.call_repeatedly(DRAIN_INTERVAL, self.on_pipe_readable)
             return
         self._thread = threading.Thread(target=self._run, name="celery_redlock-reaper", daemon=True)
         self._thread.start()
@@ -136,7 +183,9 @@ class Reaper:
     def stop(self) -> None:
         """Stop watching (worker shutdown)."""
         if self._remove_reader is not None:
-            for fd in [self.read_fd, *self._pidfds.values()]:
+            if self._timer is not None:
+                self._timer.cancel()
+            for fd in self._pidfds.values():
                 with contextlib.suppress(Exception):
                     self._remove_reader(fd)
         elif self._thread is not None:
@@ -145,19 +194,18 @@ class Reaper:
 
     def _run(self) -> None:
         while True:
-            watched: dict[int, int | None] = {self.read_fd: None, self._wake_r: None}
+            watched: dict[int, int | None] = {self._wake_r: None}
             watched.update({fd: pid for pid, fd in self._pidfds.items()})
-            ready, _, _ = select.select(list(watched), [], [])
+            ready, _, _ = select.select(list(watched), [], [], DRAIN_INTERVAL)
             if self._wake_r in ready:
                 return
+            self.on_pipe_readable()
             for fd in ready:
-                if fd == self.read_fd:
-                    self.on_pipe_readable()
-                else:
-                    self.on_child_exit(cast(int, watched[fd]))  # a pidfd: a pid
+                self.on_child_exit(cast(int, watched[fd]))  # a pidfd: a pid
 
     def on_pipe_readable(self) -> None:
         """Read the children's announcements and start watching new children."""
+        self.drains += 1
         try:
             while chunk := os.read(self.read_fd, 65536):
                 self._buffer += chunk

@@ -10,20 +10,22 @@ Receivers never decide whether work happens (Celery swallows their exceptions);
 the bootstep does: invalid settings raise :class:`~celery_redlock.ConfigurationError`
 from it, and the worker does not start.
 
-==========================  ==================================================
-``worker_init``             add :class:`RedlockStep` to the app's worker steps
-``RedlockStep.__init__``    validate settings and every locked task's options;
-                            lock the ``redlock_tasks`` of configuration-only
-                            setups; prefork: open the pipe children report on
-``RedlockStep.start``       start the renewer (solo, threads) or the reaper
-                            that releases a dead child's locks (prefork)
-``worker_process_init``     in each prefork child: start its own renewer
-``task_postrun``            release the execution's lock, whatever the outcome;
-                            free the copy's send-time claim (``lock_unique``)
-``task_revoked``            free a revoked or expired copy's send-time claim
-``beat_init``               lock the ``redlock_tasks`` of configuration-only setups
-                            in beat too, so that what it sends is deduplicated
-==========================  ==================================================
+============================  ==================================================
+``worker_init``               add :class:`RedlockStep` to the app's worker steps
+``RedlockStep.__init__``      validate settings and every locked task's options;
+                              lock the ``redlock_tasks`` of configuration-only
+                              setups; prefork: open the pipe children report on
+``RedlockStep.start``         start the renewer (solo, threads) or the reaper
+                              that releases a dead child's locks (prefork)
+``worker_process_init``       in each prefork child: start its own renewer
+``worker_process_shutdown``   in each prefork child: tell the main process what
+                              it released since its last lock
+``task_postrun``              release the execution's lock, whatever the outcome;
+                              free the copy's send-time claim (``lock_unique``)
+``task_revoked``              free a revoked or expired copy's send-time claim
+``beat_init``                 lock the ``redlock_tasks`` of configuration-only setups
+                              in beat too, so that what it sends is deduplicated
+============================  ==================================================
 """
 
 from __future__ import annotations
@@ -146,6 +148,11 @@ def _on_worker_process_init(**kwargs: Any) -> None:
     if _reaper is not None:
         _reaper.child_init()
     get_renewer().start()
+
+
+@signals.worker_process_shutdown.connect(dispatch_uid="celery_redlock.worker_process_shutdown")
+def _on_worker_process_shutdown(**kwargs: Any) -> None:
+    reaper.flush()  # the releases not announced yet: the main process need not check them
 
 
 @signals.task_postrun.connect(dispatch_uid="celery_redlock.task_postrun")

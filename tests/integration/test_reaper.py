@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
+import types
 
 import pytest
 
+from celery_redlock import Redlock
+from celery_redlock import reaper as reaper_module
+from celery_redlock.nodes import NodeSet
 from celery_redlock.reaper import Reaper, encode
 
 
@@ -52,3 +57,108 @@ def test_an_interrupted_message_does_not_spoil_the_next(reaper):
         os.write(reaper.write_fd, line)
     reaper.on_pipe_readable()
     assert reaper._held[pid] == {("t2", "short")}
+
+
+@pytest.fixture
+def child_side(reaper, monkeypatch):
+    """This process plays a pool child that announces on ``reaper``'s pipe."""
+    monkeypatch.setattr(reaper_module, "_write_fd", reaper.write_fd)
+    monkeypatch.setattr(reaper_module, "_pending", [])
+    monkeypatch.setattr(reaper_module, "writes", 0)
+    return reaper
+
+
+def test_a_task_costs_its_child_one_write_and_the_main_process_no_wake_up(child_side):
+    """A release waits for the next announcement: one write per task, not two; the
+    main process reads on its timer, so what it sees after one read is the net state."""
+    reaper = child_side
+    for n in range(100):
+        reaper_module.announce(f"t{n}", f"k{n}")
+        reaper_module.forget(f"t{n}", f"k{n}")
+    assert reaper_module.writes == 100
+    reaper.on_pipe_readable()
+    assert reaper.drains == 1
+    assert reaper._held[os.getpid()] == {("t99", "k99")}, "only the last release is pending"
+    reaper_module.flush()  # what worker_process_shutdown does
+    assert reaper_module.writes == 101
+    reaper.on_pipe_readable()
+    assert reaper._held[os.getpid()] == set()
+
+
+def test_what_a_full_pipe_refuses_waits_in_the_child_and_keeps_its_order(child_side):
+    """A main process that does not read for a while: the child loses no announcement
+    and never blocks; the lines go with its next write, in order."""
+    reaper = child_side
+    fcntl.fcntl(reaper.write_fd, fcntl.F_SETPIPE_SZ, 4096)
+    key = "k" * 200
+    sent = 0
+    while not reaper_module._pending:
+        reaper_module.announce(f"t{sent}", key)
+        sent += 1
+        assert sent < 1000, "the pipe never filled"
+    reaper_module.forget("t0", key)
+    reaper.on_pipe_readable()  # the main process reads at last
+    reaper_module.announce("last", key)
+    assert reaper_module._pending == []
+    reaper.on_pipe_readable()
+    expected = {(f"t{n}", key) for n in range(1, sent)} | {("last", key)}
+    assert reaper._held[os.getpid()] == expected
+
+
+def test_a_dead_childs_stale_announcement_never_frees_the_next_holder(child_side, redis_node):
+    """The child released its lock but died before saying so: the main process asks
+    the node to release it for that task id and pid, which the next holder is not."""
+    reaper = child_side
+    reaper.nodeset = NodeSet.get([redis_node.url], timeout=2.0)
+    ours = Redlock("stale", nodes=[redis_node.url], ttl=30, task_id="t-child")
+    assert ours.acquire(blocking=False)
+    reaper_module.announce("t-child", ours.key)
+    ours.release()
+    reaper_module.forget("t-child", ours.key)  # pending: the child "dies" now
+    theirs = Redlock("stale", nodes=[redis_node.url], ttl=30, task_id="t-next")
+    assert theirs.acquire(blocking=False)
+    reaper.on_child_exit(os.getpid())
+    assert reaper.released == 0
+    assert theirs.owned(), "the next holder's lock was released"
+    theirs.release()
+    # The control: a lock the dead child still held is released.
+    ours = Redlock("stale", nodes=[redis_node.url], ttl=30, task_id="t-child")
+    assert ours.acquire(blocking=False)
+    reaper_module.announce("t-child", ours.key)
+    reaper.on_child_exit(os.getpid())
+    assert reaper.released == 1
+    assert not ours.owned()
+    ours.lease.released = True
+
+
+def test_the_main_process_reads_the_pipe_on_the_event_loops_timer():
+    """In the worker's event loop: a repeating timer, no reader on the pipe (a reader
+    woke the worker's busiest process for every message); stopped with the worker."""
+
+    class Hub:
+        readers: dict = {}
+
+        def call_repeatedly(self, seconds, fun):
+            self.timer = (seconds, fun, types.SimpleNamespace(cancelled=False))
+            entry = self.timer[2]
+            entry.cancel = lambda: setattr(entry, "cancelled", True)
+            return entry
+
+        def add_reader(self, fd, *args):
+            self.readers[fd] = args
+
+        def remove_reader(self, fd):
+            self.readers.pop(fd, None)
+
+    hub = Hub()
+    reaper = Reaper(nodeset=None)
+    try:
+        reaper.start(hub)
+        seconds, fun, entry = hub.timer
+        assert (seconds, fun) == (reaper_module.DRAIN_INTERVAL, reaper.on_pipe_readable)
+        assert reaper.read_fd not in hub.readers
+        reaper.stop()
+        assert entry.cancelled
+    finally:
+        for fd in (reaper.read_fd, reaper.write_fd, reaper._wake_r, reaper._wake_w):
+            os.close(fd)
