@@ -35,7 +35,10 @@ BENCHMARKS: dict[str, list[str]] = {
     "handoff": ["--handoffs", "5", "--runs", "1"],
     "redlock": ["--ops", "50", "--runs", "1", "--nodes", "1,3"],
     "contention": ["--duration", "0.3", "--runs", "1", "--threads", "1,4", "--procs", "2"],
-    "renewal": ["--ticks", "1", "--window", "1", "--max-locks", "1000"],
+    "renewal": [
+        *("--ticks", "1", "--window", "1", "--max-locks", "1000"),
+        *("--hold-locks", "1000", "--hold-ttl", "1.5", "--hold-periods", "2"),
+    ],
     "reaper": ["--trials", "1"],
     "celery": ["--tasks", "30", "--runs", "1"],
     "redis_cost": ["--ops", "30", "--batch", "30"],

@@ -217,6 +217,68 @@ def window_celery_redlock(server: RedisServer, n: int, window: float) -> dict:
     }
 
 
+def hold_benchmark(server: RedisServer, n: int, periods: int, ttl: float) -> dict:
+    """P4: hold ``n`` auto-renewed locks for ``periods`` renewal intervals.
+
+    Counts losses, samples the thread count every second, measures the process CPU
+    over the window (only the renewer thread works in it) and reads every script
+    call's execution time from the server's SLOWLOG (threshold 0): the longest is
+    how long one renewal call kept that Redis from serving anyone else.
+    """
+    lost: list[object] = []
+    locks = []
+    started = time.perf_counter()
+    for i in range(n):
+        lock = Redlock(f"bench:hold:{i}", nodes=[server.url], ttl=ttl, on_lost=lost.append)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"could not acquire {lock.key}")
+        locks.append(lock)
+    acquire_s = time.perf_counter() - started
+    renewer = get_renewer()
+    interval = locks[0].timing.renew_interval
+    window = periods * interval
+    client = server.client()
+    client.config_set("slowlog-max-len", 1_000_000)
+    client.config_set("slowlog-log-slower-than", 0)
+    client.slowlog_reset()
+    server.reset_stats()
+    threads = [threading.active_count()]
+    ticks0, cpu0, wall0 = renewer.ticks, time.process_time(), time.perf_counter()
+    while time.perf_counter() - wall0 < window:
+        time.sleep(1.0)  # a sampling period, not a wait for a condition
+        threads.append(threading.active_count())
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
+    entries = client.slowlog_get(1_000_000)
+    client.config_set("slowlog-log-slower-than", 10_000)
+    scripts = [
+        e["duration"]
+        for e in entries
+        if str(e["command"]).lower().startswith(("evalsha", "b'evalsha"))
+    ]
+    held = sum(1 for lock in locks if lock.remaining() > 0)
+    for lock in locks:
+        lock.lease.abandon()
+    client.flushall()
+    client.close()
+    return {
+        "locks": n,
+        "ttl_s": ttl,
+        "renew_interval_s": interval,
+        "periods": periods,
+        "acquire_s": round(acquire_s, 1),
+        "window_s": round(wall, 1),
+        "ticks": renewer.ticks - ticks0,
+        "script_calls": len(scripts),
+        "lost": len(lost),
+        "still_held_after_window": held,
+        "threads_min_max": [min(threads), max(threads)],
+        "client_cpu_share_of_a_core": round(cpu / wall, 4),
+        "script_call_ms_max": round(max(scripts, default=0) / 1000, 2),
+        "script_call_ms_median": round(statistics.median(scripts) / 1000, 2) if scripts else None,
+    }
+
+
 def _shown(value: object) -> object:
     """A table cell: '-' where a short window measured nothing."""
     return "-" if value is None else value
@@ -227,6 +289,9 @@ def main() -> None:
     parser.add_argument("--ticks", type=int, default=5, help="ticks per N >= 10,000 (x4 below)")
     parser.add_argument("--window", type=float, default=5.0, help="background window, seconds")
     parser.add_argument("--max-locks", type=int, default=SIZES[-1], help="largest N")
+    parser.add_argument("--hold-locks", type=int, default=100_000, help="P4: locks held")
+    parser.add_argument("--hold-ttl", type=float, default=30.0, help="P4: their ttl, seconds")
+    parser.add_argument("--hold-periods", type=int, default=3, help="P4: renewal periods held")
     args = parser.parse_args()
     sizes = sorted({min(n, args.max_locks) for n in SIZES})
     started = time.perf_counter()
@@ -240,6 +305,8 @@ def main() -> None:
             }
         print("renewal ticks ...", flush=True)
         ticks, acquire_s = tick_benchmark(server, sizes, args.ticks)
+        print(f"holding {args.hold_locks} locks for {args.hold_periods} renewal periods ...")
+        hold = hold_benchmark(server, args.hold_locks, args.hold_periods, args.hold_ttl)
         version = server.version
     total = round(time.perf_counter() - started, 1)
     report = {
@@ -271,6 +338,14 @@ def main() -> None:
         "acquire_seconds_for_new_locks": acquire_s,
         "ticks": ticks,
         "windows": windows,
+        "hold": hold,
+        "targets": {
+            "P4 locks lost (== 0)": hold["lost"],
+            "P4 threads added while holding (== 0)": hold["threads_min_max"][1]
+            - hold["threads_min_max"][0],
+            "P4 client CPU, share of a core (<= 0.10)": hold["client_cpu_share_of_a_core"],
+            "P4 longest script call, ms (<= 10)": hold["script_call_ms_max"],
+        },
         "total_seconds": total,
     }
     written = write_report("renewal", report)
@@ -300,6 +375,13 @@ def main() -> None:
                 f"{cell['cpu_ms_window']:>8} {cell['round_trips_window']:>6} "
                 f"{cell['cpu_us_per_lock_renewal']:>20} {cell['still_held_after_window']:>10}"
             )
+    print(
+        f"\nHolding {hold['locks']} locks (ttl {hold['ttl_s']} s) for {hold['window_s']} s: "
+        f"{hold['ticks']} ticks, {hold['script_calls']} script calls, lost {hold['lost']}, "
+        f"threads {hold['threads_min_max']}, client CPU {hold['client_cpu_share_of_a_core']:.1%} "
+        f"of a core, script call max {hold['script_call_ms_max']} ms "
+        f"(median {hold['script_call_ms_median']})"
+    )
     print(f"\ntotal {total} s; wrote {written}")
 
 
