@@ -80,6 +80,8 @@ from .. import metrics
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from ..nodes import Call, NodeSet, Reply
 from ..nodes.cluster import is_cluster_url
+from . import handoff
+from .handoff import Grant
 from .holds import Hold, Holds, finalize
 from .keys import DEFAULT_PREFIX
 from .kinds import Holder, Waiter, kind_of
@@ -87,7 +89,7 @@ from .lease import Lease, clock, renew_call
 from .renewal import get_renewer
 from .scripts import INSPECT, ReleaseStatus
 from .timing import Timing
-from .vote import Attempt, sync_fences, vote
+from .vote import Attempt, budget, sync_fences, vote
 from .waiting import Subscription
 
 __all__ = ["DEFAULT_URL", "Redlock", "Step"]
@@ -236,10 +238,20 @@ class Redlock:
         give_up = None if timeout is None or not blocking else started + timeout
         waiter = self.kind.new_waiter(blocking, len(self.nodeset))
         subscription: Subscription | None = None
+        offer: handoff.Offer | None = None
         acquired = settled = False
         try:
             while True:
-                attempt = self._attempt(waiter)
+                handed = None
+                if offer is not None:
+                    handed = offer.withdraw(self._patience())
+                    offer = None
+                if handed is None:
+                    attempt = self._attempt(waiter)
+                elif isinstance(handed, Grant):
+                    attempt = self._record(handed)  # handed over by a releasing thread
+                else:
+                    attempt = handed
                 if attempt is None:
                     acquired = settled = True
                     if metrics.enabled:
@@ -267,10 +279,13 @@ class Redlock:
                             token=self.kind.wake_token(waiter),
                         )
                         continue  # retry once subscribed, so no release is missed
+                    offer = handoff.offer(self, waiter, subscription.event)
                     subscription.wait(pause)
                 else:
                     time.sleep(pause)
         finally:
+            if offer is not None:
+                offer.abandon()
             if not settled:
                 # Left by an exception (maybe asynchronous: a soft time limit, our own
                 # abort) at any point after the first request went out: whatever the
@@ -284,6 +299,10 @@ class Redlock:
                 leave = self.kind.leave_call(waiter.token)
                 if leave is not None:  # else a queued place holds others up for a ttl
                     self.nodeset.call([leave])
+
+    def _patience(self) -> float:
+        """How long a waiter claimed by a releasing thread waits for its takeover."""
+        return handoff.PATIENCE_BUDGETS * budget(self.timing.node_timeout, self.min_replicas)
 
     def _next_step(
         self, attempt: Attempt, blocking: bool, give_up: float | None
@@ -368,22 +387,46 @@ class Redlock:
 
     def _attempt(self, waiter: Waiter) -> Attempt | None:
         """One acquisition attempt; None when it succeeded (and the hold is recorded)."""
+        outcome = self._vote(waiter)
+        if isinstance(outcome, Attempt):
+            return outcome
+        return self._record(outcome)
+
+    def _record(self, grant: Grant) -> Attempt | None:
+        """Record a granted acquisition as this thread's hold; None once recorded."""
+        if self._won(grant.token, grant.fences, grant.sent_at, len(grant.attempt.granted)):
+            return None
+        return self._undo(grant.token, grant.attempt)
+
+    def _vote(
+        self, waiter: Waiter, predecessor: str = "", wait_all: bool = False
+    ) -> Grant | Attempt:
+        """Ask the nodes for ``waiter``'s lock: a Grant, or the Attempt that lost.
+
+        A Grant is a quorum's, with agreeing fences, not recorded yet; a losing
+        Attempt's grants are undone already.
+
+        ``predecessor`` and ``wait_all``: a takeover by a releasing thread of this
+        process (:mod:`.handoff`), which may run in that thread.
+        """
         token, quorum = waiter.token, self.quorum
         holder = Holder(
             self.task_id or "", _HOST, os.getpid(), f"{time.time():.3f}", self.task_name or ""
         )
-        acquire = self.kind.acquire_call(waiter, self.timing.ttl_ms, holder)
+        acquire = self.kind.acquire_call(waiter, self.timing.ttl_ms, holder, predecessor)
         waiter.sent = True
         attempt, sent_at = vote(
-            self.nodeset, acquire, quorum, self.min_replicas, self.timing.node_timeout
+            self.nodeset, acquire, quorum, self.min_replicas, self.timing.node_timeout, wait_all
         )
         validity = self.timing.ttl - attempt.elapsed - self.timing.drift
         if len(attempt.granted) >= quorum and validity > 0:
             fences = attempt.top_fences()
-            if (
-                attempt.agreeing(fences) >= quorum or self._sync_fence(token, fences, attempt)
-            ) and self._won(token, fences, sent_at, len(attempt.granted)):
-                return None
+            if attempt.agreeing(fences) >= quorum or self._sync_fence(token, fences, attempt):
+                return Grant(token, fences, sent_at, attempt)
+        return self._undo(token, attempt)
+
+    def _undo(self, token: str, attempt: Attempt) -> Attempt:
+        """Undo what a losing (or spent) attempt was granted; the attempt, for the caller."""
         if not attempt.all_busy():
             # Undo everywhere, including nodes that did not answer (they may have
             # granted it after all) and nodes whose replicas did not confirm.
@@ -391,7 +434,7 @@ class Redlock:
             # node, so it cannot overtake it; wait for every node that may be reachable
             # (the failure path may thus cost one more budget), not for failed ones.
             self._unlock(token, wait_for=attempt.reachable())
-        if len(attempt.granted) >= quorum:
+        if len(attempt.granted) >= self.quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
 
@@ -533,12 +576,35 @@ class Redlock:
                 return
             lease = hold.lease
             lease.released = True
-            replies = self._unlock(lease.token)
+            handed = handoff.NOT_HANDED
+            if lease.lost is None:
+                handed = handoff.hand_over(self, lease.token)
+            if handed.handed:
+                replies = self._unlock_elsewhere(lease.token, handed.granted)
+            else:
+                replies = self._unlock(lease.token)
             done = True
         finally:
             if not done:
                 self._end_interrupted_release(hold, counted)
-        _report_release(self, lease, replies)
+        if handed.handed:
+            logger.debug(
+                "Lock(%r) handed over by %s: fence %s", self.keys.lock, self.owner, lease.fence
+            )
+            if metrics.enabled:
+                metrics.released(self.task_name, clock() - lease.sent_at)
+        elif not handed.touched:  # else the takeover's undo freed it: nothing to report
+            _report_release(self, lease, replies)
+
+    def _unlock_elsewhere(self, token: str, granted: Sequence[int]) -> list[Reply | None]:
+        """Release ``token`` on the nodes a takeover did not reach (none, usually)."""
+        requests = [
+            None if i in granted else [self.kind.release_call(token)]
+            for i in range(len(self.nodeset))
+        ]
+        if not any(requests):
+            return []
+        return self.nodeset.call(requests, per_node=True)
 
     def _end_interrupted_release(self, hold: Hold | None, counted: bool) -> None:
         """Finish a release that an exception cut short, wherever it stopped."""

@@ -120,9 +120,18 @@ def tally(replies: list[Reply | None], elapsed: float, min_replicas: int) -> Att
 
 
 def vote(
-    nodeset: NodeSet, acquire: Call, quorum: int, min_replicas: int, node_timeout: float
+    nodeset: NodeSet,
+    acquire: Call,
+    quorum: int,
+    min_replicas: int,
+    node_timeout: float,
+    wait_all: bool = False,
 ) -> tuple[Attempt, float]:
-    """Send ``acquire`` to every node; the tally, and when the requests were sent."""
+    """Send ``acquire`` to every node; the tally, and when the requests were sent.
+
+    With ``wait_all`` every node's reply is read (or timed out) even once the outcome
+    is decided: nothing of the vote is left in flight.
+    """
     calls = vote_calls(acquire, min_replicas, node_timeout)
     n = len(nodeset)
 
@@ -138,7 +147,9 @@ def vote(
 
     sent_at = clock()
     replies = nodeset.call(
-        calls, timeout=budget(node_timeout, min_replicas), decided=decided if n > 1 else None
+        calls,
+        timeout=budget(node_timeout, min_replicas),
+        decided=decided if n > 1 and not wait_all else None,
     )
     return tally(replies, clock() - sent_at, min_replicas), sent_at
 

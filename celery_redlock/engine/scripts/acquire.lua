@@ -20,13 +20,21 @@
 -- ARGV[9]  fair waiting: '' off; else the waiter's lease in ms ('0': a try that
 --          does not queue). Only the head of the queue may take a free lock.
 -- ARGV[10] arrival order for the queue ('' : this node numbers arrivals)
+-- ARGV[11] optional: a handoff. The token of the holder that hands its locks over
+--          (a release in the same process); a lock it holds counts as free, and is
+--          taken over in place (a new fence, the new holder's fields), so it is
+--          never free in between for a third party to take.
 --
 -- Returns  {1, fence_1, ..., fence_n}   acquired; fences are the new counter values
 --          {2, fence_1, ..., fence_n}   this token held them already; leases refreshed
 --          {0, wait_ms, holder_task}    kept out by another holder (or, fair, by the
 --                                       queue); wait_ms: when that may change
-if #ARGV ~= 10 then
-    return redis.error_reply('ERR celery_redlock acquire: expected 10 arguments, got ' .. #ARGV)
+if #ARGV ~= 10 and #ARGV ~= 11 then
+    return redis.error_reply('ERR celery_redlock acquire: expected 10 or 11 arguments, got ' .. #ARGV)
+end
+local predecessor = ARGV[11]
+if predecessor == '' or predecessor == ARGV[1] then
+    predecessor = nil
 end
 -- Leases are capped at 30 days (settings.MAX_SECONDS): Lua hands a number of 1e14 or
 -- more to Redis as '1e+14', which PEXPIRE refuses after the key was written.
@@ -96,10 +104,10 @@ for i = 1, n do
     if current == token then
         owned = owned + 1
         mine[i] = true
-    elseif current then
+    elseif current and current ~= predecessor then
         blocked = {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}
         break
-    else
+    elseif not current then
         local shared = KEYS[4 * i - 1]
         local wait = shared_wait(shared, KEYS[4 * i])
         if wait then

@@ -117,3 +117,18 @@ def test_min_replicas_counts_only_replicated_votes(redis_factory):
     assert lock.acquire(blocking=False)
     assert replica.client().exists("redlock:{job}")
     lock.release()
+
+
+def test_a_release_a_quorum_does_not_confirm_waits_for_every_node(redis_factory, caplog):
+    """Keys deleted behind the holder's back on three nodes: the release waits for all
+    five and says the lock was no longer held there."""
+    servers = redis_factory(5)
+    lock = lock_on(servers, ttl=30)
+    assert lock.acquire(blocking=False)
+    for server in servers[:3]:
+        server.client().delete("redlock:{job}")
+    with caplog.at_level("WARNING", logger="celery_redlock.lock"):
+        lock.release()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("gone on 3" in m for m in messages), messages
+    assert holders(servers) == 0

@@ -1,0 +1,222 @@
+"""Handing a released lock straight to a waiter of the same process.
+
+Without it, a release deletes the lock and announces it; the process's listener
+thread wakes a waiting thread, which sends its own acquisition: two wake-ups and two
+round trips from ``release()`` to the next holder, and the lock is free in between
+for anyone (measured: most of a threads pool's contended throughput). With it, the
+releasing thread sends the waiter's acquisition itself, naming its own token as the
+*predecessor*: ``acquire.lua`` takes the lock over in place (a new fence, the new
+holder's fields, the new holder's lease), and the waiter wakes up holding it. One
+round trip, one wake-up, and the lock is never free in between.
+
+Nothing about the lock weakens: the takeover is an ordinary acquisition by the
+waiter's token, voted and fenced like any other, its lease counted from when the
+releasing thread sent it (same process, same clock); a fair lock still serves only
+the head of its queue (``acquire.lua`` refuses anyone else, and the release then
+goes the usual way). Only exclusive locks hand over; shares do not.
+
+Both threads may be interrupted at any point by an asynchronous exception (a soft
+time limit, our own abort), so the two sides agree through two single-use tickets,
+each taken by one atomic ``dict.pop``, never through a lock either side could leave
+held:
+
+* **claim**: taken by the releaser (it will act for the waiter) or by the waiter
+  (it stopped waiting: withdrawn). Whoever takes it first decides.
+* **deliver**: once the releaser's attempt is over, taken by the releaser (the
+  result is the waiter's: a hold to record, or a refusal to retry after) or by a
+  waiter that gave up on the claimed offer (then the releaser undoes what it got).
+
+The releaser reads every node's reply before delivering, so no request of the
+takeover is still in flight when either side undoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from typing import TYPE_CHECKING, NamedTuple
+
+from .lease import clock
+from .vote import Attempt
+
+if TYPE_CHECKING:
+    from .kinds import Waiter
+    from .lock import Redlock
+    from .waiting import Wakeup
+
+__all__ = ["NOT_HANDED", "Grant", "Handed", "Offer", "hand_over", "offer"]
+
+_OPEN = "open"
+
+#: Takeovers this process sent, and those that left a waiter holding the lock (for
+#: tests and benchmarks).
+attempts = 0
+handovers = 0
+
+#: Longest a waiter whose offer was claimed waits for the releaser's result, in
+#: budgets of one vote: past it, the releaser undoes what it got.
+PATIENCE_BUDGETS = 4
+
+
+class Grant(NamedTuple):
+    """An acquisition that a quorum granted and whose fences agree, not yet recorded."""
+
+    token: str
+    fences: tuple[int, ...]
+    sent_at: float
+    attempt: Attempt
+
+
+class Offer:
+    """A blocked ``acquire()`` of this process, open to a takeover by a releaser."""
+
+    __slots__ = ("_claim", "_deliver", "key", "lock", "result", "waiter", "wakeup")
+
+    def __init__(self, lock: Redlock, waiter: Waiter, wakeup: Wakeup) -> None:
+        self.lock = lock
+        self.waiter = waiter
+        self.wakeup = wakeup
+        self.key = _key(lock)
+        self._claim = {_OPEN: True}
+        self._deliver = {_OPEN: True}
+        #: What the releaser's attempt for this waiter got: a Grant, or the Attempt
+        #: that did not win (set before ``deliver`` is taken).
+        self.result: Grant | Attempt | None = None
+
+    def withdraw(self, patience: float) -> Grant | Attempt | None:
+        """Stop offering; what a releaser got for us meanwhile, if one claimed us.
+
+        None: nobody claimed the offer (or its releaser did not finish within
+        ``patience`` seconds, and undoes what it got). Else the releaser's result,
+        which is ours: a Grant to record (or undo), an Attempt that did not win.
+        """
+        if self._claim.pop(_OPEN, None) is not None:
+            _unregister(self)
+            return None
+        give_up = clock() + patience
+        while _OPEN in self._deliver:
+            left = give_up - clock()
+            if left <= 0:
+                if self._deliver.pop(_OPEN, None) is not None:
+                    return None
+                break
+            self.wakeup.wait(left)
+        return self.result
+
+    def abandon(self) -> None:
+        """Stop offering on the way out of ``acquire()`` (an exception).
+
+        A result delivered already is the waiter's to undo, which its acquisition's
+        own clean-up does: the grant is in its token's name.
+        """
+        if self._claim.pop(_OPEN, None) is not None:
+            _unregister(self)
+            return
+        self._deliver.pop(_OPEN, None)
+
+
+# (node urls, lock keys) -> the offers of this process's blocked acquisitions, oldest
+# first. Offers leave it when a releaser claims them or their waiter withdraws.
+_offers: dict[tuple[tuple[str, ...], tuple[str, ...]], deque[Offer]] = {}
+
+
+def _key(lock: Redlock) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return (
+        tuple(node.url for node in lock.nodeset.nodes),
+        tuple(resource.lock for resource in lock.resources),
+    )
+
+
+def offer(lock: Redlock, waiter: Waiter, wakeup: Wakeup) -> Offer | None:
+    """Offer ``waiter``'s blocked acquisition of ``lock`` to this process's releasers.
+
+    None for a kind of lock that is not handed over.
+    """
+    if not lock.kind.hands_over:
+        return None
+    entry = Offer(lock, waiter, wakeup)
+    _offers.setdefault(entry.key, deque()).append(entry)
+    return entry
+
+
+def _unregister(entry: Offer) -> None:
+    queue = _offers.get(entry.key)
+    if queue is None:
+        return
+    with contextlib.suppress(ValueError):
+        queue.remove(entry)
+    if not queue and _offers.get(entry.key) is queue:
+        # An offer appended meanwhile stays in the dropped deque: its waiter is then
+        # woken by the release announcement, as without handoff.
+        _offers.pop(entry.key, None)
+
+
+def _claim(lock: Redlock) -> Offer | None:
+    """The oldest open offer for ``lock``, claimed for this releaser."""
+    queue = _offers.get(_key(lock))
+    while queue:
+        try:
+            entry = queue.popleft()
+        except IndexError:
+            return None
+        if entry._claim.pop(_OPEN, None) is not None:
+            return entry
+    return None
+
+
+class Handed(NamedTuple):
+    """What :func:`hand_over` did.
+
+    ``handed``: a waiter holds the lock now, taken over on the ``granted`` nodes.
+    ``touched``: a takeover was granted somewhere (and undone, if not handed), so the
+    releaser's token may be gone from those nodes.
+    """
+
+    handed: bool
+    touched: bool
+    granted: tuple[int, ...] = ()
+
+
+NOT_HANDED = Handed(False, False)
+
+
+def hand_over(lock: Redlock, token: str) -> Handed:
+    """Hand ``lock``, held by ``token`` and released by this thread, to a local waiter.
+
+    On ``handed``, the waiter holds it and ``token`` holds it nowhere a quorum of the
+    new holder's nodes granted; the caller releases ``token`` on the other nodes.
+    """
+    if not lock.kind.hands_over or not _offers:
+        return NOT_HANDED
+    entry = _claim(lock)
+    if entry is None:
+        return NOT_HANDED
+    global attempts, handovers  # noqa: PLW0603
+    attempts += 1
+    result: Grant | Attempt | None = None
+    try:
+        result = entry.lock._vote(entry.waiter, predecessor=token, wait_all=True)
+    finally:
+        # Interrupted or not, the waiter hears from us: with nothing (an interrupted
+        # takeover), it tries again with the same token, which re-enters whatever the
+        # takeover was granted.
+        entry.result = result
+        delivered = entry._deliver.pop(_OPEN, None) is not None
+        if delivered:
+            entry.wakeup.set()
+    if isinstance(result, Grant):
+        if delivered:
+            handovers += 1
+            return Handed(True, True, tuple(result.attempt.granted))
+        entry.lock._unlock(result.token)  # the waiter left: the lock is ours to free
+        return Handed(False, True)
+    return Handed(False, bool(result is not None and result.granted))
+
+
+def _after_fork_in_child() -> None:
+    # The parent's waiting threads do not exist here.
+    _offers.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

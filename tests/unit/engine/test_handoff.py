@@ -1,0 +1,282 @@
+"""A release handing the lock to a waiting thread of the same process (engine/handoff.py)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import random
+import sys
+import threading
+
+import pytest
+
+from celery_redlock import Redlock
+from celery_redlock.engine import handoff
+from celery_redlock.engine.lease import clock
+from tests.harness.servers import wait_for
+from tests.unit.engine.test_lock_handles import Injected, _async_raise, _holding
+
+
+def offered(lock: Redlock, count: int = 1) -> bool:
+    """``count`` threads wait for ``lock`` with an offer open to a releaser."""
+    queue = handoff._offers.get(handoff._key(lock))
+    return queue is not None and len(queue) >= count
+
+
+class Waiting(threading.Thread):
+    """A thread blocked in ``lock.acquire(**kwargs)``; it releases when told to."""
+
+    def __init__(self, lock: Redlock, **kwargs) -> None:
+        super().__init__(daemon=True)
+        self.lock, self.kwargs = lock, kwargs
+        self.acquired: bool | None = None
+        self.fence: int | None = None
+        self.done, self.let_go = threading.Event(), threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        self.acquired = self.lock.acquire(**self.kwargs)
+        if self.acquired:
+            self.fence = self.lock.fence
+        self.done.set()
+        self.let_go.wait(60)
+        if self.acquired:
+            self.lock.release()
+
+    def finish(self) -> None:
+        self.let_go.set()
+        self.join(20)
+        assert not self.is_alive()
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_a_release_hands_the_lock_over_in_place_in_one_round_trip(redis_factory, nodes):
+    """The waiter holds the lock when release() returns: the key was never deleted nor
+    announced, the fence grew by one, and one script call went out for it."""
+    servers = redis_factory(nodes)
+    urls = [s.url for s in servers]
+    holder, waiter = Redlock("job", nodes=urls, ttl=30), Redlock("job", nodes=urls, ttl=30)
+    assert holder.acquire()
+    fence = holder.fence
+    thread = Waiting(waiter, timeout=30)
+    wait_for(lambda: offered(waiter), timeout=10, message="the waiter never offered")
+    for server in servers:
+        server.reset_stats()
+    before = handoff.handovers
+    holder.release()
+    assert thread.done.wait(10)
+    assert (thread.acquired, thread.fence) == (True, fence + 1)
+    assert handoff.handovers == before + 1
+    for server in servers:
+        stats = server.commandstats()
+        assert stats.get("evalsha") == 1, stats  # the takeover; the waiter sent nothing
+        assert "del" not in stats and "publish" not in stats, stats
+    thread.finish()
+    assert not any(s.client().exists(waiter.key) for s in servers)
+
+
+def test_the_new_holder_is_recorded_and_renewed(redis_node):
+    """The key names the waiter's task, carries the waiter's ttl, and its watchdog
+    renews it: the takeover is the waiter's own acquisition."""
+    holder = Redlock("job", nodes=[redis_node.url], ttl=30, task_id="t-holder")
+    waiter = Redlock("job", nodes=[redis_node.url], ttl=0.6, task_id="t-waiter")
+    assert holder.acquire()
+    thread = Waiting(waiter, timeout=30)
+    wait_for(lambda: offered(waiter), timeout=10)
+    holder.release()
+    assert thread.done.wait(10) and thread.acquired
+    client = redis_node.client()
+    assert client.hget(waiter.key, "task_id") == "t-waiter"
+    assert 0 < client.pttl(waiter.key) <= 600
+    deadline = waiter.lease.deadline
+    wait_for(lambda: waiter.lease.deadline > deadline, timeout=10, message="never renewed")
+    assert client.hget(waiter.key, "token") == waiter.lease.token
+    thread.finish()
+
+
+def test_a_fair_lock_is_not_handed_over_and_keeps_its_queue_order(redis_node):
+    """A waiter of another process queued first gets the lock, the local waiter second
+    after it: a release names the head of the queue, and no local takeover is tried
+    (the releaser cannot tell whether its waiter is the head)."""
+    url = redis_node.url
+    holder = Redlock("job", nodes=[url], ttl=30, fair=True)
+    assert holder.acquire()
+    client = redis_node.client()
+    ctx = multiprocessing.get_context("fork")
+    got, release = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_fair_child, args=(url, got, release))
+    child.start()
+    try:
+        wait_for(lambda: client.zcard(holder.keys.queue) == 1, timeout=20)
+        local = Redlock("job", nodes=[url], ttl=30, fair=True)
+        thread = Waiting(local, timeout=60)
+        wait_for(lambda: client.zcard(holder.keys.queue) == 2, timeout=10)
+        before = handoff.attempts
+        holder.release()
+        assert got.wait(20), "the head of the queue did not get the lock"
+        assert handoff.attempts == before and not offered(local)
+        assert thread.acquired is None, "the second in the queue got in first"
+        release.set()
+        assert thread.done.wait(20) and thread.acquired
+        thread.finish()
+    finally:
+        release.set()
+        child.join(20)
+    assert child.exitcode == 0
+
+
+def _fair_child(url, got, release):
+    lock = Redlock("job", nodes=[url], ttl=30, fair=True)
+    if lock.acquire(timeout=60):
+        got.set()
+        release.wait(60)
+        lock.release()
+        sys.exit(0)
+    sys.exit(1)
+
+
+def test_a_waiter_that_leaves_during_the_takeover_leaves_nothing_held(redis_node, caplog):
+    """The waiter gives up (an exception) while the releaser acts for it: the releaser
+    frees what it took over, and says nothing alarming."""
+    holder, waiter = Redlock("job", nodes=[redis_node.url]), Redlock("job", nodes=[redis_node.url])
+    assert holder.acquire()
+    entry = handoff.offer(waiter, waiter.kind.new_waiter(True, 1), _NoWakeup())
+    vote = waiter._vote
+
+    def interrupted_vote(*args, **kwargs):
+        entry.abandon()  # the waiter's exception lands now
+        return vote(*args, **kwargs)
+
+    waiter._vote = interrupted_vote
+    with caplog.at_level(logging.WARNING, logger="celery_redlock"):
+        holder.release()
+    assert not redis_node.client().exists(holder.key)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert not _holding(waiter) and not _holding(holder)
+
+
+def test_a_holder_whose_lock_was_taken_meanwhile_hands_nothing_over(redis_node):
+    """Its key deleted behind its back and taken by another: the takeover names a
+    predecessor that holds nothing, so the other holder keeps the lock and the
+    waiter keeps waiting."""
+    url = redis_node.url
+    holder = Redlock("job", nodes=[url], ttl=30, auto_renew=False)
+    assert holder.acquire()
+    waiter = Redlock("job", nodes=[url], ttl=30)
+    thread = Waiting(waiter, timeout=30)
+    wait_for(lambda: offered(waiter), timeout=10)
+    client = redis_node.client()
+    client.delete(holder.key)
+    other = Redlock("job", nodes=[url], ttl=30)
+    assert other.acquire(blocking=False)
+    before = handoff.attempts, handoff.handovers
+    holder.release()
+    assert (handoff.attempts, handoff.handovers) == (before[0] + 1, before[1])
+    assert client.hget(other.key, "token") == other.lease.token
+    assert not thread.done.is_set()
+    other.release()
+    assert thread.done.wait(10) and thread.acquired
+    thread.finish()
+
+
+class _NoWakeup:
+    def set(self):
+        pass
+
+    def wait(self, timeout=None):
+        return False
+
+
+def test_shares_are_not_handed_over(redis_node):
+    """A shared lock's release frees a share; it never makes a waiter its holder."""
+    url = redis_node.url
+    writer = Redlock("job", nodes=[url])
+    reader = Redlock("job", nodes=[url], mode="shared")
+    assert reader.acquire()
+    before = handoff.attempts
+    thread = Waiting(writer, timeout=30)
+    wait_for(lambda: offered(writer), timeout=10)
+    reader.release()
+    assert thread.done.wait(10) and thread.acquired
+    assert handoff.attempts == before
+    thread.finish()
+
+
+@pytest.mark.filterwarnings("ignore:unclosed <socket:ResourceWarning")
+@pytest.mark.timeout(120)
+def test_threads_handing_over_under_random_exceptions_never_overlap_and_leak_nothing(
+    redis_node,
+):
+    """Six threads take turns on one lock through handoffs while exceptions land at
+    random points in their acquire() and release() (a bounded number, for 8 s).
+
+    Never two holders at once (by the holders' own count, and by the fences, which
+    only grow); afterwards nothing is held or renewed: a lock left held by an
+    interrupted takeover is not renewed, so the key is gone within its ttl.
+    """
+    url = redis_node.url
+    stop = clock() + 8
+    inside = []
+    overlaps = []
+    fences: list[int] = []
+    injected = [0]
+    before = handoff.handovers
+
+    def one_round(lock, me, armed):
+        if random.random() < 0.2:
+            armed.append(threading.Timer(random.uniform(0, 0.003), _async_raise, (me,)))
+            armed[-1].start()
+        if lock.acquire(timeout=0.5):
+            inside.append(me)
+            if len(inside) > 1:
+                overlaps.append(list(inside))
+            fences.append(lock.fence)
+            inside.remove(me)
+            lock.release()
+
+    def settle(lock, me, armed):
+        """Disarm, and release what an interrupted round left held."""
+        while True:  # a straggler may land here too
+            try:
+                while armed:
+                    armed[-1].cancel()
+                    armed.pop().join()
+                if me in inside:
+                    inside.remove(me)
+                while _holding(lock):
+                    lock.release()
+                return
+            except Injected:
+                injected[0] += 1
+
+    def worker():
+        lock = Redlock("job", nodes=[url], ttl=5)
+        me = threading.get_ident()
+        armed: list[threading.Timer] = []
+        rounds = 0
+        while rounds < 3000:
+            try:
+                if clock() >= stop:
+                    break
+                rounds += 1
+                one_round(lock, me, armed)
+            except Injected:
+                injected[0] += 1
+            settle(lock, me, armed)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "an acquire() hung"
+    assert not overlaps, overlaps[:5]
+    assert injected[0] > 50, injected
+    assert handoff.handovers - before > 20, "the lock was rarely handed over"
+    assert len(fences) > 200
+    assert fences == sorted(set(fences)), "fences went back or repeated"
+    client = redis_node.client()
+    wait_for(lambda: not client.exists("redlock:{job}"), timeout=10, message="left held")
+    lock = Redlock("job", nodes=[url], ttl=1)
+    assert lock.acquire(blocking=False)
+    lock.release()
