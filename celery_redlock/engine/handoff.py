@@ -28,6 +28,12 @@ held:
 
 The releaser reads every node's reply before delivering, so no request of the
 takeover is still in flight when either side undoes it.
+
+A thread that starts a blocking ``acquire()`` while another thread of its process
+holds the lock (its lease valid by the local clock) does not ask Redis first: it
+subscribes, offers itself and waits, since the answer could only be "busy". The
+thread that has just handed the lock over, coming back for its next turn, thus
+queues behind the others without a round trip.
 """
 
 from __future__ import annotations
@@ -42,10 +48,11 @@ from .vote import Attempt
 
 if TYPE_CHECKING:
     from .kinds import Waiter
+    from .lease import Lease
     from .lock import Redlock
     from .waiting import Wakeup
 
-__all__ = ["NOT_HANDED", "Grant", "Handed", "Offer", "hand_over", "offer"]
+__all__ = ["NOT_HANDED", "Grant", "Handed", "Offer", "hand_over", "held_here", "holding", "offer"]
 
 _OPEN = "open"
 
@@ -116,12 +123,40 @@ class Offer:
         self._deliver.pop(_OPEN, None)
 
 
+_Key = tuple[tuple[str, ...], tuple[str, ...]]
+
 # (node urls, lock keys) -> the offers of this process's blocked acquisitions, oldest
 # first. Offers leave it when a releaser claims them or their waiter withdraws.
-_offers: dict[tuple[tuple[str, ...], tuple[str, ...]], deque[Offer]] = {}
+_offers: dict[_Key, deque[Offer]] = {}
+
+# (node urls, lock keys) -> the latest hold of the lock in this process: the lease
+# once recorded, else (between a takeover and its recording) the local time before
+# which the takeover's lease surely runs. Never removed: a released or lost lease,
+# or a time past, says "not held here".
+_held: dict[_Key, Lease | float] = {}
 
 
-def _key(lock: Redlock) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def holding(lock: Redlock, lease: Lease | float) -> None:
+    """Record that a thread of this process now holds ``lock`` under ``lease``."""
+    if lock.kind.hands_over:
+        _held[_key(lock)] = lease
+
+
+def held_here(lock: Redlock) -> float:
+    """Seconds for which another thread of this process surely holds ``lock`` (0: none)."""
+    if not lock.kind.hands_over:
+        return 0.0
+    lease = _held.get(_key(lock))
+    if lease is None:
+        return 0.0
+    if isinstance(lease, float):
+        return max(0.0, lease - clock())
+    if lease.released or lease.lost is not None:
+        return 0.0
+    return max(0.0, lease.give_up_at - clock())
+
+
+def _key(lock: Redlock) -> _Key:
     return (
         tuple(node.url for node in lock.nodeset.nodes),
         tuple(resource.lock for resource in lock.resources),
@@ -208,6 +243,8 @@ def hand_over(lock: Redlock, token: str) -> Handed:
     if isinstance(result, Grant):
         if delivered:
             handovers += 1
+            timing = entry.lock.timing
+            holding(entry.lock, result.sent_at + timing.ttl - timing.drift)
             return Handed(True, True, tuple(result.attempt.granted))
         entry.lock._unlock(result.token)  # the waiter left: the lock is ours to free
         return Handed(False, True)
@@ -215,8 +252,9 @@ def hand_over(lock: Redlock, token: str) -> Handed:
 
 
 def _after_fork_in_child() -> None:
-    # The parent's waiting threads do not exist here.
+    # The parent's waiting and holding threads do not exist here.
     _offers.clear()
+    _held.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

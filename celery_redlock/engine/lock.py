@@ -241,6 +241,14 @@ class Redlock:
         offer: handoff.Offer | None = None
         acquired = settled = False
         try:
+            if blocking and handoff.held_here(self):
+                # Another thread of this process holds it, so Redis could only say
+                # "busy": queue up for its handoff without asking.
+                subscription = self._subscribe(waiter)
+                held = handoff.held_here(self)
+                if held:
+                    offer = handoff.offer(self, waiter, subscription.event)
+                    subscription.wait(self._bounded(min(held, self.timing.renew_interval), give_up))
             while True:
                 handed = None
                 if offer is not None:
@@ -272,12 +280,7 @@ class Redlock:
                         subscription.event.clear()
                 elif step is Step.WAIT:
                     if subscription is None:
-                        subscription = Subscription(
-                            self.nodeset.nodes,
-                            self.keys.channel,
-                            confirm_timeout=self.timing.node_timeout,
-                            token=self.kind.wake_token(waiter),
-                        )
+                        subscription = self._subscribe(waiter)
                         continue  # retry once subscribed, so no release is missed
                     offer = handoff.offer(self, waiter, subscription.event)
                     subscription.wait(pause)
@@ -299,6 +302,19 @@ class Redlock:
                 leave = self.kind.leave_call(waiter.token)
                 if leave is not None:  # else a queued place holds others up for a ttl
                     self.nodeset.call([leave])
+
+    def _subscribe(self, waiter: Waiter) -> Subscription:
+        """Listen for this lock's release announcements (those naming ``waiter``, if fair)."""
+        return Subscription(
+            self.nodeset.nodes,
+            self.keys.channel,
+            confirm_timeout=self.timing.node_timeout,
+            token=self.kind.wake_token(waiter),
+        )
+
+    @staticmethod
+    def _bounded(pause: float, give_up: float | None) -> float:
+        return pause if give_up is None else max(0.0, min(pause, give_up - clock()))
 
     def _patience(self) -> float:
         """How long a waiter claimed by a releasing thread waits for its takeover."""
@@ -331,7 +347,7 @@ class Redlock:
                 pause = min(pause, self.timing.renew_interval)
         else:
             step, pause = Step.RETRY, random.uniform(0, RETRY_DELAY)
-        return step, pause if give_up is None else max(0.0, min(pause, give_up - clock()))
+        return step, self._bounded(pause, give_up)
 
     def try_acquire(self) -> None:
         """Take the lock now or raise :class:`LockBusy` naming the holder."""
@@ -488,6 +504,7 @@ class Redlock:
             # a lease that is over by the local clock is not a hold.
             return False
         self._holds.add(lease)
+        handoff.holding(self, lease)
         if self.auto_renew:
             if self._finalizer is None:
                 self._finalizer = weakref.finalize(

@@ -75,6 +75,43 @@ def test_a_release_hands_the_lock_over_in_place_in_one_round_trip(redis_factory,
     assert not any(s.client().exists(waiter.key) for s in servers)
 
 
+def test_a_thread_that_finds_the_lock_held_in_its_process_queues_without_asking(redis_node):
+    """Redis could only say "busy": the waiter sends nothing until it is handed the
+    lock (the takeover is the one script call of the whole exchange)."""
+    url = redis_node.url
+    holder, waiter = Redlock("job", nodes=[url], ttl=30), Redlock("job", nodes=[url], ttl=30)
+    assert holder.acquire()
+    redis_node.reset_stats()
+    thread = Waiting(waiter, timeout=30)
+    wait_for(lambda: offered(waiter), timeout=10)
+    assert "evalsha" not in redis_node.commandstats()
+    holder.release()
+    assert thread.done.wait(10) and thread.acquired
+    assert redis_node.commandstats().get("evalsha") == 1
+    # The releaser, back for its next turn, queues behind the new holder the same way.
+    back = Waiting(holder, timeout=30)
+    wait_for(lambda: offered(holder), timeout=10)
+    assert redis_node.commandstats().get("evalsha") == 1
+    thread.finish()
+    assert back.done.wait(10) and back.acquired
+    assert redis_node.commandstats().get("evalsha") == 2
+    back.finish()
+
+
+def test_a_local_holder_that_never_releases_delays_a_waiter_by_its_lease_only(redis_node):
+    """A local lease that is not renewed and never released: the waiter that queued
+    behind it without asking gets the lock once it expires (its wait is bounded by
+    the holder's lease as this process knows it)."""
+    url = redis_node.url
+    holder = Redlock("job", nodes=[url], ttl=0.5, auto_renew=False)
+    assert holder.acquire()
+    waiter = Redlock("job", nodes=[url], ttl=30)
+    thread = Waiting(waiter, timeout=20)
+    assert thread.done.wait(15) and thread.acquired
+    thread.finish()
+    holder.lease.released = True
+
+
 def test_the_new_holder_is_recorded_and_renewed(redis_node):
     """The key names the waiter's task, carries the waiter's ttl, and its watchdog
     renews it: the takeover is the waiter's own acquisition."""

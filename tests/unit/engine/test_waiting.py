@@ -3,6 +3,7 @@ the end of the holder's lease, and never past the caller's timeout."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
@@ -68,10 +69,22 @@ def test_blocking_acquire_times_out(redis_node):
     holder.release()
 
 
+def _hold_in_a_child(url, name, held, let_go):
+    lock = Redlock(name, nodes=[url], ttl=30)
+    assert lock.acquire(timeout=10)
+    held.set()
+    let_go.wait(60)
+    lock.release()
+
+
 def test_a_release_wakes_one_waiter_not_all(redis_node):
-    """8 threads wait on one lock: each release sends one of them to Redis, not all 8."""
-    holder = Redlock("herd", nodes=[redis_node.url], ttl=30)
-    assert holder.acquire()
+    """8 threads wait on a lock held by another process: its release sends one of them
+    to Redis, not all 8 (and that one hands it on to the next, in this process)."""
+    ctx = multiprocessing.get_context("fork")
+    held, let_go = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_in_a_child, args=(redis_node.url, "herd", held, let_go))
+    holder.start()
+    assert held.wait(20)
     attempts = []
     waiters = [Redlock("herd", nodes=[redis_node.url], ttl=30) for _ in range(8)]
     for waiter in waiters:
@@ -91,7 +104,9 @@ def test_a_release_wakes_one_waiter_not_all(redis_node):
         timeout=10,
     )  # each waiter: first try + once subscribed
     before = len(attempts)
-    holder.release()
+    let_go.set()
+    holder.join(20)
+    assert holder.exitcode == 0
     for thread in threads:
         thread.join(30)
     # One attempt per release (8), not 8 + 7 + ... + 1 = 36; a little slack for a
