@@ -17,15 +17,18 @@ main process releases it at once instead:
 * A ``"-"`` is not written on its own: it waits for the child's next ``"+"`` (or its
   exit), so a task costs its child one ``write``. Until then the main process
   believes the child still holds the key, which is harmless: see below.
-* The main process reads the pipe every :data:`DRAIN_INTERVAL` seconds rather than
-  on every write (a wake-up of the worker's busiest process per message), and
-  watches each announcing child with a ``pidfd`` (Linux 5.3+) in the worker's event
-  loop (a thread when the worker has none). When the child exits it reads the pipe
-  once more and runs ``release_if.lua`` for each lock the child announced: the lock
-  is deleted only if it is still held by that task id *and* that pid, so a lock the
-  child had released, and a later attempt of the same task (a redelivery, in
-  another process), are never touched. A child that dies before its first
-  announcement was read is found dead when it is read, and released then.
+* Each child says hello once, when it starts, on a second pipe that the main
+  process reads at once: from then on it watches the child with a ``pidfd`` (Linux
+  5.3+) in the worker's event loop (a thread when the worker has none). The
+  announcements themselves it reads every :data:`DRAIN_INTERVAL` seconds rather
+  than on every write (a wake-up of the worker's busiest process per message), and
+  always when a child exits: then it runs ``release_if.lua`` for each lock the child
+  announced. The lock is deleted only if it is still held by that task id *and*
+  that pid, so a lock the child had released, and a later attempt of the same task
+  (a redelivery, in another process), are never touched. (Watching a child only
+  from its first announcement read left a window: a child killed within a drain
+  interval of taking its lock kept it until the next read, and a redelivered copy
+  found it busy.)
 """
 
 from __future__ import annotations
@@ -145,6 +148,11 @@ class Reaper:
         self._held: dict[int, set[tuple[str, str]]] = {}
         with contextlib.suppress(AttributeError, OSError):  # Linux only; capped by the OS
             fcntl.fcntl(self.write_fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        # Children's pids, one line each at their start: read as soon as written.
+        self.hello_r, self.hello_w = os.pipe()
+        os.set_blocking(self.hello_r, False)
+        os.set_blocking(self.hello_w, False)
+        self._hellos = b""
         self._add_reader: Callable[..., Any] | None = None
         self._remove_reader: Callable[[int], Any] | None = None
         self._timer: Any = None
@@ -162,7 +170,11 @@ class Reaper:
         global _write_fd  # noqa: PLW0603
         _write_fd = self.write_fd
         _pending.clear()
-        for fd in (self.read_fd, self._wake_r, self._wake_w):
+        try:
+            os.write(self.hello_w, b"%d\n" % os.getpid())
+        except OSError as exc:  # its locks are still watched from its first announcement
+            logger.warning("cannot tell the worker this pool process started: %s", exc)
+        for fd in (self.read_fd, self.hello_r, self.hello_w, self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._pidfds.clear()
@@ -175,6 +187,7 @@ class Reaper:
         """Watch the pipe and the children, in ``hub`` (kombu's event loop) or a thread."""
         if hub is not None:
             self._add_reader, self._remove_reader = hub.add_reader, hub.remove_reader
+            hub.add_reader(self.hello_r, self.on_hello)
             self._timer = hub.call_repeatedly(DRAIN_INTERVAL, self.on_pipe_readable)
             return
         self._thread = threading.Thread(target=self._run, name="celery_redlock-reaper", daemon=True)
@@ -185,7 +198,7 @@ class Reaper:
         if self._remove_reader is not None:
             if self._timer is not None:
                 self._timer.cancel()
-            for fd in self._pidfds.values():
+            for fd in [self.hello_r, *self._pidfds.values()]:
                 with contextlib.suppress(Exception):
                     self._remove_reader(fd)
         elif self._thread is not None:
@@ -194,14 +207,33 @@ class Reaper:
 
     def _run(self) -> None:
         while True:
-            watched: dict[int, int | None] = {self._wake_r: None}
+            watched: dict[int, int | None] = {self._wake_r: None, self.hello_r: None}
             watched.update({fd: pid for pid, fd in self._pidfds.items()})
             ready, _, _ = select.select(list(watched), [], [], DRAIN_INTERVAL)
             if self._wake_r in ready:
                 return
+            if self.hello_r in ready:
+                ready.remove(self.hello_r)
+                self.on_hello()
             self.on_pipe_readable()
             for fd in ready:
                 self.on_child_exit(cast(int, watched[fd]))  # a pidfd: a pid
+
+    def on_hello(self) -> None:
+        """Start watching the children that just started."""
+        try:
+            while chunk := os.read(self.hello_r, 4096):
+                self._hellos += chunk
+        except BlockingIOError:
+            pass
+        *lines, self._hellos = self._hellos.split(b"\n")
+        for line in lines:
+            try:
+                pid = int(line)
+            except ValueError:
+                logger.warning("ignoring a malformed pool process hello: %r", line)
+                continue
+            self._watch(pid)
 
     def on_pipe_readable(self) -> None:
         """Read the children's announcements and start watching new children."""

@@ -24,6 +24,7 @@ the same thing either way; only the cluster bus stays plain.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
@@ -122,7 +123,12 @@ class TLSTerminator:
     async def _shutdown(self) -> None:
         self._server.close()
         for transport in list(self._transports):
-            transport.abort()  # type: ignore[attr-defined]
+            if transport.is_closing():
+                continue
+            # Python < 3.11.4 (Debian's 3.11.2) raises AttributeError aborting an SSL
+            # transport whose protocol already let go of it.
+            with contextlib.suppress(AttributeError):
+                transport.abort()  # type: ignore[attr-defined]
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.wait_closed()
         # An aborted transport closes its socket in a callback of a later loop pass.

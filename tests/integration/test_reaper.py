@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import multiprocessing
 import os
 import select
+import threading
 import types
 
 import pytest
@@ -19,9 +21,15 @@ from celery_redlock.reaper import Reaper, encode
 def reaper():
     reaper = Reaper(nodeset=None)
     yield reaper
+    close_fds(reaper)
+
+
+def close_fds(reaper):
     for fd in [
         reaper.read_fd,
         reaper.write_fd,
+        reaper.hello_r,
+        reaper.hello_w,
         reaper._wake_r,
         reaper._wake_w,
         *reaper._pidfds.values(),
@@ -157,8 +165,37 @@ def test_the_main_process_reads_the_pipe_on_the_event_loops_timer():
         seconds, fun, entry = hub.timer
         assert (seconds, fun) == (reaper_module.DRAIN_INTERVAL, reaper.on_pipe_readable)
         assert reaper.read_fd not in hub.readers
+        assert hub.readers[reaper.hello_r] == (reaper.on_hello,)
         reaper.stop()
-        assert entry.cancelled
+        assert entry.cancelled and reaper.hello_r not in hub.readers
     finally:
-        for fd in (reaper.read_fd, reaper.write_fd, reaper._wake_r, reaper._wake_w):
-            os.close(fd)
+        close_fds(reaper)
+
+
+def test_a_child_is_watched_from_its_hello_before_it_announces_anything(reaper):
+    """A child killed right after taking its lock, before the main process read its
+    announcement: it was watched since it started, so its exit is seen at once and the
+    pipe read then (a redelivered copy must not find the lock busy for a drain interval)."""
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_child_says_hello_and_waits, args=(reaper, ready))
+    child.start()
+    try:
+        assert ready.wait(20)
+        reaper.on_hello()
+        assert child.pid in reaper._pidfds, "not watched from its hello"
+        assert reaper.drains == 0
+    finally:
+        child.kill()
+        child.join(20)
+    ready_fds, _, _ = select.select([reaper._pidfds[child.pid]], [], [], 10)
+    assert ready_fds, "its pidfd did not report the exit"
+    reaper.on_child_exit(child.pid)
+    assert reaper.drains == 1
+    assert child.pid not in reaper._pidfds
+
+
+def _child_says_hello_and_waits(reaper, ready):
+    reaper.child_init()
+    ready.set()
+    threading.Event().wait(60)  # until killed
