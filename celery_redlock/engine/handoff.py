@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -106,6 +107,10 @@ class Offer:
             left = give_up - clock()
             if left <= 0:
                 if self._deliver.pop(_OPEN, None) is not None:
+                    # The releaser undoes whatever it gets in our token's name, maybe
+                    # after our next attempt re-entered that very grant: try on with
+                    # a token of our own.
+                    self.waiter.token = secrets.token_hex(16)
                     return None
                 break
             self.wakeup.wait(left)

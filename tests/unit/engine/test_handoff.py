@@ -216,6 +216,21 @@ def test_a_holder_whose_lock_was_taken_meanwhile_hands_nothing_over(redis_node):
     thread.finish()
 
 
+def test_a_waiter_that_stops_waiting_for_a_slow_takeover_tries_on_with_a_new_token(redis_node):
+    """The releaser claimed the offer but has not delivered within the waiter's
+    patience: the waiter goes on alone, and never with the token the releaser will
+    undo (its own next attempt could otherwise re-enter a grant the releaser then
+    deletes under it)."""
+    waiter_lock = Redlock("job", nodes=[redis_node.url])
+    waiter = waiter_lock.kind.new_waiter(True, 1)
+    entry = handoff.offer(waiter_lock, waiter, _NoWakeup())
+    assert handoff._claim(waiter_lock) is entry  # a releaser's claim, still voting
+    token = waiter.token
+    assert entry.withdraw(patience=0.0) is None
+    assert waiter.token != token
+    assert entry._deliver.pop("open", None) is None, "the releaser must undo, not deliver"
+
+
 class _NoWakeup:
     def set(self):
         pass
