@@ -177,6 +177,12 @@ class Server(LockNode, Protocol):
     def checkin(self, conn: AbstractConnection, owed: int = 0, give_up_at: float = 0.0) -> None:
         """Return a connection; ``owed`` replies still in flight are read later."""
 
+    def scripts_to_load(self, sending: Sequence[Script]) -> list[Script]:
+        """Scripts to load before a request calling ``sending`` (after a lost NOSCRIPT)."""
+
+    def scripts_lost(self) -> None:
+        """A NOSCRIPT reply was read that no request will act on."""
+
     def discard(self, conn: AbstractConnection) -> None:
         """Close a connection that failed or cannot be trusted to be in sync."""
 

@@ -61,8 +61,11 @@ class _InFlight:
             try:
                 value = self.conn.read_response()
             except ResponseError as exc:
-                if isinstance(exc, NoScriptError) and not self.stale:
-                    self.noscript = True
+                if isinstance(exc, NoScriptError):
+                    if self.stale:  # an earlier request's: nobody re-sends it
+                        self.leg.node.scripts_lost()
+                    else:
+                        self.noscript = True
                 value = exc
             self.owed -= 1
             if self.stale:
@@ -190,7 +193,9 @@ class _FanOut:
             # A new connection may face a server that never saw our scripts (it was
             # restarted, or is new): load them in the same write instead of paying a
             # NOSCRIPT round trip, which would also run a pipelined WAIT twice.
-            flight.send(load=flight.scripts() if fresh else ())
+            scripts = flight.scripts()
+            load = leg.node.scripts_to_load(scripts)
+            flight.send(load=load or (scripts if fresh else ()))
         except (RedisError, OSError) as exc:
             if conn is not None:
                 leg.node.discard(conn)

@@ -15,7 +15,6 @@ queues behind the earlier one.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import select
@@ -26,11 +25,11 @@ from typing import Any
 
 from kombu.utils.url import maybe_sanitize_url
 from redis.connection import AbstractConnection, ConnectionPool
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.sentinel import SentinelConnectionPool
 
 from ..exceptions import ConfigurationError
-from .calls import Call, Leg
+from .calls import Call, Leg, Script
 from .sentinel import (
     MASTER_RECHECK,
     SENTINEL_FORM,
@@ -86,6 +85,13 @@ class Node:
         # Connections returned with replies still in flight:
         # [connection, replies owed, give up at (monotonic), thread ident].
         self._draining: list[list[Any]] = []
+        # The scripts sent through this node, and whether a NOSCRIPT reply was read
+        # where nobody could act on it (a reply drained after its fan-out was decided):
+        # then the next request loads them all first. Else a node whose script cache
+        # was flushed, and whose replies always came after the vote was decided, never
+        # ran a script again (found by a cluster test on a loaded machine).
+        self._scripts: dict[str, Script] = {}
+        self._scripts_lost = False
         self._pid = os.getpid()
 
     def __repr__(self) -> str:
@@ -165,6 +171,23 @@ class Node:
             raise
         return conn, True, 0
 
+    def scripts_to_load(self, sending: Sequence[Script]) -> list[Script]:
+        """Scripts to load before a request that calls ``sending``.
+
+        None, unless a NOSCRIPT went unanswered (:meth:`scripts_lost`): then every
+        script sent through this node so far, once.
+        """
+        for script in sending:
+            self._scripts.setdefault(script.sha, script)
+        if not self._scripts_lost:
+            return []
+        self._scripts_lost = False
+        return list(self._scripts.values())
+
+    def scripts_lost(self) -> None:
+        """A NOSCRIPT reply was read that no request will act on."""
+        self._scripts_lost = True
+
     def _stale(self, conn: AbstractConnection) -> bool:
         """A sentinel node's connection to a server the sentinels no longer call master."""
         pool = self._sentinel
@@ -210,8 +233,12 @@ class Node:
             conn, owed, give_up_at, _ = item
             try:
                 while owed and conn.can_read(0):
-                    with contextlib.suppress(ResponseError):
+                    try:
                         conn.read_response()
+                    except NoScriptError:
+                        self._scripts_lost = True
+                    except ResponseError:
+                        pass
                     owed -= 1
             except (RedisError, OSError):
                 conn.disconnect()

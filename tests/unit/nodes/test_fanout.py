@@ -12,6 +12,7 @@ from celery_redlock.engine.keys import lock_keys
 from celery_redlock.engine.scripts import INSPECT
 from celery_redlock.nodes import Call, Node, fan_out
 from celery_redlock.nodes.fanout import pack
+from tests.harness.servers import WaitTimeout, wait_for
 
 KEYS = lock_keys("job")
 
@@ -82,3 +83,35 @@ def test_blackholed_fresh_connection_is_bounded(redis_factory, fault_proxy):
     assert lock.acquire(blocking=False)
     assert time.monotonic() - start < 0.3 + 0.5
     lock.release()
+
+
+def test_a_node_that_always_answers_late_gets_its_scripts_back_after_a_flush(
+    redis_factory, fault_proxy
+):
+    """Its script cache flushed, a node whose replies arrive after every vote is decided
+    used to answer NOSCRIPT to each acquisition, unread (drained later and ignored),
+    and never held the lock again; the drained NOSCRIPT now makes its next request
+    load the scripts first."""
+    servers = redis_factory(3)
+    slow = fault_proxy(servers[2])
+    lock = Redlock("job", nodes=[servers[0].url, servers[1].url, slow.url], ttl=10)
+    with lock:
+        pass  # every script this lock uses is loaded everywhere
+    servers[2].client().script_flush()
+    slow.delay(0.05)  # well within the budget, well after the two others answer
+    late = servers[2].client()
+
+    def held_on_the_slow_node() -> bool:
+        try:
+            return wait_for(lambda: late.exists(lock.key), timeout=1)
+        except WaitTimeout:
+            return False
+
+    seen = []
+    for _ in range(4):
+        assert lock.acquire(blocking=False)  # decided by the two fast nodes
+        seen.append(held_on_the_slow_node())
+        lock.release()  # waits for every node, so the slow node's key is gone after it
+        assert not late.exists(lock.key)
+    assert seen[0] is False, "the flush did not take (the test proves nothing)"
+    assert any(seen[1:]), f"the slow node never ran acquire.lua again: {seen}"
