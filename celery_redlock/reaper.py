@@ -132,6 +132,15 @@ def encode(pid: int, op: str, task_id: str, key: str) -> list[bytes]:
     ]
 
 
+def _read_lines(fd: int, pending: bytes) -> tuple[list[bytes], bytes]:
+    """Read what a non-blocking pipe holds: its complete lines, and the rest."""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            pending += chunk
+    *lines, rest = pending.split(b"\n")
+    return lines, rest
+
+
 class Reaper:
     """The main process side: tracks what each child holds, releases it when it dies."""
 
@@ -221,12 +230,7 @@ class Reaper:
 
     def on_hello(self) -> None:
         """Start watching the children that just started."""
-        try:
-            while chunk := os.read(self.hello_r, 4096):
-                self._hellos += chunk
-        except BlockingIOError:
-            pass
-        *lines, self._hellos = self._hellos.split(b"\n")
+        lines, self._hellos = _read_lines(self.hello_r, self._hellos)
         for line in lines:
             try:
                 pid = int(line)
@@ -238,12 +242,7 @@ class Reaper:
     def on_pipe_readable(self) -> None:
         """Read the children's announcements and start watching new children."""
         self.drains += 1
-        try:
-            while chunk := os.read(self.read_fd, 65536):
-                self._buffer += chunk
-        except BlockingIOError:
-            pass
-        *lines, self._buffer = self._buffer.split(b"\n")
+        lines, self._buffer = _read_lines(self.read_fd, self._buffer)
         for raw in lines:
             try:
                 pid_text, index, more, part = raw.split(b" ", 3)

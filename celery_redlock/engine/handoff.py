@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -53,7 +54,18 @@ if TYPE_CHECKING:
     from .lock import Redlock
     from .waiting import Wakeup
 
-__all__ = ["NOT_HANDED", "Grant", "Handed", "Offer", "hand_over", "held_here", "holding", "offer"]
+__all__ = [
+    "NOT_HANDED",
+    "Grant",
+    "Handed",
+    "Offer",
+    "forget",
+    "hand_over",
+    "held_here",
+    "holding",
+    "offer",
+    "released",
+]
 
 _OPEN = "open"
 
@@ -85,7 +97,7 @@ class Offer:
         self.lock = lock
         self.waiter = waiter
         self.wakeup = wakeup
-        self.key = _key(lock)
+        self.key = lock.local_key
         self._claim = {_OPEN: True}
         self._deliver = {_OPEN: True}
         #: What the releaser's attempt for this waiter got: a Grant, or the Attempt
@@ -109,8 +121,11 @@ class Offer:
                 if self._deliver.pop(_OPEN, None) is not None:
                     # The releaser undoes whatever it gets in our token's name, maybe
                     # after our next attempt re-entered that very grant: try on with
-                    # a token of our own.
-                    self.waiter.token = secrets.token_hex(16)
+                    # a token of our own. Undo it here too, in case an exception
+                    # stopped the releaser before it could.
+                    stale, self.waiter.token = self.waiter.token, secrets.token_hex(16)
+                    with contextlib.suppress(Exception):  # then the lease ends by itself
+                        self.lock._unlock(stale)
                     return None
                 break
             self.wakeup.wait(left)
@@ -125,7 +140,8 @@ class Offer:
         if self._claim.pop(_OPEN, None) is not None:
             _unregister(self)
             return
-        self._deliver.pop(_OPEN, None)
+        if self._deliver.pop(_OPEN, None) is None and isinstance(self.result, Grant):
+            forget(self.lock, self.result)
 
 
 _Key = tuple[tuple[str, ...], tuple[str, ...]]
@@ -134,38 +150,57 @@ _Key = tuple[tuple[str, ...], tuple[str, ...]]
 # first. Offers leave it when a releaser claims them or their waiter withdraws.
 _offers: dict[_Key, deque[Offer]] = {}
 
-# (node urls, lock keys) -> the latest hold of the lock in this process: the lease
-# once recorded, else (between a takeover and its recording) the local time before
-# which the takeover's lease surely runs. Never removed: a released or lost lease,
-# or a time past, says "not held here".
-_held: dict[_Key, Lease | float] = {}
+# (node urls, lock keys) -> the latest hold of the lock in this process: its lease,
+# weakly (a lease keeps its on_lost callbacks, which may keep the lock object, whose
+# collection releases a forgotten hold), or, between a takeover and its recording,
+# the local time before which the takeover's lease surely runs. A hold's release
+# removes it; a released, lost or collected lease, or a time past, says "not held".
+_held: dict[_Key, weakref.ref[Lease] | float] = {}
 
 
 def holding(lock: Redlock, lease: Lease | float) -> None:
     """Record that a thread of this process now holds ``lock`` under ``lease``."""
     if lock.kind.hands_over:
-        _held[_key(lock)] = lease
+        _held[lock.local_key] = lease if isinstance(lease, float) else weakref.ref(lease)
+
+
+def released(lock: Redlock, lease: Lease) -> None:
+    """The hold under ``lease`` is over: forget it, unless another took its place."""
+    entry = _held.get(lock.local_key)
+    if entry is not None and not isinstance(entry, float) and entry() is lease:
+        _held.pop(lock.local_key, None)
+
+
+def _until(lock: Redlock, grant: Grant) -> float:
+    """How long a takeover says "held here" before its waiter records its own lease.
+
+    Its lease surely runs that long, and by then the waiter has recorded it or the
+    takeover is undone: a record left by a path that forgot to :func:`forget` it
+    keeps the process's waiters from asking Redis for no longer.
+    """
+    timing = lock.timing
+    return min(grant.sent_at + timing.ttl - timing.drift, grant.sent_at + lock._patience())
+
+
+def forget(lock: Redlock, grant: Grant) -> None:
+    """The takeover ``grant`` will not be held (undone, or its waiter left)."""
+    if _held.get(lock.local_key) == _until(lock, grant):
+        _held.pop(lock.local_key, None)
 
 
 def held_here(lock: Redlock) -> float:
     """Seconds for which another thread of this process surely holds ``lock`` (0: none)."""
     if not lock.kind.hands_over:
         return 0.0
-    lease = _held.get(_key(lock))
-    if lease is None:
+    entry = _held.get(lock.local_key)
+    if entry is None:
         return 0.0
-    if isinstance(lease, float):
-        return max(0.0, lease - clock())
-    if lease.released or lease.lost is not None:
+    if isinstance(entry, float):
+        return max(0.0, entry - clock())
+    lease = entry()
+    if lease is None or lease.released or lease.lost is not None:
         return 0.0
     return max(0.0, lease.give_up_at - clock())
-
-
-def _key(lock: Redlock) -> _Key:
-    return (
-        tuple(node.url for node in lock.nodeset.nodes),
-        tuple(resource.lock for resource in lock.resources),
-    )
 
 
 def offer(lock: Redlock, waiter: Waiter, wakeup: Wakeup) -> Offer | None:
@@ -194,7 +229,7 @@ def _unregister(entry: Offer) -> None:
 
 def _claim(lock: Redlock) -> Offer | None:
     """The oldest open offer for ``lock``, claimed for this releaser."""
-    queue = _offers.get(_key(lock))
+    queue = _offers.get(lock.local_key)
     while queue:
         try:
             entry = queue.popleft()
@@ -235,6 +270,7 @@ def hand_over(lock: Redlock, token: str) -> Handed:
     global attempts, handovers  # noqa: PLW0603
     attempts += 1
     result: Grant | Attempt | None = None
+    taken_as = entry.waiter.token
     try:
         result = entry.lock._vote(entry.waiter, predecessor=token, wait_all=True)
     finally:
@@ -242,15 +278,24 @@ def hand_over(lock: Redlock, token: str) -> Handed:
         # takeover), it tries again with the same token, which re-enters whatever the
         # takeover was granted.
         entry.result = result
+        if isinstance(result, Grant):
+            # Before the waiter can run, which records its lease in its place: written
+            # after, this would outlive that hold and keep the process's next waiters
+            # queuing for a handoff nobody makes.
+            holding(entry.lock, _until(entry.lock, result))
         delivered = entry._deliver.pop(_OPEN, None) is not None
         if delivered:
             entry.wakeup.set()
+        elif result is None:
+            # Interrupted, and the waiter stopped waiting for us and took a new token:
+            # what the takeover was granted is in a token nobody will use or release.
+            with contextlib.suppress(Exception):  # the exception propagating matters more
+                entry.lock._unlock(taken_as)
     if isinstance(result, Grant):
         if delivered:
             handovers += 1
-            timing = entry.lock.timing
-            holding(entry.lock, result.sent_at + timing.ttl - timing.drift)
             return Handed(True, True, tuple(result.attempt.granted))
+        forget(entry.lock, result)
         entry.lock._unlock(result.token)  # the waiter left: the lock is ours to free
         return Handed(False, True)
     return Handed(False, bool(result is not None and result.granted))

@@ -70,6 +70,7 @@ class Lease:
     """
 
     __slots__ = (
+        "__weakref__",  # handoff's record of the process's holds
         "_lock",
         "deadline",
         "entries",

@@ -202,6 +202,11 @@ class Redlock:
                 "cannot take keys in several slots; use independent nodes, or one resource"
             )
         self.quorum = self.kind.quorum(len(self.nodeset))
+        #: This lock as :mod:`.handoff` finds it among the process's holds and waiters.
+        self.local_key = (
+            tuple(node.url for node in self.nodeset.nodes),
+            tuple(resource.lock for resource in self.resources),
+        )
         self.auto_renew = auto_renew
         self.on_lost = on_lost
         self.min_replicas = min_replicas
@@ -239,69 +244,81 @@ class Redlock:
         waiter = self.kind.new_waiter(blocking, len(self.nodeset))
         subscription: Subscription | None = None
         offer: handoff.Offer | None = None
+        handed: Grant | Attempt | None = None
         acquired = settled = False
         try:
-            if blocking and handoff.held_here(self):
-                # Another thread of this process holds it, so Redis could only say
-                # "busy": queue up for its handoff without asking.
-                subscription = self._subscribe(waiter)
-                held = handoff.held_here(self)
-                if held:
-                    offer = handoff.offer(self, waiter, subscription.event)
-                    subscription.wait(self._bounded(min(held, self.timing.renew_interval), give_up))
-            while True:
-                handed = None
+            try:
+                if blocking and handoff.held_here(self):
+                    # Another thread of this process holds it, so Redis could only say
+                    # "busy": queue up for its handoff without asking.
+                    subscription = self._subscribe(waiter)
+                    held = handoff.held_here(self)
+                    if held:
+                        offer = handoff.offer(self, waiter, subscription.event)
+                        subscription.wait(
+                            self._bounded(min(held, self.timing.renew_interval), give_up)
+                        )
+                while True:
+                    handed = None
+                    if offer is not None:
+                        handed = offer.withdraw(self._patience())
+                        offer = None
+                    if handed is None:
+                        attempt = self._attempt(waiter)
+                    elif isinstance(handed, Grant):
+                        attempt = self._record(handed)  # handed over by a releasing thread
+                        if attempt is not None:
+                            handoff.forget(self, handed)
+                    else:
+                        attempt = handed
+                    if attempt is None:
+                        acquired = settled = True
+                        if metrics.enabled:
+                            metrics.acquired(self.task_name, clock() - started)
+                        if subscription is not None and self.kind.admits_others:
+                            subscription.pass_on()  # a share does not exclude the next waiter
+                        return True
+                    step, pause = self._next_step(attempt, blocking, give_up)
+                    if step is Step.UNAVAILABLE:
+                        settled = True  # the attempt undid its part
+                        raise NodeUnavailable(self.keys.lock, attempt.errors)
+                    if step is Step.GIVE_UP:
+                        settled = True
+                        return False
+                    if step is Step.SPLIT:
+                        time.sleep(pause)
+                        if subscription is not None:
+                            subscription.event.clear()
+                    elif step is Step.WAIT:
+                        if subscription is None:
+                            subscription = self._subscribe(waiter)
+                            continue  # retry once subscribed, so no release is missed
+                        offer = handoff.offer(self, waiter, subscription.event)
+                        subscription.wait(pause)
+                    else:
+                        time.sleep(pause)
+            finally:
                 if offer is not None:
-                    handed = offer.withdraw(self._patience())
-                    offer = None
-                if handed is None:
-                    attempt = self._attempt(waiter)
-                elif isinstance(handed, Grant):
-                    attempt = self._record(handed)  # handed over by a releasing thread
-                else:
-                    attempt = handed
-                if attempt is None:
-                    acquired = settled = True
-                    if metrics.enabled:
-                        metrics.acquired(self.task_name, clock() - started)
-                    if subscription is not None and self.kind.admits_others:
-                        subscription.pass_on()  # a share does not exclude the next waiter
-                    return True
-                step, pause = self._next_step(attempt, blocking, give_up)
-                if step is Step.UNAVAILABLE:
-                    settled = True  # the attempt undid its part
-                    raise NodeUnavailable(self.keys.lock, attempt.errors)
-                if step is Step.GIVE_UP:
-                    settled = True
-                    return False
-                if step is Step.SPLIT:
-                    time.sleep(pause)
-                    if subscription is not None:
-                        subscription.event.clear()
-                elif step is Step.WAIT:
-                    if subscription is None:
-                        subscription = self._subscribe(waiter)
-                        continue  # retry once subscribed, so no release is missed
-                    offer = handoff.offer(self, waiter, subscription.event)
-                    subscription.wait(pause)
-                else:
-                    time.sleep(pause)
-        finally:
-            if offer is not None:
-                offer.abandon()
-            if not settled:
-                # Left by an exception (maybe asynchronous: a soft time limit, our own
-                # abort) at any point after the first request went out: whatever the
-                # nodes granted must not outlive this call.
+                    offer.abandon()
+                if isinstance(handed, Grant) and not acquired:
+                    handoff.forget(self, handed)
+                if not settled:
+                    # Left by an exception (maybe asynchronous: a soft time limit, our own
+                    # abort) at any point after the first request went out: whatever the
+                    # nodes granted must not outlive this call.
+                    self._abandon(waiter)
+                if subscription is not None:
+                    subscription.close()
+                if blocking and not acquired:
+                    leave = self.kind.leave_call(waiter.token)
+                    if leave is not None:  # else a queued place holds others up for a ttl
+                        self.nodeset.call([leave])
+        except BaseException:
+            if acquired:
+                # Landed after the hold was recorded (in the clean-up above, say):
+                # acquire() raises, so the caller will never release it. End it here.
                 self._abandon(waiter)
-            if subscription is not None:
-                subscription.close()
-            # Tested first: once acquired, nothing more may run here for an exception
-            # to land in (the hold is the caller's now, and acquire() would raise).
-            if blocking and not acquired:
-                leave = self.kind.leave_call(waiter.token)
-                if leave is not None:  # else a queued place holds others up for a ttl
-                    self.nodeset.call([leave])
+            raise
 
     def _subscribe(self, waiter: Waiter) -> Subscription:
         """Listen for this lock's release announcements (those naming ``waiter``, if fair)."""
@@ -600,6 +617,7 @@ class Redlock:
                 replies = self._unlock_elsewhere(lease.token, handed.granted)
             else:
                 replies = self._unlock(lease.token)
+            handoff.released(self, lease)
             done = True
         finally:
             if not done:
@@ -635,6 +653,7 @@ class Redlock:
             return
         lease = hold.lease
         lease.released = True
+        handoff.released(self, lease)
         try:
             self._unlock(lease.token)
         except Exception:  # the original exception matters more; the lease ends by itself

@@ -29,7 +29,7 @@ import select
 import socket
 import threading
 import time
-from collections import deque
+import weakref
 from typing import Any
 
 from redis.connection import AbstractConnection
@@ -45,6 +45,10 @@ logger = logging.getLogger("celery_redlock.waiting")
 #: Longest pause between reconnection attempts of a listener whose node is down.
 MAX_BACKOFF = 1.0
 
+#: Longest a listener leaves waiters that were cut off (collected without leaving)
+#: registered: it tidies up when it wakes, and wakes at least this often.
+SYNC_INTERVAL = 1.0
+
 
 class Wakeup:
     """A wake-up that the waker can always deliver without blocking.
@@ -56,7 +60,7 @@ class Wakeup:
     internal lock held that the waker needs.
     """
 
-    __slots__ = ("_lock",)
+    __slots__ = ("__weakref__", "_lock")  # the listener holds its waiters weakly
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -117,16 +121,33 @@ class LoopWakeup(Wakeup):
 
 
 class _Listener:
-    """Owns the pub/sub connection to one node and wakes waiters on releases."""
+    """Owns the pub/sub connection to one node and wakes waiters on releases.
+
+    Waiters are held weakly: one that an asynchronous exception cut off before it
+    could unregister (a soft time limit landing in its ``acquire()``) leaves with its
+    :class:`Wakeup` (within :data:`SYNC_INTERVAL`), instead of staying subscribed and
+    taking release wake-ups that nobody uses. No callback tells the listener: it
+    would run Python code in the waiter's thread, where another such exception could
+    land. For the same reason the listener does not act on queued requests
+    that such an exception could leave half made: each time it wakes it subscribes
+    to the channels that have waiters and unsubscribes from the others.
+    """
 
     def __init__(self, node: LockNode) -> None:
         self.name = f"celery_redlock-listener {node.safe_url}"
         self.node = node
         self._mutex = threading.Lock()
         # channel -> waiters in arrival order, each with its fair-waiting token (or None)
-        self._waiters: dict[str, dict[Wakeup, str | None]] = {}
-        self._confirmed: dict[str, Wakeup] = {}
-        self._requests: deque[tuple[str, str]] = deque()
+        self._waiters: dict[str, dict[weakref.ref[Wakeup], str | None]] = {}
+        # Channels subscribed on the current connection, per channel the SUBSCRIBE
+        # replies still to come (only the reply to the latest one confirms), the
+        # channels confirmed, and the confirmations owed to waiters of the others.
+        # Each waiter has its own: a shared one, consumed and set again by every
+        # waiter, is lost for all when an exception lands in between.
+        self._subscribed: set[str] = set()
+        self._pending: dict[str, int] = {}
+        self._ready: set[str] = set()
+        self._unconfirmed: dict[str, list[Wakeup]] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._conn: AbstractConnection | None = None
@@ -144,16 +165,19 @@ class _Listener:
         """Register ``event`` for ``channel``; returns an event set once subscribed.
 
         A fair waiter gives its ``token``: an announcement naming a token wakes only
-        that waiter (the head of the lock's queue), wherever it runs.
+        that waiter (the head of the lock's queue), wherever it runs. The caller keeps
+        ``event``: the registration lasts until :meth:`remove`, or until ``event`` is
+        collected.
         """
+        ref = weakref.ref(event)
+        confirmed = Wakeup()
         with self._mutex:
-            waiters = self._waiters.setdefault(channel, {})
-            first = not waiters
-            waiters[event] = token
-            confirmed = self._confirmed.setdefault(channel, Wakeup())
-            if first:
-                self._requests.append(("SUBSCRIBE", channel))
-        if first:
+            self._waiters.setdefault(channel, {})[ref] = token
+            if channel in self._ready:
+                confirmed.set()
+            else:
+                self._unconfirmed.setdefault(channel, []).append(confirmed)
+        if not confirmed.is_set():
             self._poke()
         return confirmed
 
@@ -163,26 +187,23 @@ class _Listener:
             waiters = self._waiters.get(channel)
             if waiters is None:
                 return
-            waiters.pop(event, None)
+            waiters.pop(weakref.ref(event), None)
             if event.is_set():
                 # Woken but leaving without having used it (timed out, or gave up):
                 # pass the wake-up on, or a released lock would wait for its TTL.
                 self._wake_one(waiters)
             if waiters:
                 return
-            del self._waiters[channel]
-            self._confirmed.pop(channel, None)
-            self._requests.append(("UNSUBSCRIBE", channel))
         self._poke()
 
     def pass_on(self, channel: str, event: Wakeup) -> None:
         """Wake the next waiter for ``channel`` (after a share was taken: it may fit too)."""
         with self._mutex:
             waiters = self._waiters.get(channel, {})
-            self._wake_one({w: t for w, t in waiters.items() if w is not event})
+            self._wake_one({ref: t for ref, t in waiters.items() if ref() is not event})
 
     @staticmethod
-    def _wake_one(waiters: dict[Wakeup, str | None]) -> None:
+    def _wake_one(waiters: dict[weakref.ref[Wakeup], str | None]) -> None:
         """Wake the longest-waiting waiter not already woken.
 
         One release lets one holder in: waking every waiter would send all of them to
@@ -190,8 +211,9 @@ class _Listener:
         threads). The one woken tries; if it loses to another process, the next
         release wakes the next, and the holder's TTL bounds every wait anyway.
         """
-        for waiter in waiters:
-            if not waiter.is_set():
+        for ref in waiters:
+            waiter = ref()
+            if waiter is not None and not waiter.is_set():
                 waiter.set()
                 return
 
@@ -202,8 +224,10 @@ class _Listener:
     def _wake_all(self) -> None:
         with self._mutex:
             for waiters in self._waiters.values():
-                for event in waiters:
-                    event.set()
+                for ref in waiters:
+                    waiter = ref()
+                    if waiter is not None:
+                        waiter.set()
 
     def run(self) -> None:
         """Serve the node's pub/sub connection for ever, reconnecting after failures."""
@@ -220,8 +244,9 @@ class _Listener:
                 self._conn = None
             # Anything published while we were away is lost: let every waiter retry.
             with self._mutex:
-                for confirmed in self._confirmed.values():
-                    confirmed.clear()
+                self._subscribed.clear()
+                self._pending.clear()
+                self._ready.clear()
             self._wake_all()
             self._wait_wake(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
@@ -238,33 +263,42 @@ class _Listener:
             pass
 
     def _serve(self) -> None:
-        with self._mutex:
-            if not self._waiters:
-                self._requests.clear()
         conn = self.node.new_connection()
         conn.connect()
         self._conn = conn
-        with self._mutex:
-            self._requests.clear()
-            channels = list(self._waiters)
-        if channels:
-            conn.send_command("SUBSCRIBE", *channels)
         while True:
-            self._send_requests(conn)
+            self._sync(conn)
             while conn.can_read(0):
                 self._dispatch(conn.read_response())
             readable: list[Any] = [conn._sock, self._wake_r]
-            ready, _, _ = select.select(readable, [], [])
+            ready, _, _ = select.select(readable, [], [], SYNC_INTERVAL)
             if self._wake_r in ready:
                 self._drain_wake()
 
-    def _send_requests(self, conn: AbstractConnection) -> None:
-        while True:
-            with self._mutex:
-                if not self._requests:
-                    return
-                command, channel = self._requests.popleft()
-            conn.send_command(command, channel)
+    def _sync(self, conn: AbstractConnection) -> None:
+        """Subscribe to the channels that have waiters, unsubscribe from the others."""
+        with self._mutex:
+            for channel, waiters in list(self._waiters.items()):
+                gone = [ref for ref in waiters if ref() is None]
+                for ref in gone:
+                    del waiters[ref]
+                if gone:
+                    # A waiter cut off may have taken a release's wake-up with it.
+                    self._wake_one(waiters)
+                if not waiters:
+                    del self._waiters[channel]
+                    self._unconfirmed.pop(channel, None)
+            subscribe = [c for c in self._waiters if c not in self._subscribed]
+            unsubscribe = [c for c in self._subscribed if c not in self._waiters]
+            self._subscribed.difference_update(unsubscribe)
+            self._ready.difference_update(unsubscribe)
+            self._subscribed.update(subscribe)
+            for channel in subscribe:
+                self._pending[channel] = self._pending.get(channel, 0) + 1
+        if subscribe:
+            conn.send_command("SUBSCRIBE", *subscribe)
+        if unsubscribe:
+            conn.send_command("UNSUBSCRIBE", *unsubscribe)
 
     def _dispatch(self, message: Any) -> None:
         if not isinstance(message, list) or len(message) < 2:
@@ -278,13 +312,18 @@ class _Listener:
                     self._wake_one(waiters)
                 else:
                     # Fair waiting: the release names the waiter whose turn it is.
-                    for waiter, token in waiters.items():
-                        if token == head:
+                    for ref, token in waiters.items():
+                        waiter = ref()
+                        if token == head and waiter is not None:
                             waiter.set()
             elif kind == "subscribe":
-                confirmed = self._confirmed.get(channel)
-                if confirmed is not None:
-                    confirmed.set()
+                left = self._pending.pop(channel, 1) - 1
+                if left > 0:
+                    self._pending[channel] = left
+                elif channel in self._subscribed:
+                    self._ready.add(channel)
+                    for confirmed in self._unconfirmed.pop(channel, ()):
+                        confirmed.set()
 
 
 class Subscription:
@@ -320,7 +359,7 @@ class Subscription:
             deadline = time.monotonic() + confirm_timeout
             for confirmed in self.confirmations:
                 if confirmed.is_set() or confirmed.wait(max(0.0, deadline - time.monotonic())):
-                    confirmed.set()  # a confirmation stands for every waiter of the channel
+                    confirmed.set()  # for confirmed(); a confirmation stands for all nodes
                     break
 
     def confirmed(self) -> bool:

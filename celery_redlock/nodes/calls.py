@@ -177,8 +177,11 @@ class Server(LockNode, Protocol):
     def checkin(self, conn: AbstractConnection, owed: int = 0, give_up_at: float = 0.0) -> None:
         """Return a connection; ``owed`` replies still in flight are read later."""
 
-    def scripts_to_load(self, sending: Sequence[Script]) -> list[Script]:
-        """Scripts to load before a request calling ``sending`` (after a lost NOSCRIPT)."""
+    def scripts_unread(self, scripts: Sequence[Script]) -> None:
+        """A request calling ``scripts`` leaves its replies to be read later."""
+
+    def scripts_to_load(self) -> list[Script]:
+        """Scripts to load before the next request (after a NOSCRIPT nobody acted on)."""
 
     def scripts_lost(self) -> None:
         """A NOSCRIPT reply was read that no request will act on."""

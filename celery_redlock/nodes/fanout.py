@@ -193,9 +193,8 @@ class _FanOut:
             # A new connection may face a server that never saw our scripts (it was
             # restarted, or is new): load them in the same write instead of paying a
             # NOSCRIPT round trip, which would also run a pipelined WAIT twice.
-            scripts = flight.scripts()
-            load = leg.node.scripts_to_load(scripts)
-            flight.send(load=load or (scripts if fresh else ()))
+            load = leg.node.scripts_to_load()
+            flight.send(load=[*load, *(flight.scripts() if fresh else ())])
         except (RedisError, OSError) as exc:
             if conn is not None:
                 leg.node.discard(conn)
@@ -312,6 +311,7 @@ def fan_out(
             if now < state.deadline:
                 # Decided early: the node is healthy as far as we know, so keep the
                 # connection and read its reply the next time it is checked out.
+                flight.leg.node.scripts_unread(flight.scripts())
                 flight.leg.node.checkin(flight.conn, owed=flight.owed, give_up_at=state.deadline)
             else:
                 flight.leg.node.discard(flight.conn)

@@ -85,12 +85,12 @@ class Node:
         # Connections returned with replies still in flight:
         # [connection, replies owed, give up at (monotonic), thread ident].
         self._draining: list[list[Any]] = []
-        # The scripts sent through this node, and whether a NOSCRIPT reply was read
-        # where nobody could act on it (a reply drained after its fan-out was decided):
-        # then the next request loads them all first. Else a node whose script cache
-        # was flushed, and whose replies always came after the vote was decided, never
-        # ran a script again (found by a cluster test on a loaded machine).
-        self._scripts: dict[str, Script] = {}
+        # The scripts of requests returned with replies in flight (whose NOSCRIPT, if
+        # any, nobody acts on), and whether such a reply said NOSCRIPT: then the next
+        # request loads them first. Else a node whose script cache was flushed, and
+        # whose replies always came after the vote was decided, never ran a script
+        # again (found by a cluster test on a loaded machine).
+        self._unread_scripts: dict[str, Script] = {}
         self._scripts_lost = False
         self._pid = os.getpid()
 
@@ -171,18 +171,21 @@ class Node:
             raise
         return conn, True, 0
 
-    def scripts_to_load(self, sending: Sequence[Script]) -> list[Script]:
-        """Scripts to load before a request that calls ``sending``.
+    def scripts_unread(self, scripts: Sequence[Script]) -> None:
+        """A request calling ``scripts`` leaves its replies to be read later."""
+        for script in scripts:
+            self._unread_scripts.setdefault(script.sha, script)
 
-        None, unless a NOSCRIPT went unanswered (:meth:`scripts_lost`): then every
-        script sent through this node so far, once.
+    def scripts_to_load(self) -> list[Script]:
+        """Scripts to load before the next request.
+
+        None, unless a NOSCRIPT went unanswered (:meth:`scripts_lost`): then those of
+        :meth:`scripts_unread`, once.
         """
-        for script in sending:
-            self._scripts.setdefault(script.sha, script)
         if not self._scripts_lost:
             return []
         self._scripts_lost = False
-        return list(self._scripts.values())
+        return list(self._unread_scripts.values())
 
     def scripts_lost(self) -> None:
         """A NOSCRIPT reply was read that no request will act on."""

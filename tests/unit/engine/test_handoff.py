@@ -19,7 +19,7 @@ from tests.unit.engine.test_lock_handles import Injected, _async_raise, _holding
 
 def offered(lock: Redlock, count: int = 1) -> bool:
     """``count`` threads wait for ``lock`` with an offer open to a releaser."""
-    queue = handoff._offers.get(handoff._key(lock))
+    queue = handoff._offers.get(lock.local_key)
     return queue is not None and len(queue) >= count
 
 
@@ -231,6 +231,85 @@ def test_a_waiter_that_stops_waiting_for_a_slow_takeover_tries_on_with_a_new_tok
     assert entry._deliver.pop("open", None) is None, "the releaser must undo, not deliver"
 
 
+def test_a_takeover_whose_waiter_is_cut_off_before_recording_it_leaves_no_hold_behind(
+    redis_node,
+):
+    """The lock is handed over, and an exception lands in the waiter before it records
+    its hold: the process must not go on believing one of its threads holds the
+    lock, or its next waiters queue for a handoff nobody will make (they used to,
+    for up to a renewal interval, and the releaser could even record that belief
+    after the waiter had already recorded and released its hold)."""
+    url = redis_node.url
+    holder, waiter = Redlock("job", nodes=[url], ttl=30), Redlock("job", nodes=[url], ttl=30)
+    assert holder.acquire()
+
+    def cut_off(grant):
+        raise Injected
+
+    waiter._record = cut_off
+    raised = []
+
+    def wait() -> None:
+        try:
+            waiter.acquire(timeout=30)
+        except Injected as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_for(lambda: offered(waiter), timeout=10)
+    before = handoff.handovers
+    holder.release()
+    thread.join(10)
+    assert raised and handoff.handovers == before + 1
+    assert handoff.held_here(waiter) == 0
+    assert not redis_node.client().exists(holder.key)
+
+
+def test_a_waiter_giving_up_on_a_takeover_undoes_what_the_releaser_could_not(redis_node):
+    """The releaser's takeover was granted in the waiter's token, then an exception
+    stopped the releaser before it could deliver or undo it: the waiter that gives up
+    waiting frees it, or the lock stays held by a token nobody uses, for its ttl."""
+    url = redis_node.url
+    holder = Redlock("job", nodes=[url], ttl=30, auto_renew=False)
+    waiter_lock = Redlock("job", nodes=[url], ttl=30)
+    assert holder.acquire()
+    waiter = waiter_lock.kind.new_waiter(True, 1)
+    entry = handoff.offer(waiter_lock, waiter, _NoWakeup())
+    assert handoff._claim(waiter_lock) is entry
+    taken = waiter_lock._vote(waiter, predecessor=holder.lease.token, wait_all=True)
+    assert isinstance(taken, handoff.Grant)
+    assert entry.withdraw(patience=0.0) is None
+    assert not redis_node.client().exists(holder.key)
+    holder.release()  # its hold ends here, with nothing left to delete
+    assert handoff.held_here(holder) == 0
+
+
+def test_a_releaser_cut_off_during_a_takeover_its_waiter_gave_up_on_frees_the_lock(redis_node):
+    """The waiter stopped waiting (and took a new token) while the releaser's takeover
+    was granted in its old one, too late for the waiter's own undo; then an exception
+    stops the releaser: it frees what the takeover got on its way out."""
+    url = redis_node.url
+    holder = Redlock("job", nodes=[url], ttl=30)
+    waiter_lock = Redlock("job", nodes=[url], ttl=30)
+    assert holder.acquire()
+    entry = handoff.offer(waiter_lock, waiter_lock.kind.new_waiter(True, 1), _NoWakeup())
+    vote = waiter_lock._vote
+
+    def cut_off_vote(*args, **kwargs):
+        assert isinstance(vote(*args, **kwargs), handoff.Grant)
+        # The waiter's withdrawal, its undo having found nothing yet.
+        assert entry._deliver.pop("open", None) is not None
+        entry.waiter.token = "a new token"
+        raise Injected
+
+    waiter_lock._vote = cut_off_vote
+    with pytest.raises(Injected):
+        holder.release()
+    assert not redis_node.client().exists(holder.key)
+    assert not _holding(holder)
+
+
 class _NoWakeup:
     def set(self):
         pass
@@ -255,6 +334,11 @@ def test_shares_are_not_handed_over(redis_node):
 
 
 @pytest.mark.filterwarnings("ignore:unclosed <socket:ResourceWarning")
+# An exception aimed at a thread may land in redis-py's connection finalizer there.
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <function AbstractConnection.__del__"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
 @pytest.mark.timeout(120)
 def test_threads_handing_over_under_random_exceptions_never_overlap_and_leak_nothing(
     redis_node,
@@ -265,6 +349,16 @@ def test_threads_handing_over_under_random_exceptions_never_overlap_and_leak_not
     Never two holders at once (by the holders' own count, and by the fences, which
     only grow); afterwards nothing is held or renewed: a lock left held by an
     interrupted takeover is not renewed, so the key is gone within its ttl.
+
+    And the handoffs keep going: most turns are handed over, and no waiter times
+    out (0.5 s, against turns of a millisecond). Two defects each stalled this
+    test's threads in about one run out of eight: a waiter cut off between taking
+    and restoring the listener's one shared subscription confirmation left every
+    later waiter waiting for it in vain, so turns were taken through Redis and
+    almost never handed over; and a takeover's "held here" record outlived its hold
+    (written after its waiter had recorded its lease, or never forgotten when the
+    takeover was undone), so every waiter queued for a handoff nobody would make,
+    until it timed out.
     """
     url = redis_node.url
     stop = clock() + 8
@@ -272,13 +366,16 @@ def test_threads_handing_over_under_random_exceptions_never_overlap_and_leak_not
     overlaps = []
     fences: list[int] = []
     injected = [0]
+    timeouts: list[int] = []
     before = handoff.handovers
 
     def one_round(lock, me, armed):
         if random.random() < 0.2:
             armed.append(threading.Timer(random.uniform(0, 0.003), _async_raise, (me,)))
             armed[-1].start()
-        if lock.acquire(timeout=0.5):
+        if not lock.acquire(timeout=0.5):
+            timeouts.append(me)
+        else:
             inside.append(me)
             if len(inside) > 1:
                 overlaps.append(list(inside))
@@ -324,8 +421,10 @@ def test_threads_handing_over_under_random_exceptions_never_overlap_and_leak_not
     assert not any(t.is_alive() for t in threads), "an acquire() hung"
     assert not overlaps, overlaps[:5]
     assert injected[0] > 50, injected
-    assert handoff.handovers - before > 20, "the lock was rarely handed over"
     assert len(fences) > 200
+    handed = handoff.handovers - before
+    assert handed > len(fences) / 2, f"{handed} of {len(fences)} turns handed over"
+    assert len(timeouts) <= 5, f"{len(timeouts)} acquisitions timed out"
     assert fences == sorted(set(fences)), "fences went back or repeated"
     client = redis_node.client()
     wait_for(lambda: not client.exists("redlock:{job}"), timeout=10, message="left held")

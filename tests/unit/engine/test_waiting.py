@@ -112,3 +112,88 @@ def test_a_release_wakes_one_waiter_not_all(redis_node):
     # One attempt per release (8), not 8 + 7 + ... + 1 = 36; a little slack for a
     # waiter that races a release between its tries.
     assert len(attempts) - before <= 8 + 4, f"{len(attempts) - before} attempts for 8 handoffs"
+
+
+def _numsub(client, channel: str) -> int:
+    return client.pubsub_numsub(channel)[0][1]
+
+
+def test_a_waiter_cut_off_before_it_could_unregister_leaves_nothing_behind(redis_node):
+    """An exception landing in a blocking acquire() between the listener's registration
+    of its wake-up and the Subscription reaching the caller (a soft time limit) leaves
+    no registration once the waiter is gone: the channel is unsubscribed, and the next
+    release wakes a waiter that is still there, not the one that left."""
+    import gc
+
+    from celery_redlock.engine.waiting import Subscription, Wakeup, get_listener
+    from celery_redlock.nodes import NodeSet
+
+    node = NodeSet.get([redis_node.url], timeout=1.0).nodes[0]
+    listener = get_listener(node)
+    client = redis_node.client()
+    channel = "redlock:{cut}:released"
+    listener.add(channel, Wakeup())  # what a cut-off Subscription() leaves: nobody keeps it
+    gc.collect()
+    wait_for(lambda: channel not in listener._waiters, timeout=5, message="registration kept")
+    wait_for(lambda: _numsub(client, channel) == 0, timeout=5, message="still subscribed")
+
+    gone = Wakeup()
+    listener.add(channel, gone)
+    with Subscription((node,), channel, confirm_timeout=5) as staying:
+        assert staying.confirmed()
+        del gone  # registered before the waiter that stays: first in line to be woken
+        gc.collect()
+        client.publish(channel, "")
+        assert staying.wait(5), "the release woke the waiter that left"
+
+
+def test_a_confirmation_lost_by_one_waiter_is_not_lost_for_the_next(redis_node):
+    """Each waiter has its own subscription confirmation. One shared by all, consumed
+    and set again by each waiter, was lost for every later waiter of the process when
+    an exception landed in between: each then waited its full confirmation timeout."""
+    from celery_redlock.engine.waiting import Subscription
+    from celery_redlock.nodes import NodeSet
+
+    nodes = NodeSet.get([redis_node.url], timeout=1.0).nodes
+    channel = "redlock:{confirm}:released"
+    with Subscription(nodes, channel, confirm_timeout=5) as first:
+        assert first.confirmations[0].wait(0)  # consumed, never set again: cut off here
+        with Subscription(nodes, channel, confirm_timeout=2) as second:
+            assert second.confirmed()
+
+
+def test_an_exception_in_the_clean_up_after_acquiring_ends_the_hold(redis_node, monkeypatch):
+    """A waiter takes the lock, then an exception lands while it stops listening (a
+    soft time limit at that moment): acquire() raises, so its caller will never
+    release; the lock must not stay held until its ttl runs out."""
+    from celery_redlock.engine.waiting import Subscription
+    from tests.unit.engine.test_lock_handles import Injected, _holding
+
+    holder = Redlock("job", nodes=[redis_node.url], ttl=30)
+    waiter = Redlock("job", nodes=[redis_node.url], ttl=30)
+    assert holder.acquire()
+    close = Subscription.close
+
+    def cut_off(self):
+        close(self)
+        raise Injected
+
+    monkeypatch.setattr(Subscription, "close", cut_off)
+    raised = []
+
+    def wait() -> None:
+        try:
+            waiter.acquire(timeout=20)
+        except Injected as exc:
+            raised.append(exc)
+        raised.append(_holding(waiter))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    client = redis_node.client()
+    wait_for(lambda: _numsub(client, "redlock:{job}:released") >= 1, timeout=5)
+    holder.release()
+    thread.join(10)
+    assert len(raised) == 2 and isinstance(raised[0], Injected), raised
+    assert raised[1] is False, "acquire() raised, yet the thread still holds the lock"
+    assert not client.exists(holder.key)
