@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks import plot
-from benchmarks.common import RESULTS_ENV
+from benchmarks.common import RESULTS, RESULTS_ENV, issue_targets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         if results is not None:  # plots beside those results, not over the published ones
             plot_args += ["--results", str(results), "--out", str(results)]
         plot.main(plot_args)
+    print("\n=== performance targets (issue 17), from the results files")
+    for name, label, value, verdict in issue_targets(results or RESULTS):
+        shown = {k: v for k, v in value.items() if k != "met"} if isinstance(value, dict) else value
+        print(f"{verdict.upper():>8}  {label}: {shown}  [{name}]")
     if results is not None:
         print(f"results in {results}")
     if failed:

@@ -159,6 +159,9 @@ def main() -> None:
         "targets": {
             "celery_redlock p50 ms (<= 2)": round(ours / 1000, 3),
             "redis-py p50 / celery_redlock p50 (>= 20)": round(redis_py / ours, 1),
+            "P2 celery_redlock p50 / python-redis-lock p50 (<= 0.6)": round(
+                ours / rows["python-redis-lock"]["median_us"], 2
+            ),
         },
     }
     write_report("handoff", report)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -85,3 +86,43 @@ def write_report(name: str, report: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
+
+
+_BOUND = re.compile(r"\((<=|>=|==|<|>) ([0-9.]+)\)")
+
+
+def verdict(label: str, value: Any) -> str:
+    """ "met" or "missed" for one target of a report, "reported" if it sets no bound.
+
+    A label states its bound, e.g. ``"... (>= 1.2)"``; a value may be a number, a dict
+    saying ``"met"`` itself (a cell with several bounds), or ``"k of n"`` (every one of
+    ``n`` runs must meet it).
+    """
+    if isinstance(value, dict):
+        return "met" if value.get("met") else "missed"
+    if isinstance(value, str) and " of " in value:
+        done, total = value.split(" of ")
+        return "met" if done == total else "missed"
+    bound = _BOUND.search(label)
+    if bound is None or not isinstance(value, int | float):
+        return "reported"
+    op, limit = bound.group(1), float(bound.group(2))
+    ok = {
+        "<=": value <= limit,
+        ">=": value >= limit,
+        "==": value == limit,
+        "<": value < limit,
+        ">": value > limit,
+    }[op]
+    return "met" if ok else "missed"
+
+
+def issue_targets(results: Path) -> list[tuple[str, str, Any, str]]:
+    """(benchmark, target, value, verdict) for every "P<n>" target in ``results``."""
+    rows = []
+    for path in sorted(results.glob("*.json")):
+        targets = json.loads(path.read_text()).get("targets", {})
+        for label, value in targets.items():
+            if label.startswith("P"):
+                rows.append((path.stem, label, value, verdict(label, value)))
+    return sorted(rows, key=lambda row: row[1])

@@ -122,3 +122,21 @@ def test_family_benchmark_measures_every_variant(quick_run):
         assert 0 < row["median_us"] <= row["p99_us"]
     assert rows["exclusive"]["vs_exclusive"] == 1.0
     assert (quick_run / "bench-family.png").read_bytes().startswith(PNG)
+
+
+def test_each_performance_target_gets_a_verdict(quick_run):
+    """``python -m benchmarks`` ends with every "P" target of the issue, met or missed."""
+    from benchmarks.common import issue_targets, verdict
+
+    assert verdict("P2 ratio (<= 0.6)", 0.98) == "missed"
+    assert verdict("P2 ratio (<= 0.6)", 0.6) == "met"
+    assert verdict("P4 locks lost (== 0)", 0) == "met"
+    assert verdict("P3 runs (all)", "4 of 5") == "missed"
+    assert verdict("P6 cell", {"met": True}) == "met"
+    assert verdict("P5 worker alone (reported)", 0.7) == "reported"
+    rows = issue_targets(quick_run)
+    labels = {label for _, label, _, _ in rows}
+    assert any(label.startswith("P5 ") and "(>= 0.95)" in label for label in labels), labels
+    assert any(label.startswith("P5 ") and "CPU" in label for label in labels), labels
+    assert any(label.startswith("P7 ") for label in labels), labels
+    assert {verdict for *_, verdict in rows} <= {"met", "missed", "reported"}
