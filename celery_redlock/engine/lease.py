@@ -38,9 +38,10 @@ __all__ = ["CHUNK", "Lease", "Tally", "clock", "lease_verdict", "renew_call", "r
 logger = logging.getLogger("celery_redlock.renewal")
 
 #: Keys renewed by one script call, so the layout of a renewal reply. Large enough
-#: that 1,000 locks cost one call per node, small enough that one call does not block
-#: Redis for long (~4 ms).
-CHUNK = 1000
+#: that a tick's calls stay few (they go pipelined: one round trip per node), small
+#: enough that one call keeps Redis from its other clients for ~3 ms (1,000 keys took
+#: 6 ms, and up to 12 ms, while 100,000 locks were renewed: benchmarks/bench_renewal.py).
+CHUNK = 500
 
 
 def _boottime() -> float:

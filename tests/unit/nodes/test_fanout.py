@@ -115,3 +115,23 @@ def test_a_node_that_always_answers_late_gets_its_scripts_back_after_a_flush(
         assert not late.exists(lock.key)
     assert seen[0] is False, "the flush did not take (the test proves nothing)"
     assert any(seen[1:]), f"the slow node never ran acquire.lua again: {seen}"
+
+
+def test_a_pause_of_this_process_before_anything_is_sent_is_not_a_node_failure(
+    redis_node, monkeypatch
+):
+    """The budget runs out before the first request goes out (a long garbage
+    collection: 0.4 s with 30,000 locks held): nothing was asked of the node, so the
+    call goes out with a new budget instead of failing as if Redis were down."""
+    node = Node(redis_node.url, timeout=1.0)
+    call = [Call(INSPECT, KEYS[:2])]
+    fan_out([node], [call], timeout=1.0)  # warm: an idle connection to go first
+    has_idle = Node.has_idle
+
+    def paused(self):
+        time.sleep(0.15)  # the process stops here for longer than the budget
+        return has_idle(self)
+
+    monkeypatch.setattr(Node, "has_idle", paused)
+    [reply] = fan_out([node], [call], timeout=0.05)
+    assert reply is not None and reply.error is None, reply
