@@ -267,8 +267,6 @@ class Redlock:
                         attempt = self._attempt(waiter)
                     elif isinstance(handed, Grant):
                         attempt = self._record(handed)  # handed over by a releasing thread
-                        if attempt is not None:
-                            handoff.forget(self, handed)
                     else:
                         attempt = handed
                     if attempt is None:
@@ -429,6 +427,7 @@ class Redlock:
         """Record a granted acquisition as this thread's hold; None once recorded."""
         if self._won(grant.token, grant.fences, grant.sent_at, len(grant.attempt.granted)):
             return None
+        handoff.forget(self, grant)  # if it was a takeover: it will not be held
         return self._undo(grant.token, grant.attempt)
 
     def _vote(

@@ -140,13 +140,12 @@ class _Listener:
         # channel -> waiters in arrival order, each with its fair-waiting token (or None)
         self._waiters: dict[str, dict[weakref.ref[Wakeup], str | None]] = {}
         # Channels subscribed on the current connection, per channel the SUBSCRIBE
-        # replies still to come (only the reply to the latest one confirms), the
-        # channels confirmed, and the confirmations owed to waiters of the others.
-        # Each waiter has its own: a shared one, consumed and set again by every
-        # waiter, is lost for all when an exception lands in between.
+        # replies still to come (a subscribed channel with none is confirmed), and the
+        # confirmations owed to waiters of unconfirmed channels. Each waiter has its
+        # own: a shared one, consumed and set again by every waiter, is lost for all
+        # when an exception lands in between.
         self._subscribed: set[str] = set()
         self._pending: dict[str, int] = {}
-        self._ready: set[str] = set()
         self._unconfirmed: dict[str, list[Wakeup]] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -173,7 +172,7 @@ class _Listener:
         confirmed = Wakeup()
         with self._mutex:
             self._waiters.setdefault(channel, {})[ref] = token
-            if channel in self._ready:
+            if channel in self._subscribed and channel not in self._pending:
                 confirmed.set()
             else:
                 self._unconfirmed.setdefault(channel, []).append(confirmed)
@@ -246,7 +245,6 @@ class _Listener:
             with self._mutex:
                 self._subscribed.clear()
                 self._pending.clear()
-                self._ready.clear()
             self._wake_all()
             self._wait_wake(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
@@ -291,7 +289,6 @@ class _Listener:
             subscribe = [c for c in self._waiters if c not in self._subscribed]
             unsubscribe = [c for c in self._subscribed if c not in self._waiters]
             self._subscribed.difference_update(unsubscribe)
-            self._ready.difference_update(unsubscribe)
             self._subscribed.update(subscribe)
             for channel in subscribe:
                 self._pending[channel] = self._pending.get(channel, 0) + 1
@@ -321,7 +318,6 @@ class _Listener:
                 if left > 0:
                     self._pending[channel] = left
                 elif channel in self._subscribed:
-                    self._ready.add(channel)
                     for confirmed in self._unconfirmed.pop(channel, ()):
                         confirmed.set()
 
