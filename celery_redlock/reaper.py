@@ -19,9 +19,8 @@ main process releases it at once instead:
   believes the child still holds the key, which is harmless: see below.
 * Each child says hello once, when it starts, on a second pipe that the main
   process reads at once: from then on it watches the child with a ``pidfd`` (Linux
-  5.3+) in the worker's event loop (a thread when the worker has none). The
-  announcements themselves it reads every :data:`DRAIN_INTERVAL` seconds rather
-  than on every write (a wake-up of the worker's busiest process per message), and
+  5.3+) from a thread of its own. The announcements themselves it reads every
+  :data:`DRAIN_INTERVAL` seconds rather than on every write, and
   always when a child exits: then it runs ``release_if.lua`` for each lock the child
   announced. The lock is deleted only if it is still held by that task id *and*
   that pid, so a lock the child had released, and a later attempt of the same task
@@ -29,6 +28,13 @@ main process releases it at once instead:
   from its first announcement read left a window: a child killed within a drain
   interval of taking its lock kept it until the next read, and a redelivered copy
   found it busy.)
+
+Why a thread and not the worker's event loop (kombu's hub): before kombu 5.7 the
+Redis transport polls the hub's own poller in a *blocking* ``drain_events`` (mingle
+at start, and again after each broker reconnect) and raises ``KeyError`` for any fd
+it does not know: a readable pipe or pidfd of ours there killed the worker at start
+(``Unrecoverable error: KeyError(6)``). A thread of our own depends on no version of
+kombu, and a release for a dead child never waits behind the event loop.
 """
 
 from __future__ import annotations
@@ -40,8 +46,7 @@ import logging
 import os
 import select
 import threading
-from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 from . import metrics
 from .engine.keys import keys_of
@@ -162,9 +167,6 @@ class Reaper:
         os.set_blocking(self.hello_r, False)
         os.set_blocking(self.hello_w, False)
         self._hellos = b""
-        self._add_reader: Callable[..., Any] | None = None
-        self._remove_reader: Callable[[int], Any] | None = None
-        self._timer: Any = None
         #: Reads of the pipe, for tests.
         self.drains = 0
         self._thread: threading.Thread | None = None
@@ -192,25 +194,14 @@ class Reaper:
 
     # -- in the main process ----------------------------------------------------------
 
-    def start(self, hub: Any = None) -> None:
-        """Watch the pipe and the children, in ``hub`` (kombu's event loop) or a thread."""
-        if hub is not None:
-            self._add_reader, self._remove_reader = hub.add_reader, hub.remove_reader
-            hub.add_reader(self.hello_r, self.on_hello)
-            self._timer = hub.call_repeatedly(DRAIN_INTERVAL, self.on_pipe_readable)
-            return
+    def start(self) -> None:
+        """Watch the pipe and the children from a thread (see the module's docstring)."""
         self._thread = threading.Thread(target=self._run, name="celery_redlock-reaper", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """Stop watching (worker shutdown)."""
-        if self._remove_reader is not None:
-            if self._timer is not None:
-                self._timer.cancel()
-            for fd in [self.hello_r, *self._pidfds.values()]:
-                with contextlib.suppress(Exception):
-                    self._remove_reader(fd)
-        elif self._thread is not None:
+        if self._thread is not None:
             os.write(self._wake_w, b"x")
             self._thread.join(5)
 
@@ -275,16 +266,11 @@ class Reaper:
             logger.warning("cannot watch pool process %d (%s)", pid, exc)
             return
         self._pidfds[pid] = fd
-        if self._add_reader is not None:
-            self._add_reader(fd, self.on_child_exit, pid)
 
     def on_child_exit(self, pid: int) -> None:
         """A child exited: release what it still held."""
         fd = self._pidfds.pop(pid, None)
         if fd is not None:
-            if self._remove_reader is not None:
-                with contextlib.suppress(Exception):
-                    self._remove_reader(fd)
             os.close(fd)
         self.on_pipe_readable()  # anything it announced just before dying
         if metrics.enabled:

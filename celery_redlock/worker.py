@@ -101,7 +101,7 @@ class RedlockStep(bootsteps.StartStopStep):
         if self.metrics_port is not None:
             metrics.serve(self.metrics_port)
         if self.reaper is not None:
-            self.reaper.start(getattr(worker, "hub", None))
+            self.reaper.start()
         if not self.prefork:
             get_renewer().start()
 

@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import select
 import threading
-import types
 
 import pytest
 
@@ -15,6 +14,7 @@ from celery_redlock import Redlock
 from celery_redlock import reaper as reaper_module
 from celery_redlock.nodes import NodeSet
 from celery_redlock.reaper import Reaper, encode
+from celery_redlock.testing.servers import wait_for
 
 
 @pytest.fixture
@@ -139,37 +139,21 @@ def test_a_dead_childs_stale_announcement_never_frees_the_next_holder(child_side
     ours.lease.released = True
 
 
-def test_the_main_process_reads_the_pipe_on_the_event_loops_timer():
-    """In the worker's event loop: a repeating timer, no reader on the pipe (a reader
-    woke the worker's busiest process for every message); stopped with the worker."""
-
-    class Hub:
-        readers: dict = {}
-
-        def call_repeatedly(self, seconds, fun):
-            self.timer = (seconds, fun, types.SimpleNamespace(cancelled=False))
-            entry = self.timer[2]
-            entry.cancel = lambda: setattr(entry, "cancelled", True)
-            return entry
-
-        def add_reader(self, fd, *args):
-            self.readers[fd] = args
-
-        def remove_reader(self, fd):
-            self.readers.pop(fd, None)
-
-    hub = Hub()
-    reaper = Reaper(nodeset=None)
+def test_the_reaper_watches_from_its_own_thread_and_never_touches_the_hub(child_side):
+    """Kombu before 5.7 polls the hub's poller in a blocking drain (mingle) and dies on
+    an fd it does not know: the reaper registers nothing there. Its thread reads the
+    pipe on its interval and stops with the worker."""
+    reaper = child_side
+    before = {t.name for t in threading.enumerate()}
+    reaper.start()
     try:
-        reaper.start(hub)
-        seconds, fun, entry = hub.timer
-        assert (seconds, fun) == (reaper_module.DRAIN_INTERVAL, reaper.on_pipe_readable)
-        assert reaper.read_fd not in hub.readers
-        assert hub.readers[reaper.hello_r] == (reaper.on_hello,)
-        reaper.stop()
-        assert entry.cancelled and reaper.hello_r not in hub.readers
+        assert "celery_redlock-reaper" in {t.name for t in threading.enumerate()} - before
+        reaper_module.announce("t1", "k1")
+        wait_for(lambda: reaper._held.get(os.getpid()) == {("t1", "k1")}, timeout=10)
+        assert reaper.drains >= 1
     finally:
-        close_fds(reaper)
+        reaper.stop()
+    assert not reaper._thread.is_alive()
 
 
 def test_a_child_is_watched_from_its_hello_before_it_announces_anything(reaper):
