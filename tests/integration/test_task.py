@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import celery
@@ -187,6 +188,31 @@ def test_apply_body_sees_its_own_request(app, celery_redis):
     assert seen["called_directly"] is False
     assert seen["fence"] >= 1
     assert not lock_keys(celery_redis), "released after the eager run"
+
+
+def test_eager_apply_of_a_finished_task_id_that_waited_runs_its_body(app, celery_redis):
+    """An eager ``apply()`` is nobody's redelivery: with a final result already stored
+    under its task id (a frozen chain applied again) and a wait for the lock, it still
+    runs and returns the body's value (Celery's test_chain_in_chain_with_args got None)."""
+    hold_wait = app.tasks["tests.apps.locked.hold_wait"]
+    app.backend.store_result("frozen-id", {"label": "earlier"}, "SUCCESS")
+    holder = Redlock("res:eager", nodes=[redis_url_with_db(celery_redis.url, 0)], ttl=30)
+    assert holder.acquire(blocking=False)
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        result = hold_wait.apply(("eager",), {"label": "again"}, task_id="frozen-id")
+        outcome["state"], outcome["value"] = result.state, result.result
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    client = celery_redis.client()
+    # The eager run waits on the lock's release channel before the holder lets go.
+    wait_for(lambda: any(n for _, n in client.pubsub_numsub(*client.pubsub_channels())), timeout=10)
+    holder.release()
+    thread.join(30)
+    assert outcome["state"] == "SUCCESS", outcome
+    assert outcome["value"]["label"] == "again"
 
 
 def test_self_lock_exposes_fence_key_and_remaining(app, inprocess_worker_factory):
