@@ -32,6 +32,7 @@ import sys
 import threading
 from typing import Any, cast
 
+from . import forksafe
 from .exceptions import LockLost
 
 __all__ = ["abort", "ensure_signal_handler", "track", "untrack"]
@@ -169,12 +170,10 @@ def _current_greenlet() -> Any:
     return current if isinstance(current, gevent.Greenlet) else None
 
 
+@forksafe.at_fork_in_child
 def _after_fork_in_child() -> None:
     global _previous_handler  # noqa: PLW0603
     # The parent's bodies are not running here.
     _running.clear()
     _pending_main.clear()
     _previous_handler = signal.getsignal(ABORT_SIGNAL)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -39,12 +39,12 @@ queues behind the others without a round trip.
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
+from .. import forksafe
 from .lease import clock
 from .vote import Attempt
 
@@ -301,10 +301,8 @@ def hand_over(lock: Redlock, token: str) -> Handed:
     return Handed(False, bool(result is not None and result.granted))
 
 
+@forksafe.at_fork_in_child
 def _after_fork_in_child() -> None:
     # The parent's waiting and holding threads do not exist here.
     _offers.clear()
     _held.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from redis.exceptions import ResponseError
 
-from .. import metrics
+from .. import forksafe, metrics
 from ..exceptions import LockLost, NodeUnavailable
 from ..nodes import Call
 from .scripts import RENEW_MANY, RenewStatus
@@ -130,6 +130,7 @@ class Lease:
         self.renewing = False
         self.pid = os.getpid()
         self._lock = threading.Lock()
+        forksafe.track(self)
 
     def __repr__(self) -> str:
         return f"<Lease {self.keys.lock} fence={self.fence} remaining={self.remaining():.3f}>"
@@ -213,6 +214,10 @@ class Lease:
             raise self.lost
         if self.released:
             raise LockLost(self.keys.lock, "released", self.fence)
+
+    def _after_fork_in_child(self) -> None:
+        # A renewer or releasing thread of the parent may have held it at fork.
+        self._lock = threading.Lock()
 
     def abandon(self) -> None:
         """Stop renewing this lease, silently (no loss is reported for it afterwards)."""

@@ -39,7 +39,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .. import metrics
+from .. import forksafe, metrics
 from .lease import CHUNK, Lease, clock, renew_entries
 from .threads import START_GRACE, start_daemon
 
@@ -362,6 +362,7 @@ def get_renewer() -> Renewer:
     return renewer
 
 
+@forksafe.at_fork_in_child
 def _after_fork_in_child() -> None:
     global _renewer, _renewer_lock  # noqa: PLW0603
     # The parent's renewer thread does not exist here, and its locks may be held
@@ -370,6 +371,3 @@ def _after_fork_in_child() -> None:
         _renewer.close()
     _renewer = None
     _renewer_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import select
 import socket
 import threading
@@ -35,6 +34,7 @@ from typing import Any
 from redis.connection import AbstractConnection
 from redis.exceptions import RedisError
 
+from .. import forksafe
 from ..nodes import LockNode
 from .threads import START_GRACE, start_daemon
 
@@ -399,11 +399,9 @@ def get_listener(node: LockNode) -> _Listener:
     return listener
 
 
+@forksafe.at_fork_in_child
 def _after_fork_in_child() -> None:
     global _listeners_lock  # noqa: PLW0603
     # Listener threads do not survive fork; their sockets belong to the parent.
     _listeners.clear()
     _listeners_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

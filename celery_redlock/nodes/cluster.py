@@ -56,6 +56,7 @@ from redis.connection import AbstractConnection
 from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
+from .. import forksafe
 from ..exceptions import ConfigurationError
 from .calls import Call, Leg
 from .node import Node
@@ -181,6 +182,7 @@ class ClusterNode:
         self.timeout = timeout
         self._scheme, self._userinfo, self._seeds, self._query = _parse(url)
         self._lock = threading.Lock()
+        forksafe.track(self)
         self._masters: dict[str, Node] = {}
         #: slot -> master address; None until the first refresh.
         self._slots: list[str] | None = None
@@ -195,6 +197,11 @@ class ClusterNode:
 
     def __repr__(self) -> str:
         return f"<ClusterNode {self.safe_url}>"
+
+    def _after_fork_in_child(self) -> None:
+        # Held by a parent thread at fork, it would be held here for ever. The
+        # masters' own Nodes reset themselves.
+        self._lock = threading.Lock()
 
     def widen_timeout(self, timeout: float) -> None:
         """Let calls through this shared node take up to ``timeout`` (see ``Node``)."""

@@ -28,6 +28,7 @@ from redis.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.sentinel import SentinelConnectionPool
 
+from .. import forksafe
 from ..exceptions import ConfigurationError
 from .calls import Call, Leg, Script
 from .sentinel import (
@@ -93,6 +94,13 @@ class Node:
         self._unread_scripts: dict[str, Script] = {}
         self._scripts_lost = False
         self._pid = os.getpid()
+        forksafe.track(self)
+
+    def _after_fork_in_child(self) -> None:
+        # Another thread of the parent may have held the lock at fork; the sockets
+        # are the parent's (redis-py only shuts a socket down in its own process).
+        self._lock = threading.Lock()
+        self._check_pid()
 
     def __repr__(self) -> str:
         return f"<Node {self.safe_url}>"

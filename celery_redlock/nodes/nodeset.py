@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import forksafe
 from ..exceptions import ConfigurationError
 from .calls import Call, LockNode, Reply
 from .fanout import fan_out
@@ -96,6 +97,12 @@ class NodeSet:
             timeout=self.timeout if timeout is None else timeout,
             decided=decided,
         )
+
+    @staticmethod
+    @forksafe.at_fork_in_child
+    def _after_fork_in_child() -> None:
+        # A parent thread inside get() at fork would leave the registry locked here.
+        NodeSet._registry_lock = threading.Lock()
 
     def close(self) -> None:
         """Close the connections of nodes this process will not use again.
