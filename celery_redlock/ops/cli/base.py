@@ -19,6 +19,7 @@ from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 from ...exceptions import ConfigurationError
 from ...nodes import NodeSet
 from ...settings import Settings, from_conf
+from ..inventory import resolve_key
 from .output import warn
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Session",
     "check_quorum",
     "common_options",
+    "lock_key",
     "no_worker_error",
     "open_session",
     "quorum_error",
@@ -62,6 +64,17 @@ def open_session(ctx: click.Context, node_timeout: float) -> Session:
     except ConfigurationError as exc:
         raise CeleryCommandException(message=str(exc), exit_code=EX_FAILURE) from exc
     return Session(settings, nodeset)
+
+
+def lock_key(session: Session, text: str) -> str:
+    """The lock key that a command's KEY argument names (a key of a lock, or its name).
+
+    A KEY that names no lock (empty, too long) is a usage error, exit 2, not a traceback.
+    """
+    try:
+        return resolve_key(text, session.prefix)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="'KEY'") from exc
 
 
 def check_quorum(ctx: click.Context, nodeset: NodeSet, errors: dict[str, str]) -> int:

@@ -8,8 +8,8 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand
 
-from ..inventory import read_locks, resolve_key
-from .base import check_quorum, common_options, open_session
+from ..inventory import read_locks
+from .base import check_quorum, common_options, lock_key, open_session
 from .output import duration, echo_json, holder
 
 __all__ = ["inspect"]
@@ -28,7 +28,7 @@ def inspect(
     """
     session = open_session(ctx, node_timeout)
     try:
-        key = resolve_key(key, session.prefix)
+        key = lock_key(session, key)
         (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
     finally:
         session.close()

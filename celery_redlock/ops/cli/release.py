@@ -10,12 +10,13 @@ import click
 from celery.bin.base import CeleryCommand, CeleryOption
 from celery.platforms import EX_UNAVAILABLE
 
-from ..inventory import LockView, held_locks, read_locks, release_lock, resolve_key
+from ..inventory import LockView, held_locks, read_locks, release_lock
 from ..workers import ACTIVE, STALE, UNKNOWN, ask_workers, classify
 from .base import (
     Session,
     check_quorum,
     common_options,
+    lock_key,
     no_worker_error,
     open_session,
     quorum_error,
@@ -103,7 +104,7 @@ def _release_key(
     node_timeout: float,
     timeout: float,
 ) -> None:
-    key = resolve_key(key, session.prefix)
+    key = lock_key(session, key)
     (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
     errors = {v.node: v.error for v in lock.views if v.error is not None}
     code = check_quorum(ctx, session.nodeset, errors)

@@ -55,3 +55,15 @@ def test_inspect_shows_every_field_per_node_with_pttl_and_fence_counter(redis_no
     assert free.exit_code == 0
     assert (data["held"], data["holder"], data["nodes"][0]["pttl"]) == (False, None, -2)
     assert data["nodes"][0]["fence_counter"] == 1, "the fence counter outlives the lock"
+
+
+@pytest.mark.parametrize("command", ["inspect", "release"])
+@pytest.mark.parametrize("key", ["", "x" * 600])
+def test_a_key_that_names_no_lock_is_a_usage_error_not_a_traceback(redis_node, cli, command, key):
+    """`inspect ""` (or a name over the length limit) exits 2 naming KEY and why."""
+    result = cli(redis_node.url, command, key, "--yes" if command == "release" else "--json")
+
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for 'KEY'" in result.output
+    assert ("non-empty" if not key else "the limit is") in result.output
+    assert "Traceback" not in result.output
