@@ -10,7 +10,8 @@ What a busy lock does (``lock_on_busy``, :func:`apply_on_busy`):
            result is stored as FAILURE with :class:`~celery_redlock.LockBusy`, so
            ``AsyncResult.get()`` raises ``LockBusy`` at once (``propagate=False``
            returns it); no callbacks or errbacks run; the worker logs it as ignored.
-           ``apply()`` returns the same: an eager result in state FAILURE.
+           ``apply()`` returns the same: an eager result in state FAILURE (stored
+           nowhere else, as Celery stores no eager result).
 ``retry``  ``self.retry(countdown=lock_retry_countdown, exc=LockBusy(...))``;
            counts against ``max_retries``, after which the task fails with LockBusy.
 ``raise``  The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
@@ -77,10 +78,25 @@ def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOpt
         raise task.retry(exc=busy, countdown=options.retry_countdown)
     if policy == "skip":
         logger.info("Task %s[%s] skipped: %s", task.name, task_id, busy)
-        if not task.ignore_result:
+        if _stores_result(task):
             task.backend.mark_as_failure(task_id, busy, request=task.request, call_errbacks=False)
         raise Skipped(busy)
     raise busy
+
+
+def _stores_result(task: Task) -> bool:
+    """Whether a run of ``task`` stores its result in the result backend, as Celery does.
+
+    Not an eager run (``apply()``, ``task_always_eager``) unless the task asks for it
+    (``task_store_eager_result``): its caller reads the ``EagerResult`` that ``apply()``
+    returns, and a test app's result backend is often not running (a skip there used
+    to fail with that backend's ``ConnectionError`` instead of ``LockBusy``).
+    """
+    if task.ignore_result:
+        return False
+    if getattr(task.request, "is_eager", False):
+        return bool(task.store_eager_result)
+    return True
 
 
 class Skipped(Ignore):

@@ -7,11 +7,17 @@ installed entry point, or by name with autoloading off.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from celery import Celery
 
 from celery_redlock import ConfigurationError, LockedTask, lock_for
+from celery_redlock.testing.servers import free_port
 from tests.harness import close_app
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 PROJECT = """
 from celery import Celery
@@ -168,6 +174,63 @@ def test_the_plugin_can_be_opted_into_and_out_of(project, monkeypatch):
     )
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*fixture 'redlock_app' not found*"])
+
+
+# A project as a user writes it: its app's broker and result backend are its own
+# servers (nowhere running in its tests), its tasks are `@app.task`.
+README_PROJECT_APP = """
+from celery import Celery
+
+app = Celery("proj", broker="redis://127.0.0.1:{port}/0", backend="redis://127.0.0.1:{port}/1")
+app.conf.redis_socket_connect_timeout = app.conf.broker_connection_timeout = 1
+"""
+
+README_PROJECT_TASKS = """
+from celery_redlock import LockedTask
+
+from .celery import app
+
+
+@app.task(base=LockedTask, bind=True, lock_args=("account_id",))
+def sync_account(self, account_id, full=False):
+    return account_id
+"""
+
+
+def readme_test_files(section: str) -> dict[str, str]:
+    """The ``python`` blocks of a README section that start with ``# <path>``, by path."""
+    text = README.read_text()
+    start = text.index(f"\n## {section}\n")
+    end = text.index("\n## ", start + 1)
+    blocks = re.findall(r"```python\n(# (\S+\.py)[^\n]*\n.*?)```", text[start:end], re.S)
+    return {path: body for body, path in blocks}
+
+
+def test_the_readme_testing_example_runs_for_a_project_whose_services_are_down(pytester):
+    """README "Testing your tasks", verbatim, on a project whose broker and backend are down.
+
+    The eager test (``apply()`` stores no result: a skip is ``LockBusy``, not the
+    backend's ``ConnectionError``) and the worker test (the README's ``celery_app``
+    override makes ``@app.task`` tasks reach celery.contrib.pytest's worker).
+    """
+    files = readme_test_files("Testing your tasks")
+    assert set(files) == {"tests/conftest.py", "tests/test_sync.py", "tests/test_worker.py"}
+    pytester.makepyfile(
+        **{
+            "proj/__init__": "",
+            "proj/celery": README_PROJECT_APP.format(port=free_port()),
+            "proj/tasks": README_PROJECT_TASKS,
+            "tests/__init__": "",
+            "tests/test_sync": files.pop("tests/test_sync.py"),
+        }
+    )
+    # The eager test alone: the project's own (unreachable) broker and result backend.
+    result = pytester.runpytest_subprocess("tests", timeout=240)
+    result.assert_outcomes(passed=1)
+    # With the conftest: celery.contrib.pytest's worker runs the project's app.
+    pytester.makepyfile(**{path.removesuffix(".py"): body for path, body in files.items()})
+    result = pytester.runpytest_subprocess("-p", "celery.contrib.pytest", "tests", timeout=240)
+    result.assert_outcomes(passed=2)
 
 
 def test_the_plugin_is_inert_until_a_fixture_is_requested(pytester):
