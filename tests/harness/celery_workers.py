@@ -65,6 +65,15 @@ IN_PROCESS_POOLS = ("solo", "threads")
 BROKER_DB = 1
 BACKEND_DB = 2
 
+#: In-process workers keep Celery's default bootsteps: none of mingle, gossip and
+#: heartbeat is turned off (a harness that always turned them off hid a crash at
+#: start on kombu < 5.7).
+DEFAULT_STEPS: dict[str, bool] = {
+    "without_heartbeat": False,
+    "without_mingle": False,
+    "without_gossip": False,
+}
+
 
 # --------------------------------------------------------------------------- apps
 
@@ -342,11 +351,10 @@ class InProcessWorker:
             concurrency=self.concurrency,
             loglevel=self.loglevel,
             logfile=None,
-            without_heartbeat=True,
-            without_mingle=True,
-            without_gossip=True,
             poll_timeout=self.poll_timeout,
-            **self.worker_options,
+            # Celery's default bootsteps (mingle, gossip, heartbeat on), as users run
+            # workers; a test about turning one off passes e.g. without_mingle=True.
+            **{**DEFAULT_STEPS, **self.worker_options},
         )
         thread = threading.Thread(
             target=self._run, args=(worker,), name=f"celery-{self.hostname}", daemon=True
@@ -510,13 +518,14 @@ class WorkerProcess:
     cwd=REPO_ROOT, ready_timeout=60.0, stop_timeout=15.0)``.
 
     The command line is ``<python> -m celery -A <app_module> worker --pool=<pool>
-    --concurrency=<n> --loglevel=<loglevel> --without-gossip --without-mingle
-    --without-heartbeat -n <name>@%h <extra_args...>``, run with ``cwd`` (the repository
-    root) and ``PYTHONPATH`` starting with the repository root, so ``tests.apps.*``
-    imports. The environment is the test process's, plus ``PYTHONUNBUFFERED=1``,
-    ``$REDLOCK_TEST_REDIS_URL=redis_url`` when given, and then ``env``. stdout and stderr
-    go to :attr:`log_path` (``<log_dir>/<name>.log``; ``log_dir`` defaults to a new
-    temporary directory, kept for post-mortems).
+    --concurrency=<n> --loglevel=<loglevel> -n <name>@%h <extra_args...>``: Celery's default
+    bootsteps (mingle, gossip, heartbeat), as users start workers; a test about turning one
+    off passes ``--without-mingle`` etc. in ``extra_args``. Run with ``cwd`` (the repository
+    root) and ``PYTHONPATH`` starting with the repository root, so ``tests.apps.*`` imports.
+    The environment is the test process's, plus ``PYTHONUNBUFFERED=1``,
+    ``$REDLOCK_TEST_REDIS_URL=redis_url`` when given, and then ``env``. stdout and stderr go
+    to :attr:`log_path` (``<log_dir>/<name>.log``; ``log_dir`` defaults to a new temporary
+    directory, kept for post-mortems).
 
     The worker is a session leader, so its pid is also its process-group id and the pool
     children (which do not change group) are in that group: :meth:`kill` and the last
@@ -594,7 +603,6 @@ class WorkerProcess:
             f"--pool={self.pool}",
             f"--concurrency={self.concurrency}",
             f"--loglevel={self.loglevel}",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"{self.name}@%h",
             *self.extra_args,
         ]  # fmt: skip
