@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("mkdocs", reason="mkdocs: in the 'docs' extra (part of 'test')")
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ROOT / "scripts" / "mkdocs_hooks.py"
 

@@ -28,6 +28,8 @@ import redis
 
 from tests.harness import BeatProcess, WorkerProcess, wait_for
 
+pytest.importorskip("build", reason="build: in the 'test' extra, not 'test-core'")
+
 ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = "https://github.com/celery-redlock/celery_redlock"
 
@@ -167,6 +169,25 @@ def test_sdist_ships_a_test_suite_that_runs(dist, tmp_path):
     )
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-2000:]
     assert re.search(r"^\d+ tests collected", collected.stdout, re.M), collected.stdout[-500:]
+    # As a packager runs them after `pip install '.[test-core]'` (tox.ini's extra): what
+    # needs more (the benchmark peers, Django, mkdocs, build) skips, saying which extra.
+    core = subprocess.run(
+        [sys.executable, "tests/harness/only_extra.py", "pyproject.toml", "test-core",
+         "--collect-only", "-q", "-rs", "-p", "no:cacheprovider"],
+        cwd=tree, capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert core.returncode == 0, core.stdout[-3000:] + core.stderr[-2000:]
+    assert "celery_once" in core.stderr, core.stderr[-500:]  # it was made unimportable
+    assert re.search(r"^\d+ tests collected", core.stdout, re.M), core.stdout[-500:]
+    skipped = re.findall(
+        r"^SKIPPED \[1\] (\S+?):\d+: .*'(?:benchmarks|test|docs)'", core.stdout, re.M
+    )
+    assert sorted(skipped) == [
+        "tests/integration/test_django.py",
+        "tests/test_benchmarks_smoke.py",
+        "tests/test_docs.py",
+        "tests/test_packaging.py",
+    ], core.stdout[-1500:]
     probe = "import celery_redlock, sys; print(celery_redlock.__file__)"
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

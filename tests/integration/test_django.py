@@ -16,6 +16,9 @@ import time
 
 import pytest
 
+pytest.importorskip("django", reason="Django: in the 'test' extra, not 'test-core'")
+pytest.importorskip("django_celery_beat", reason="django-celery-beat: in the 'test' extra")
+
 from celery_redlock import LockBusy
 from tests.harness import BeatProcess, close_app, wait_for
 from tests.harness.celery_workers import REPO_ROOT, make_app
