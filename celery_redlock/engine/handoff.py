@@ -34,6 +34,29 @@ holds the lock (its lease valid by the local clock) does not ask Redis first: it
 subscribes, offers itself and waits, since the answer could only be "busy". The
 thread that has just handed the lock over, coming back for its next turn, thus
 queues behind the others without a round trip.
+
+**Other processes' turn** (DESIGN invariant 12). Handed among its threads, a lock
+would never be free in Redis while the process has a waiting thread, and a waiter of
+another process would wait until its timeout (measured before this bound: 2
+processes x 4 threads, 1 ms holds, 12 s: 8,565 acquisitions for one, 0 and 8
+timeouts for the other). So ``acquire.lua`` keeps the process's *turn* on the lock:
+the first blocking attempt of another process (by host and pid) that it refuses starts
+the turn's count, and from then the lock is handed over at most
+``TURN.handoffs`` more times, and none past ``TURN.ms`` milliseconds: the next
+takeover is refused, and the holder's release, which then goes through Redis,
+*reserves* the lock (its token becomes :data:`~.keys.YIELD_MARK`) for up to
+``TURN.reserve_ms`` ms: refused to this process, free for any other, and announced
+as any release, so the other process's woken waiter takes it while this process's
+threads (the releaser coming back included) are told to wait. A waiter of another
+process is thus served within ``TURN.handoffs + 1`` holds of the process that has
+the lock, or ``TURN.ms`` plus the hold under way, plus its own wake-up, provided it
+asks within the reservation (one that misses it is refused, and the count starts
+again). A blocking attempt of the yielding process refused by the reservation starts
+the next holder's count at once, so the turns alternate. With several other
+processes waiting, the first of them to ask wins each reservation. Without a waiter
+elsewhere nothing changes: no count, no reservation. The cost of a reservation that
+nobody takes (the other waiter gave up meanwhile) is a lock left idle for up to
+``TURN.reserve_ms``.
 """
 
 from __future__ import annotations
@@ -56,9 +79,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NOT_HANDED",
+    "TURN",
     "Grant",
     "Handed",
     "Offer",
+    "Turn",
     "forget",
     "hand_over",
     "held_here",
@@ -77,6 +102,21 @@ handovers = 0
 #: Longest a waiter whose offer was claimed waits for the releaser's result, in
 #: budgets of one vote: past it, the releaser undoes what it got.
 PATIENCE_BUDGETS = 4
+
+
+class Turn(NamedTuple):
+    """A process's turn on a lock while a blocking waiter of another process waits."""
+
+    #: Takeovers at most, counted from the other process's first refused attempt.
+    handoffs: int
+    #: Milliseconds (node clock) from that attempt after which no takeover is granted.
+    ms: int
+    #: Milliseconds the yielded lock is refused to this process (unless taken before).
+    reserve_ms: int
+
+
+#: The bound of invariant 12, sent with every takeover (``acquire.lua`` ARGV[12..14]).
+TURN = Turn(handoffs=8, ms=100, reserve_ms=100)
 
 
 class Grant(NamedTuple):

@@ -19,6 +19,10 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               ``lock_unique`` (one queued copy per name)
     redlock:{NAME}:throttle   string: the task id of the last run admitted, expiring
                               with its ``lock_throttle`` window
+    redlock:{NAME}:abandoned  sorted set: tokens of acquisitions abandoned with a
+                              request maybe still on the way -> when that entry
+                              expires (ms, node clock; one lease after it was
+                              written); the acquire scripts refuse these tokens
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all. Redis hashes a key by the text between its first
@@ -50,6 +54,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "SUFFIXES",
     "WRITER_MARK",
+    "YIELD_MARK",
     "LockKeys",
     "is_lock_key",
     "keys_of",
@@ -73,6 +78,12 @@ MAX_NAME_LENGTH = 512
 #: constant ``WRITER_MARK`` (see :mod:`celery_redlock.engine.scripts`).
 WRITER_MARK = "!writer"
 
+#: The token of a lock *reserved* for other processes: released by a process whose
+#: turn was over while another process waited (:mod:`celery_redlock.engine.handoff`),
+#: refused to that process for a moment (never a token: tokens are hex). The scripts
+#: get it as the Lua constant ``YIELD_MARK``.
+YIELD_MARK = "!yield"
+
 
 class LockKeys(NamedTuple):
     """The Redis names one lock uses."""
@@ -87,6 +98,7 @@ class LockKeys(NamedTuple):
     waiting: str
     claim: str
     throttle: str
+    abandoned: str
 
     @property
     def resource(self) -> tuple[str, str, str, str]:

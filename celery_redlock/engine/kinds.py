@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from ..nodes import Call
+from . import handoff
 from .keys import LockKeys, lock_keys, release_keys
 from .scripts import ACQUIRE, ACQUIRE_SHARED, FAIR_LEAVE, FENCE_SYNC, RELEASE, RELEASE_SHARED
 from .timing import check_kind
@@ -119,7 +120,8 @@ class Kind(abc.ABC):
         """One attempt of ``waiter`` to take a ``ttl_ms`` lease.
 
         ``predecessor``: the token of a holder handing the lock over (kinds that
-        :attr:`hands_over` only), whose hold counts as free.
+        :attr:`hands_over` only), whose hold counts as free within its process's
+        turn (:data:`.handoff.TURN`).
         """
 
     @abc.abstractmethod
@@ -173,7 +175,7 @@ class Exclusive(Kind):
             keys + self._queue_keys(),
             (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "",
              self._queue_arg(waiter, ttl_ms), waiter.arrival,
-             *((predecessor,) if predecessor else ())),
+             *((predecessor, *handoff.TURN) if predecessor else ())),
         )  # fmt: skip
 
     def _queue_keys(self) -> tuple[str, ...]:

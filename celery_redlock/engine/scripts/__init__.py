@@ -8,9 +8,10 @@ promoted replica) gets ``SCRIPT LOAD`` once, pipelined with the retried calls
 source 10 times.
 
 The scripts build no key names: each gets every key it touches in ``KEYS``
-(:mod:`celery_redlock.keys` lists them per script). The one constant they share
-with Python, :data:`~celery_redlock.keys.WRITER_MARK`, is put in front of each
-script's code (after its header) as the Lua local ``WRITER_MARK`` (:data:`PRELUDE`).
+(:mod:`celery_redlock.keys` lists them per script). The constants they share
+with Python, :data:`~celery_redlock.keys.WRITER_MARK` and
+:data:`~celery_redlock.keys.YIELD_MARK`, are put in front of each script's code
+(after its header) as Lua locals of the same names (:data:`PRELUDE`).
 
 Each script's return codes are an :class:`enum.IntEnum` here, beside its loader,
 for every module that reads them.
@@ -23,9 +24,10 @@ import hashlib
 from collections.abc import Sequence
 from importlib import resources
 
-from ..keys import WRITER_MARK
+from ..keys import WRITER_MARK, YIELD_MARK
 
 __all__ = [
+    "ABANDON",
     "ACQUIRE",
     "ACQUIRE_SHARED",
     "BEAT_CLAIM",
@@ -63,6 +65,7 @@ class AcquireStatus(enum.IntEnum):
     BUSY = 0  #: kept out by another holder (or, fair, by the queue)
     ACQUIRED = 1
     REENTERED = 2  #: this token held it already; lease refreshed
+    ABANDONED = 3  #: refused: the token's acquisition was abandoned (``abandon.lua``)
 
 
 class ReleaseStatus(enum.IntEnum):
@@ -142,7 +145,9 @@ def _lua_string(text: str) -> str:
 
 #: Lua put between every script's header and its code: the constants shared with
 #: Python. One line, so error line numbers past the header are one more than in the file.
-PRELUDE = f"local WRITER_MARK = {_lua_string(WRITER_MARK)}\n"
+PRELUDE = (
+    f"local WRITER_MARK = {_lua_string(WRITER_MARK)} local YIELD_MARK = {_lua_string(YIELD_MARK)}\n"
+)
 
 
 class Script:
@@ -179,6 +184,7 @@ class Script:
 
 
 ACQUIRE = Script("acquire", status=AcquireStatus)
+ABANDON = Script("abandon")
 FENCE_SYNC = Script("fence_sync", status=FenceSyncStatus)
 RENEW_MANY = Script("renew_many", status=RenewStatus, per_key_args=3)
 RELEASE = Script("release", status=ReleaseStatus)

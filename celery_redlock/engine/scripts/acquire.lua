@@ -8,6 +8,8 @@
 -- KEYS[4i]    shared holders' details (hash token -> json)
 -- With fair waiting (one resource only) two more keys:
 -- KEYS[5]     queue (sorted set token -> arrival)   KEYS[6]  waiter deadlines
+-- Then, optional (the library always sends it): the lock's abandoned tokens
+-- (abandon.lua), whose requests are refused
 --
 -- ARGV[1]  owner token (128 random bits, new for every acquisition)
 -- ARGV[2]  lease in milliseconds (positive integer)
@@ -20,21 +22,46 @@
 -- ARGV[9]  fair waiting: '' off; else the waiter's lease in ms ('0': a try that
 --          does not queue). Only the head of the queue may take a free lock.
 -- ARGV[10] arrival order for the queue ('' : this node numbers arrivals)
--- ARGV[11] optional: a handoff. The token of the holder that hands its locks over
---          (a release in the same process); a lock it holds counts as free, and is
---          taken over in place (a new fence, the new holder's fields), so it is
---          never free in between for a third party to take.
+-- ARGV[11..14] optional, all four: a handoff. ARGV[11] the token of the holder that
+--          hands its locks over (a release in the same process); a lock it holds
+--          counts as free, and is taken over in place (a new fence, the new holder's
+--          fields), so it is never free in between for a third party to take.
+--          ARGV[12], ARGV[13], ARGV[14]: the process's turn (non-negative integers).
+--          Once a blocking attempt of another process (host, pid) was refused, the
+--          holder's process may hand the lock over ARGV[12] more times, for at most
+--          ARGV[13] ms; then a takeover is refused, and the lock's release reserves
+--          it for ARGV[14] ms against that process (see release.lua).
+--
+-- Fields a turn keeps in the lock hash (a takeover keeps them, a release drops them):
+--   waited    node ms when a blocking attempt of another process was first refused
+--   handoffs  takeovers since then
+--   yield     set when a takeover was refused: the reservation's length, in ms
+-- A reservation is a lock hash with token YIELD_MARK and the yielding process's host
+-- and pid: that process is refused (a blocking attempt of it marks 'waited', which the
+-- next holder's turn inherits), anyone else takes it as free.
 --
 -- Returns  {1, fence_1, ..., fence_n}   acquired; fences are the new counter values
 --          {2, fence_1, ..., fence_n}   this token held them already; leases refreshed
 --          {0, wait_ms, holder_task}    kept out by another holder (or, fair, by the
 --                                       queue); wait_ms: when that may change
-if #ARGV ~= 10 and #ARGV ~= 11 then
-    return redis.error_reply('ERR celery_redlock acquire: expected 10 or 11 arguments, got ' .. #ARGV)
+--          {3}                          refused: this token's acquisition was
+--                                       abandoned (nothing written)
+if #ARGV ~= 10 and #ARGV ~= 14 then
+    return redis.error_reply('ERR celery_redlock acquire: expected 10 or 14 arguments, got ' .. #ARGV)
 end
 local predecessor = ARGV[11]
 if predecessor == '' or predecessor == ARGV[1] then
     predecessor = nil
+end
+local turn = {}
+if #ARGV == 14 then
+    for j = 12, 14 do
+        local value = tonumber(ARGV[j])
+        if not value or value < 0 or value > 2592000000 or value ~= math.floor(value) then
+            return redis.error_reply('ERR celery_redlock acquire: a turn bound must be a non-negative integer')
+        end
+        turn[j - 11] = value
+    end
 end
 -- Leases are capped at 30 days (settings.MAX_SECONDS): Lua hands a number of 1e14 or
 -- more to Redis as '1e+14', which PEXPIRE refuses after the key was written.
@@ -60,13 +87,27 @@ end
 if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock acquire: empty owner token')
 end
+if ARGV[1] == YIELD_MARK then
+    return redis.error_reply('ERR celery_redlock acquire: the owner token is the reservation mark')
+end
 local fair = ARGV[9] ~= nil and ARGV[9] ~= ''
-local n = (#KEYS - (fair and 2 or 0)) / 4
+local rest = #KEYS - (fair and 2 or 0)
+local abandoned
+if rest % 4 == 1 then
+    abandoned = KEYS[#KEYS]
+    rest = rest - 1
+end
+local n = rest / 4
 if n < 1 or n ~= math.floor(n) or (fair and n ~= 1) then
     return redis.error_reply('ERR celery_redlock acquire: expected 4 keys per resource '
-        .. '(and 2 queue keys with fair waiting, one resource only)')
+        .. '(and 2 queue keys with fair waiting, one resource only), then 1 optional')
 end
 local token = ARGV[1]
+-- A request that arrives after its acquisition was abandoned (abandon.lua) grants
+-- nothing and queues nowhere: nobody would hold or release it.
+if abandoned and redis.call('ZSCORE', abandoned, token) then
+    return {3}
+end
 
 local now
 local function clock()
@@ -96,18 +137,46 @@ local function shared_wait(shared, holders)
     return nil
 end
 
+-- The requester's process: the holder's own, or another (whose blocking attempts bound
+-- the holder process's turn).
+local function same_process(lock)
+    local holder = redis.call('HMGET', lock, 'host', 'pid')
+    return holder[1] == ARGV[4] and holder[2] == ARGV[5]
+end
+
 local blocked
-local owned, mine = 0, {}
+local owned, mine, reserved, handed = 0, {}, {}, {}
 for i = 1, n do
     local lock = KEYS[4 * i - 3]
     local current = redis.call('HGET', lock, 'token')
     if current == token then
         owned = owned + 1
         mine[i] = true
+    elseif current == YIELD_MARK and not same_process(lock) then
+        reserved[i] = true  -- reserved for anyone but the process that yielded it
+    elseif current == YIELD_MARK then
+        if ARGV[8] == '1' then
+            redis.call('HSETNX', lock, 'waited', clock())  -- the next holder's turn is bounded
+        end
+        blocked = {0, redis.call('PTTL', lock), ''}
+        break
     elseif current and current ~= predecessor then
+        if ARGV[8] == '1' and not fair and not same_process(lock) then
+            redis.call('HSETNX', lock, 'waited', clock())
+        end
         blocked = {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}
         break
-    elseif not current then
+    elseif current then
+        -- A takeover: within the turn, or refused, and the release yields the lock.
+        local waited = tonumber(redis.call('HGET', lock, 'waited'))
+        if waited and (tonumber(redis.call('HGET', lock, 'handoffs') or '0') >= turn[1]
+                       or clock() - waited >= turn[2]) then
+            redis.call('HSET', lock, 'yield', math.max(1, turn[3]))
+            blocked = {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}
+            break
+        end
+        handed[i] = waited ~= nil
+    else
         local shared = KEYS[4 * i - 1]
         local wait = shared_wait(shared, KEYS[4 * i])
         if wait then
@@ -170,6 +239,15 @@ for i = 1, n do
     if mine[i] then
         fence = tonumber(redis.call('HGET', lock, 'fence'))
     else
+        if reserved[i] then
+            local asked = redis.call('HGET', lock, 'waited')
+            redis.call('DEL', lock)
+            if asked then  -- the yielding process waits already: this turn is bounded
+                redis.call('HSET', lock, 'waited', clock())
+            end
+        elseif handed[i] then
+            redis.call('HINCRBY', lock, 'handoffs', 1)
+        end
         fence = redis.call('INCR', KEYS[4 * i - 2])
         redis.call('HSET', lock, 'token', token, 'fence', fence, 'task_id', ARGV[3],
                    'task_name', ARGV[7] or '', 'host', ARGV[4], 'pid', ARGV[5],

@@ -53,18 +53,20 @@ def test_scripts_load_from_the_installed_package():
 
 def test_scripts_build_no_key_names_and_share_the_writer_mark():
     """Every key a script touches comes in KEYS (keys.py builds them all): no script
-    appends ':released' to a key; the writer mark is keys.WRITER_MARK, not a copy."""
+    appends ':released' to a key; the writer and yield marks are keys.WRITER_MARK and
+    keys.YIELD_MARK, not copies."""
     from importlib import resources
 
-    from celery_redlock.engine.keys import WRITER_MARK
+    from celery_redlock.engine.keys import WRITER_MARK, YIELD_MARK
 
     for path in resources.files(scripts).iterdir():
         if path.name.endswith(".lua"):
             text = path.read_text("utf-8")
             assert ".. ':" not in text and ":released'" not in text, path.name
-            assert WRITER_MARK not in text, path.name
+            assert WRITER_MARK not in text and YIELD_MARK not in text, path.name
     for script in (s for s in vars(scripts).values() if isinstance(s, scripts.Script)):
         assert f"local WRITER_MARK = '{WRITER_MARK}'" in script.source
+        assert f"local YIELD_MARK = '{YIELD_MARK}'" in script.source
 
 
 def test_acquire_grants_a_growing_fence_and_names_the_holder(redis_node):
