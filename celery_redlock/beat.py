@@ -80,6 +80,7 @@ __all__ = [
     "default_beat_name",
     "leader_name",
     "parse_beat_holder",
+    "same_broker",
 ]
 
 logger = logging.getLogger("celery.beat")
@@ -117,7 +118,8 @@ def broker_identity(app: Any) -> str:
     vhost = (parts.path or "").strip("/")
     if parts.scheme in ("redis", "rediss") and not vhost:
         vhost = "0"
-    address = f"{parts.username or ''}@{parts.hostname or ''}:{parts.port or ''}"
+    user = f"{parts.username}@" if parts.username else ""  # no "@" without a user
+    address = f"{user}{parts.hostname or ''}:{parts.port or ''}"
     identity = f"{parts.scheme}://{address}/{vhost or '/'}"
     options = app.conf.get("broker_transport_options") or {}
     prefix = options.get("global_keyprefix") if isinstance(options, dict) else None
@@ -131,8 +133,26 @@ def default_beat_name(app: Any) -> str:
     the broker's credentials is in Redis (the identity has no password to begin with).
     """
     main = re.sub(r"[{}\s]", "_", app.main or "celery")
-    digest = hashlib.sha256(broker_identity(app).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(_hashed_identity(broker_identity(app)).encode()).hexdigest()[:12]
     return f"{main}@{digest}"
+
+
+def _hashed_identity(identity: str) -> str:
+    """The identity as the default name hashes it: as earlier versions wrote it.
+
+    They wrote ``redis://@host:6379/0`` for a broker URL without a user (shown as is
+    by ``celery redlock ls``); the identity no longer has that ``@``, but the leader
+    lock's default name must not change, or an upgraded beat and an older one would
+    each lead under its own name.
+    """
+    scheme, _, rest = identity.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://{netloc if '@' in netloc else '@' + netloc}{slash}{path}"
+
+
+def same_broker(recorded: str, identity: str) -> bool:
+    """Whether a leader's recorded broker identity is ``identity`` (either way written)."""
+    return _hashed_identity(recorded) == _hashed_identity(identity)
 
 
 def leader_name(app: Any, beat_name: str | None) -> str:
@@ -241,7 +261,7 @@ class LeaderMixin:
         self._seen_leader = holder
         key = self.leader_lock.key
         leader = parse_beat_holder(holder)
-        if leader is not None and leader["broker"] != self.broker_identity:
+        if leader is not None and not same_broker(leader["broker"], self.broker_identity):
             logger.warning(
                 "beat: standing by, but the leader lock %s is held by a beat of another "
                 "project (app %s on %s:%s, broker %s; this beat's broker is %s): this "

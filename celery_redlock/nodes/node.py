@@ -23,7 +23,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kombu.utils.url import maybe_sanitize_url
 from redis.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.sentinel import SentinelConnectionPool
@@ -38,7 +37,7 @@ from .sentinel import (
     sanitize_sentinel_url,
     sentinel_pool,
 )
-from .urls import connection_options, register_node_kind
+from .urls import connection_options, mask_password, register_node_kind
 
 __all__ = ["MAX_IDLE", "Node"]
 
@@ -69,11 +68,11 @@ class Node:
                 pool = ConnectionPool.from_url(url, **connection_options(timeout))
             except (ValueError, TypeError) as exc:
                 raise ConfigurationError(
-                    f"invalid Redis URL {maybe_sanitize_url(url)!r}: {exc}; expected "
+                    f"invalid Redis URL {mask_password(url)!r}: {exc}; expected "
                     "redis://[[user]:password@]host[:port][/db], rediss://..., unix://path "
                     f"or {SENTINEL_FORM}"
                 ) from exc
-            self.safe_url = maybe_sanitize_url(url)
+            self.safe_url = mask_password(url)
         self._recheck_at = 0.0
         #: When a connection to this server last failed (monotonic; 0: never).
         self.failed_at = 0.0

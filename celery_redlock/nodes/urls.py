@@ -17,8 +17,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
+from urllib.parse import parse_qsl, quote
 
-from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
 from redis.retry import Retry
@@ -29,6 +29,7 @@ __all__ = [
     "NodeFactory",
     "connection_options",
     "make_node",
+    "mask_password",
     "parse_hosts",
     "register_node_kind",
     "safe_url",
@@ -75,7 +76,41 @@ def safe_url(url: str) -> str:
     for matches, _, sanitize in _NODE_KINDS:
         if matches(url):
             return sanitize(url)
-    return str(maybe_sanitize_url(url))
+    return mask_password(url)
+
+
+#: Query parameters of a redis-py URL that carry a secret.
+_SECRET_PARAMETERS = frozenset({"password"})
+
+
+def mask_password(url: str) -> str:
+    """``url`` as written, its password (userinfo or ``?password=``) shown as ``**``.
+
+    Only the secret changes: no credentials stay none (kombu's masking writes
+    ``redis://@host`` or adds a ``/`` in some versions), a user stays, an IPv6 host
+    keeps its brackets and ``unix://`` keeps its ``?db=``, so the URL still names the
+    node it names. For ``redis://``, ``rediss://`` and ``unix://`` URLs (and any
+    ``scheme://[user[:password]@]rest`` form).
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, question, query = rest.partition("?")
+    # The userinfo ends at the last "@" before the path, as redis-py reads it (a
+    # unix:// path may hold an "@" of its own).
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, host = netloc.rpartition("@")
+    if at:
+        user, colon, password = userinfo.partition(":")
+        if colon and password:
+            userinfo = f"{user}:**"
+        netloc = f"{userinfo}@{host}" if userinfo else host
+    if question:
+        query = "&".join(
+            f"{k}=**" if k in _SECRET_PARAMETERS else f"{k}={quote(v, safe='/:,')}"
+            for k, v in parse_qsl(query, keep_blank_values=True)
+        )
+    return f"{scheme}://{netloc}{slash}{path}{question}{query}"
 
 
 def parse_hosts(hostlist: str, default_port: int, *, what: str = "host") -> list[tuple[str, int]]:

@@ -163,7 +163,7 @@ def check_beat_leader(
     ``key`` is the name older versions derived (``beat:<main>``) while this app derives
     another: whoever holds it leads besides this app's beat. None when no node holds it.
     """
-    from ...beat import parse_beat_holder  # noqa: PLC0415 (beat imports Celery's scheduler)
+    from ...beat import parse_beat_holder, same_broker  # noqa: PLC0415 (beat imports Celery's scheduler)
 
     if not holders:
         return None
@@ -189,7 +189,7 @@ def check_beat_leader(
             "each project its own redlock_beat_name.",
         )
     where = f"app {leader['app']} on {leader['host']}:{leader['pid']}"
-    if leader["broker"] != broker:
+    if not same_broker(leader["broker"], broker):
         return Finding(
             ERROR,
             "beat-leader-foreign",

@@ -45,6 +45,33 @@ def test_safe_url_masks_the_password_of_every_url_form(url):
     assert masked.split("://")[0] == url.split("://")[0]
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1", "redis://127.0.0.1"),  # no credentials: no "@", no "/" added
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://app@10.0.0.1:6379/0", "redis://app@10.0.0.1:6379/0"),  # user only
+        ("redis://:s3cret@10.0.0.1/2", "redis://:**@10.0.0.1/2"),  # password only
+        ("redis://app:s3cret@10.0.0.1:6379/0", "redis://app:**@10.0.0.1:6379/0"),
+        ("redis://:p%40ss@10.0.0.1/0", "redis://:**@10.0.0.1/0"),  # an encoded "@"
+        (
+            "rediss://app:s3cret@h:6380/1?ssl_cert_reqs=none",
+            "rediss://app:**@h:6380/1?ssl_cert_reqs=none",
+        ),
+        ("redis://h/0?password=s3cret&db=1", "redis://h/0?password=**&db=1"),
+        ("redis://[::1]:6379/0", "redis://[::1]:6379/0"),
+        ("unix:///run/redis.sock?db=3", "unix:///run/redis.sock?db=3"),
+        ("unix://:s3cret@/run/redis.sock?db=3", "unix://:**@/run/redis.sock?db=3"),
+        ("unix://app:s3cret@/run/redis.sock", "unix://app:**@/run/redis.sock"),
+        ("unix://app@/run/redis.sock", "unix://app@/run/redis.sock"),
+    ],
+)
+def test_safe_url_changes_only_the_password(url, shown):
+    """What a node is called in `ls`, logs and errors: the URL as written, less the secret."""
+    assert safe_url(url) == shown
+    assert Node(url, timeout=0.1).safe_url == shown
+
+
 def test_a_url_no_kind_claims_is_made_by_the_callers_factory():
     made = []
 

@@ -225,3 +225,32 @@ def test_ls_stale_without_workers_does_not_say_no_stale_locks(redis_node, cli):
     assert "1 lock(s) could not be classified" in listed.stderr
     assert "redlock:{orphan}" in listed.stderr
     lock.release()
+
+
+def test_ls_shows_a_beat_leaders_broker_without_credentials_as_written(redis_node, cli):
+    """A beat whose broker URL has no user: `broker redis://host:port/0`, no `redis://@`.
+
+    The default leader name still hashes the identity as earlier versions wrote it
+    (pinned digest), and a leader recorded that way is the same broker.
+    """
+    from celery import Celery
+
+    from celery_redlock.beat import beat_holder, default_beat_name, same_broker
+
+    app = Celery("proj", broker="redis://127.0.0.1", set_as_current=False)
+    try:
+        holder, name = beat_holder(app), default_beat_name(app)
+    finally:
+        app.close()
+    assert holder.endswith(" broker redis://127.0.0.1:6379/0"), holder
+    assert name == "proj@6ee557b01b9c"  # sha256("redis://@127.0.0.1:6379/0")[:12]
+    assert same_broker("redis://@127.0.0.1:6379/0", "redis://127.0.0.1:6379/0")
+    assert not same_broker("redis://@127.0.0.1:6379/0", "redis://127.0.0.1:6379/1")
+    lock = lock_on(redis_node, f"beat:{name}", task_name=holder)
+
+    result = cli(redis_node.url, "ls", "--json")
+
+    assert result.exit_code == 0, result.output
+    (shown,) = json.loads(result.stdout)["locks"]
+    assert shown["task_name"] == holder and "://@" not in result.stdout
+    lock.release()
