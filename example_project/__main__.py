@@ -22,7 +22,20 @@ from celery.exceptions import CeleryError
 
 from celery_redlock import LockBusy, LockLost
 
-from .support import ROOT, Service, finished_runs, redis_base, say, step, wait_until
+from .support import (
+    ROOT,
+    Service,
+    count_renewals,
+    finished_runs,
+    redis_base,
+    say,
+    step,
+    task_lock,
+    wait_until,
+)
+
+#: The keys of sync_account's locks (each account's, with its fence counter).
+SYNC_LOCKS = "redlock:{example_project.tasks.sync_account:*}"
 
 
 def outcome(result, timeout: float = 30) -> str:
@@ -48,29 +61,9 @@ def duplicates(tasks) -> None:
 def long_task(tasks, locks: redis.Redis) -> None:
     step("A sync that takes 5 s, with a lease of only 1.5 s")
     result = tasks.sync_account.delay(7, 5.0)
-    # The lease is the key with a TTL: the fence counters of earlier syncs match too.
-    key = wait_until(
-        lambda: next(
-            (
-                k
-                for k in locks.scan_iter("redlock:{example_project.tasks.sync_account:*}")
-                if locks.pttl(k) > 0
-            ),
-            None,
-        ),
-        20,
-        "the lock of account 7",
-    )
-    renewals, last = 0, locks.pttl(key)
-    competitor = None
-    while not result.ready():
-        time.sleep(0.2)
-        ttl = locks.pttl(key)
-        if ttl > last:
-            renewals += 1
-        last = ttl
-        if competitor is None:
-            competitor = tasks.sync_account.delay(7, 0.1)
+    key = task_lock(locks, SYNC_LOCKS, result.id, "the lock of account 7")
+    competitor = tasks.sync_account.delay(7, 0.1)
+    renewals = count_renewals(locks, key, result.ready)
     say(f"the watchdog renewed the lease {renewals} times while the task ran")
     say(f"the sync: {outcome(result)}")
     say(f"a second sync of account 7 meanwhile: {outcome(competitor)}")
@@ -79,18 +72,7 @@ def long_task(tasks, locks: redis.Redis) -> None:
 def stolen_lock(tasks, locks: redis.Redis) -> None:
     step("Someone deletes the lock of a running sync (account 9)")
     result = tasks.sync_account.delay(9, 30.0)
-    key = wait_until(
-        lambda: next(
-            (
-                k
-                for k in locks.scan_iter("redlock:{example_project.tasks.sync_account:*}")
-                if not k.endswith(":fence") and locks.hget(k, "task_id") == result.id
-            ),
-            None,
-        ),
-        20,
-        "the lock of account 9",
-    )
+    key = task_lock(locks, SYNC_LOCKS, result.id, "the lock of account 9")
     locks.delete(key)
     deleted = time.monotonic()
     say(f"lock deleted; the task: {outcome(result)}")

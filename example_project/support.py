@@ -32,6 +32,46 @@ def wait_until(predicate, timeout: float, what: str):
         time.sleep(0.05)
 
 
+def task_lock(locks, pattern: str, task_id: str, what: str) -> str:
+    """The key of the lock that task ``task_id`` holds, once it holds it.
+
+    Found by its holder's task id: any other key matching ``pattern`` (a fence counter,
+    the lock of a sync that is still being released) is not this task's lease.
+    """
+    return wait_until(
+        lambda: next(
+            (
+                k
+                for k in locks.scan_iter(pattern)
+                if not k.endswith(":fence") and locks.hget(k, "task_id") == task_id
+            ),
+            None,
+        ),
+        20,
+        what,
+    )
+
+
+def count_renewals(locks, key: str, done, interval: float = 0.05) -> int:
+    """How often the lease at ``key`` was extended until ``done()`` or its release.
+
+    A renewal moves the lease's end (now + PTTL) later; sampling the end, rather than
+    comparing PTTLs, counts it however late a sample comes (several renewals between
+    two samples count once, so this is a lower bound).
+    """
+    renewals, end = 0, None
+    while not done():
+        ttl = locks.pttl(key)
+        if ttl < 0:  # released (or lost): no lease left to renew
+            break
+        now_end = time.monotonic() + ttl / 1000
+        if end is not None and now_end > end + 0.05:  # later than the last seen end
+            renewals += 1
+        end = now_end if end is None else max(end, now_end)
+        time.sleep(interval)
+    return renewals
+
+
 class Service:
     """A ``celery`` subprocess with its log in a file."""
 
