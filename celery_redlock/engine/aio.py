@@ -37,7 +37,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import metrics
 from ..exceptions import LockLost, NodeUnavailable
@@ -58,10 +58,33 @@ __all__ = ["AsyncRedlock"]
 logger = logging.getLogger("celery_redlock.lock")
 
 OnLost = Callable[[LockLost], object] | Callable[[LockLost], Awaitable[object]]
+T = TypeVar("T")
 
 
 def _current_task() -> asyncio.Task[Any] | None:
     return asyncio.current_task()
+
+
+async def _unless_cancelled(undo: Awaitable[T]) -> T:
+    """Run ``undo`` to its end, however often the caller is cancelled meanwhile.
+
+    An undo cut short would leave the lock to its ttl, held by nobody; ``shield``
+    alone would let the call return (cancelled) while the undo still runs. The undo
+    is bounded by its budget; a cancellation that came meanwhile is raised after it.
+    """
+    task = asyncio.ensure_future(undo)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError as exc:
+            if task.cancelled():  # the undo itself (the loop is shutting down)
+                raise
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+    return result
 
 
 class AsyncRedlock:
@@ -152,10 +175,10 @@ class AsyncRedlock:
                     return True
                 step, pause = self._sync._next_step(attempt, blocking, give_up)
                 if step is Step.UNAVAILABLE:
-                    settled = True
+                    settled = not waiter.in_doubt  # else abandoned below
                     raise NodeUnavailable(self.keys.lock, attempt.errors)
                 if step is Step.GIVE_UP:
-                    settled = True
+                    settled = not waiter.in_doubt
                     return False
                 if step is Step.WAIT and subscription is None:
                     subscription = await self._subscribe(waiter, wakeup)
@@ -168,7 +191,7 @@ class AsyncRedlock:
                         wakeup.clear()
         finally:
             if not settled:
-                await asyncio.shield(self._abandon(waiter, inflight))
+                await _unless_cancelled(self._abandon(waiter))
             if subscription is not None:
                 subscription.close()
             if blocking and not acquired:
@@ -206,10 +229,10 @@ class AsyncRedlock:
         settled = False
         try:
             attempt = await self._attempt(waiter, inflight)
-            settled = True
+            settled = attempt is None or not waiter.in_doubt
         finally:
             if not settled:
-                await asyncio.shield(self._abandon(waiter, inflight))
+                await _unless_cancelled(self._abandon(waiter))
         self._sync._tried(attempt, started)
 
     async def _attempt(self, waiter: Waiter, inflight: list[asyncio.Future[Any]]) -> Attempt | None:
@@ -231,6 +254,8 @@ class AsyncRedlock:
             calls, timeout=budget(self.timing.node_timeout, sync.min_replicas), inflight=inflight
         )
         attempt = tally(replies, clock() - sent_at, sync.min_replicas)
+        if attempt.failed():
+            waiter.in_doubt = True  # an undo may overtake what did not answer
         validity = self.timing.ttl - attempt.elapsed - self.timing.drift
         if len(attempt.granted) >= quorum and validity > 0:
             fences = attempt.top_fences()
@@ -240,7 +265,8 @@ class AsyncRedlock:
             ) and sync._won(token, fences, sent_at, len(attempt.granted), self._loss_reporter()):
                 return None
         if not attempt.all_busy():
-            await settle(inflight, self.timing.node_timeout)
+            if not await settle(inflight, self.timing.node_timeout):
+                waiter.in_doubt = True  # the unlock below may overtake those
             await self._unlock(token)  # everywhere: a silent node may have granted it
         if len(attempt.granted) >= quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
@@ -278,13 +304,17 @@ class AsyncRedlock:
 
         return report
 
-    async def _abandon(self, waiter: Waiter, inflight: list[asyncio.Future[Any]]) -> None:
-        """Undo an acquisition that was cancelled (or raised), wherever it stopped."""
+    async def _abandon(self, waiter: Waiter) -> None:
+        """Undo an acquisition that was cancelled (or raised), wherever it stopped.
+
+        Requests may still be on their way, on connections the undo cannot queue
+        behind: ``abandon.lua`` first makes the nodes refuse the token, then the
+        release frees what they granted (as :meth:`Redlock._abandon`).
+        """
         if not self._sync._end_abandoned(waiter):
             return
         try:
-            await settle(inflight, self.timing.node_timeout)
-            await self._unlock(waiter.token)
+            await self.nodeset.call(self.kind.abandon_calls(waiter.token, self.timing.ttl_ms))
         except Exception:  # the original exception matters more; the lease ends by itself
             self._sync._undo_failed()
 
@@ -313,7 +343,7 @@ class AsyncRedlock:
             return
         lease = hold.lease
         lease.released = True
-        replies = await asyncio.shield(self._unlock(lease.token))
+        replies = await _unless_cancelled(self._unlock(lease.token))
         _report_release(self._sync, lease, replies)
 
     async def extend(self) -> float:

@@ -30,7 +30,15 @@ from typing import Any, ClassVar, NamedTuple
 from ..nodes import Call
 from . import handoff
 from .keys import LockKeys, lock_keys, release_keys
-from .scripts import ACQUIRE, ACQUIRE_SHARED, FAIR_LEAVE, FENCE_SYNC, RELEASE, RELEASE_SHARED
+from .scripts import (
+    ABANDON,
+    ACQUIRE,
+    ACQUIRE_SHARED,
+    FAIR_LEAVE,
+    FENCE_SYNC,
+    RELEASE,
+    RELEASE_SHARED,
+)
 from .timing import check_kind
 
 __all__ = ["Exclusive", "Fair", "Holder", "Kind", "Shared", "Waiter", "kind_of", "majority"]
@@ -49,12 +57,15 @@ class Holder(NamedTuple):
 class Waiter:
     """One acquire call's identity across its attempts (a fair waiter keeps its place)."""
 
-    __slots__ = ("arrival", "blocking", "sent", "token")
+    __slots__ = ("arrival", "blocking", "in_doubt", "sent", "token")
 
     def __init__(self, blocking: bool, arrival: str = "") -> None:
         self.token = secrets.token_hex(16)
         self.blocking = blocking
         self.sent = False  # a request with this token went out
+        #: A request with this token got no reply (a node failed or timed out): it may
+        #: still be on its way, and may reach its node after any undo sent since.
+        self.in_doubt = False
         self.arrival = arrival
 
 
@@ -112,6 +123,15 @@ class Kind(abc.ABC):
     def leave_call(self, token: str) -> Call | None:
         """The call that gives up a waiter's place in a queue, if the kind queues."""
         return None
+
+    def abandon_calls(self, token: str, ttl_ms: int) -> list[Call]:
+        """The undo of an acquisition given up with requests maybe still on the way.
+
+        ``abandon.lua`` first: from then on the acquire scripts refuse ``token`` (for
+        ``ttl_ms``), so a request that arrives later grants nothing; then the release,
+        behind it on the same connection, frees what an earlier arrival granted.
+        """
+        return [Call(ABANDON, (self.keys.abandoned,), (token, ttl_ms)), self.release_call(token)]
 
     @abc.abstractmethod
     def acquire_call(
@@ -172,7 +192,7 @@ class Exclusive(Kind):
         keys = tuple(key for resource in self.resources for key in resource.resource)
         return Call(
             ACQUIRE,
-            keys + self._queue_keys(),
+            (*keys, *self._queue_keys(), self.keys.abandoned),
             (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "",
              self._queue_arg(waiter, ttl_ms), waiter.arrival,
              *((predecessor, *handoff.TURN) if predecessor else ())),
@@ -298,7 +318,9 @@ class Shared(Kind):
         if predecessor:
             raise ValueError("a share is never handed over")
         return Call(
-            ACQUIRE_SHARED, self.keys.resource, (waiter.token, ttl_ms, self.limit or 0, *holder)
+            ACQUIRE_SHARED,
+            (*self.keys.resource, self.keys.abandoned),
+            (waiter.token, ttl_ms, self.limit or 0, *holder),
         )
 
     def release_call(self, token: str) -> Call:

@@ -245,7 +245,7 @@ class Redlock:
         subscription: Subscription | None = None
         offer: handoff.Offer | None = None
         handed: Grant | Attempt | None = None
-        acquired = settled = False
+        acquired = settled = undone = False
         try:
             try:
                 if blocking and handoff.held_here(self):
@@ -278,10 +278,12 @@ class Redlock:
                         return True
                     step, pause = self._next_step(attempt, blocking, give_up)
                     if step is Step.UNAVAILABLE:
-                        settled = True  # the attempt undid its part
+                        # The attempt undid its part; unanswered requests still need
+                        # the abandon (below).
+                        settled = not waiter.in_doubt
                         raise NodeUnavailable(self.keys.lock, attempt.errors)
                     if step is Step.GIVE_UP:
-                        settled = True
+                        settled = not waiter.in_doubt
                         return False
                     if step is Step.SPLIT:
                         time.sleep(pause)
@@ -302,9 +304,12 @@ class Redlock:
                     handoff.forget(self, handed)
                 if not settled:
                     # Left by an exception (maybe asynchronous: a soft time limit, our own
-                    # abort) at any point after the first request went out: whatever the
-                    # nodes granted must not outlive this call.
+                    # abort) at any point after the first request went out, or given up
+                    # with a request unanswered: whatever the nodes granted, or will
+                    # grant when a request still on the way arrives, must not outlive
+                    # this call.
                     self._abandon(waiter)
+                    undone = True
                 if subscription is not None:
                     subscription.close()
                 if blocking and not acquired:
@@ -312,9 +317,10 @@ class Redlock:
                     if leave is not None:  # else a queued place holds others up for a ttl
                         self.nodeset.call([leave])
         except BaseException:
-            if acquired:
+            if acquired or not (settled or undone):
                 # Landed after the hold was recorded (in the clean-up above, say):
-                # acquire() raises, so the caller will never release it. End it here.
+                # acquire() raises, so the caller will never release it. Or a second
+                # exception landed before the undo above was done. End it here.
                 self._abandon(waiter)
             raise
 
@@ -370,13 +376,19 @@ class Redlock:
             return
         started = clock()
         waiter = self.kind.new_waiter(False, len(self.nodeset))
-        settled = False
+        settled = undone = False
         try:
-            attempt = self._attempt(waiter)
-            settled = True
-        finally:
-            if not settled:
+            try:
+                attempt = self._attempt(waiter)
+                settled = attempt is None or not waiter.in_doubt
+            finally:
+                if not settled:
+                    self._abandon(waiter)
+                    undone = True
+        except BaseException:
+            if not (settled or undone):  # a second exception landed before the undo
                 self._abandon(waiter)
+            raise
         self._tried(attempt, started)
 
     def _tried(self, attempt: Attempt | None, started: float) -> None:
@@ -392,13 +404,16 @@ class Redlock:
         raise NodeUnavailable(self.keys.lock, attempt.errors)
 
     def _abandon(self, waiter: Waiter) -> None:
-        """Undo an acquisition interrupted by an exception, wherever it stopped."""
+        """Undo an acquisition interrupted by an exception, wherever it stopped.
+
+        The undo may overtake a request still on its way (on a connection the
+        interruption closed, or one that timed out), so it first makes the nodes refuse
+        the token (``abandon.lua``), then releases what they granted.
+        """
         if not self._end_abandoned(waiter):
             return
-        try:
-            self._unlock(waiter.token)
-        except Exception:  # the original exception matters more; the lease ends by itself
-            self._undo_failed()
+        calls = self.kind.abandon_calls(waiter.token, self.timing.ttl_ms)
+        _undo_surely(lambda: self.nodeset.call(calls), self._undo_failed)
 
     def _end_abandoned(self, waiter: Waiter) -> bool:
         """End the hold an interrupted acquisition recorded; whether it sent anything."""
@@ -450,6 +465,11 @@ class Redlock:
         attempt, sent_at = vote(
             self.nodeset, acquire, quorum, self.min_replicas, self.timing.node_timeout, wait_all
         )
+        if attempt.failed():
+            # Those connections are closed: an undo goes out on others, and may
+            # arrive first. (A reply not waited for is read, and an undo sent, on the
+            # same connection, behind the request.)
+            waiter.in_doubt = True
         validity = self.timing.ttl - attempt.elapsed - self.timing.drift
         if len(attempt.granted) >= quorum and validity > 0:
             fences = attempt.top_fences()
@@ -653,9 +673,8 @@ class Redlock:
         lease = hold.lease
         lease.released = True
         handoff.released(self, lease)
-        try:
-            self._unlock(lease.token)
-        except Exception:  # the original exception matters more; the lease ends by itself
+
+        def failed() -> None:
             logger.warning(
                 "Lock(%r): an interrupted release could not reach the nodes; "
                 "the lock expires within %.1fs",
@@ -663,6 +682,8 @@ class Redlock:
                 max(0.0, lease.deadline - clock()),
                 exc_info=True,
             )
+
+        _undo_surely(lambda: self._unlock(lease.token), failed)
 
     def extend(self) -> float:
         """Renew the lease now, as the watchdog would.
@@ -753,6 +774,26 @@ class Redlock:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def _undo_surely(send: Callable[[], object], failed: Callable[[], None]) -> None:
+    """Send an undo; send it once more if a second exception cuts it short.
+
+    The undo runs because of an exception (maybe asynchronous: a soft time limit, an
+    abort); another may land while it is on the network. Cut short, the undo would
+    leave the lock to its ttl, unrenewed and held by nobody. ``failed`` logs a node
+    error: the original exception matters more, and the lease ends by itself.
+    """
+    try:
+        send()
+    except Exception:
+        failed()
+    except BaseException:
+        try:
+            send()
+        except Exception:
+            failed()
+        raise
 
 
 def _agreeing(replies: list[Reply | None], says: Callable[[list[Any]], bool]) -> int:

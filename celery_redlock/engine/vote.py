@@ -65,6 +65,10 @@ class Attempt:
         """Every node answered that someone else holds the lock: nothing to undo."""
         return all(is_busy(reply) for reply in self.replies)
 
+    def failed(self) -> bool:
+        """Some node failed or did not answer within the budget (its request is unsettled)."""
+        return any(reply is not None and not reply.ok for reply in self.replies)
+
     def reachable(self) -> list[int]:
         """Nodes that may still be reached: those that answered, and those not heard yet."""
         return [i for i, reply in enumerate(self.replies) if reply is None or reply.ok]
@@ -84,6 +88,8 @@ class Attempt:
         elif value[0] == AcquireStatus.BUSY:
             self.busy_ttl.append(max(0, int(value[1])) / 1000)
             self.holder = self.holder or value[2] or None
+        elif value[0] == AcquireStatus.ABANDONED:  # a takeover for a waiter that gave up
+            self.errors.append(f"{reply.node.safe_url}: acquisition abandoned")
         elif value[0] in (AcquireStatus.ACQUIRED, AcquireStatus.REENTERED):
             self.errors.append(
                 f"{reply.node.safe_url}: only {reply.values[1]} of {min_replicas} "

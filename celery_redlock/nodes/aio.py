@@ -166,12 +166,17 @@ class AsyncNodeSet:
         return [None if request is None else next(answers) for request in requests]
 
 
-async def settle(inflight: list[asyncio.Future[Any]], timeout: float) -> None:
-    """Wait (up to ``timeout``) for the requests still in flight, and forget the others."""
+async def settle(inflight: list[asyncio.Future[Any]], timeout: float) -> bool:
+    """Wait (up to ``timeout``) for the requests still in flight, and forget the others.
+
+    Returns whether every one of them finished.
+    """
     pending = [request for request in inflight if not request.done()]
     inflight.clear()
-    if pending:
-        await asyncio.wait(pending, timeout=timeout)
+    if not pending:
+        return True
+    _, still = await asyncio.wait(pending, timeout=timeout)
+    return not still
 
 
 def _reply(node: LockNode, request: asyncio.Future[list[Any]]) -> Reply:

@@ -11,6 +11,10 @@ Modes:
 * :meth:`FaultProxy.delay`: every chunk read from either side is delivered ``seconds``
   later (per-direction order is preserved, so a request/response round trip takes at
   least ``2 * seconds``);
+* :meth:`FaultProxy.slow_current`: the same delay, for the connections open now only;
+  connections opened later are forwarded at once. A request on an old connection can
+  then arrive after a later one on a new connection, as when one TCP stream waits for
+  a retransmission while a fresh one gets through;
 * :meth:`FaultProxy.blackhole`: connections are still accepted, but nothing is forwarded
   or answered in either direction. Bytes that arrive are read and **dropped** (so kernel
   buffers never fill), and bytes still queued for delayed delivery are dropped too. If
@@ -102,6 +106,7 @@ class _Conn:
         "client",
         "closed",
         "connecting",
+        "delay",
         "down",
         "events",
         "lost_upstream",
@@ -118,6 +123,7 @@ class _Conn:
         self.up = _Pipe()  # client -> server
         self.down = _Pipe()  # server -> client
         self.events: dict[socket.socket, int] = {}
+        self.delay: float | None = None  # this connection's own delay (slow_current)
 
 
 class FaultProxy:
@@ -184,6 +190,21 @@ class FaultProxy:
         if seconds < 0:
             raise ValueError("delay must be >= 0")
         self._call(lambda: self._do_forward(float(seconds)))
+
+    def slow_current(self, seconds: float) -> None:
+        """Delay the connections open now by ``seconds``; forward later ones at once."""
+        if seconds < 0:
+            raise ValueError("delay must be >= 0")
+
+        def slow() -> None:
+            for conn in self._conns:
+                conn.delay = float(seconds)
+
+        self._call(slow)
+
+    def pending(self) -> int:
+        """Bytes read from either side and not yet handed to the other (delayed ones)."""
+        return int(self._call(lambda: sum(c.up.pending + c.down.pending for c in self._conns)))
 
     def blackhole(self) -> None:
         """Accept connections but forward and answer nothing (data is dropped)."""
@@ -260,6 +281,8 @@ class FaultProxy:
         was_blackhole = self._blackhole
         self._blackhole = False
         self._delay = delay
+        for conn in self._conns:
+            conn.delay = None
         if not was_blackhole:
             return
         for conn in list(self._conns):
@@ -414,7 +437,7 @@ class FaultProxy:
         elif not data:
             pipe.eof = True
         else:
-            pipe.push(data, time.monotonic(), self._delay)
+            pipe.push(data, time.monotonic(), self._delay if conn.delay is None else conn.delay)
 
     def _pump(self) -> None:
         now = time.monotonic()

@@ -8,6 +8,8 @@
 -- KEYS[1]  lock hash (the exclusive holder)   KEYS[2]  fence counter
 -- KEYS[3]  shared holders (sorted set token -> lease deadline, node clock, ms)
 -- KEYS[4]  shared holders' details (hash token -> json: fence, task_id, pid, ...)
+-- KEYS[5]  optional (the library always sends it): the lock's abandoned tokens
+--          (abandon.lua), whose requests are refused
 -- ARGV[1]  owner token          ARGV[2]  lease in milliseconds (positive integer)
 -- ARGV[3]  limit (0: any number of shared holders)
 -- ARGV[4]  holder task id ('' when the holder is not a task; a task id that holds a
@@ -17,6 +19,7 @@
 -- Returns  {1, fence}                  acquired a share
 --          {2, fence}                  this token held one already; lease refreshed
 --          {0, wait_ms, holder_task}   kept out; wait_ms: when that may change
+--          {3}                         refused: this token's acquisition was abandoned
 if #ARGV ~= 8 then
     return redis.error_reply('ERR celery_redlock acquire_shared: expected 8 arguments, got ' .. #ARGV)
 end
@@ -34,6 +37,9 @@ if ARGV[1] == nil or ARGV[1] == '' or ARGV[1] == WRITER_MARK then
 end
 local token = ARGV[1]
 local lock, shared, holders = KEYS[1], KEYS[3], KEYS[4]
+if KEYS[5] and redis.call('ZSCORE', KEYS[5], token) then
+    return {3}
+end
 
 if redis.call('EXISTS', lock) == 1 then
     return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}

@@ -87,7 +87,7 @@ def test_an_exclusive_lock_on_two_resources_takes_and_frees_both_in_one_call():
     kind = Exclusive((a, b))
     waiter = kind.new_waiter(True, 3)
     call = kind.acquire_call(waiter, 5000, HOLDER)
-    assert call.script is ACQUIRE and call.keys == a.resource + b.resource
+    assert call.script is ACQUIRE and call.keys == (*a.resource, *b.resource, a.abandoned)
     assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "")
     assert kind.release_call("tok") == Call(
         RELEASE, (a.lock, a.channel, b.lock, b.channel), ("tok",)
@@ -109,7 +109,7 @@ def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
     several = kind.new_waiter(True, 3)
     assert one_node.arrival == "" and float(several.arrival) > 0
     call = kind.acquire_call(several, 5000, HOLDER)
-    assert call.keys == keys.resource + keys.fair
+    assert call.keys == (*keys.resource, *keys.fair, keys.abandoned)
     assert call.args[-3:] == ("1", "5000", several.arrival)
     assert kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER).args[-3:] == ("", "0", "")
     assert kind.release_call("tok").args == ("tok", "fair")
