@@ -25,15 +25,24 @@ knew.
   not "in" the section any more, but it must not write (see the next point);
 * ``stale-write``: the register log shows an accepted write with a fence below the
   largest accepted before it, or equal to it from another section;
-* ``lost-update``: a counter ends lower than the number of increments recorded.
+* ``lost-update``: a counter ends lower than the number of increments recorded;
+* ``starved`` (only when :func:`check` is given ``max_run``): service across processes
+  (DESIGN invariant 12). While a holder waited for a key (from its ``acquire()`` call,
+  ``asked``, to its section's start), another process ran more than ``max_run`` of
+  that key's sections in a row (no section of any other process between them): a
+  process kept the lock among its own threads while another process waited.
+  :func:`service` gives the per-process counts and Jain's index across processes.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +58,8 @@ __all__ = [
     "Violation",
     "Write",
     "check",
+    "jain",
+    "service",
 ]
 
 #: The fenced register's Lua source (see its header for KEYS/ARGV/returns).
@@ -72,6 +83,8 @@ class Section:
     increments: int = 0
     #: Unique id of the section, also its writer id at the register.
     id: str = ""
+    #: When its holder called ``acquire()`` (None: not recorded).
+    asked: float | None = None
 
     @property
     def valid_end(self) -> float:
@@ -92,7 +105,7 @@ class Write:
 
 @dataclass(frozen=True)
 class Violation:
-    """A broken invariant: ``kind`` is overlap, stale-write or lost-update."""
+    """A broken invariant: ``kind`` is overlap, stale-write, lost-update or starved."""
 
     kind: str
     key: str
@@ -112,7 +125,7 @@ class History:
         self.run = run
         self._client: redis.Redis | None = None
         self._pid = 0
-        self._sections = 0
+        self._sections = itertools.count(1)  # next() is atomic: threads of a holder share it
 
     def __reduce__(self) -> tuple[type[History], tuple[str, str]]:
         return (History, (self.url, self.run))
@@ -132,8 +145,7 @@ class History:
 
     def new_section_id(self) -> str:
         """An id unique to one critical section of this process."""
-        self._sections += 1
-        return f"{os.getpid()}.{self._sections}"
+        return f"{os.getpid()}.{next(self._sections)}"
 
     def write(self, key: str, fence: int, writer: str) -> bool:
         """Write through the fenced register; True if it accepted the fence."""
@@ -195,9 +207,15 @@ class History:
             k[len(prefix) :]: int(self.client.get(k)) for k in self.client.scan_iter(f"{prefix}*")
         }
 
-    def check(self) -> list[Violation]:
-        """Check everything recorded so far."""
-        return check(self.sections(), self.writes(), self.counters(), self.counters("increments"))
+    def check(self, max_run: int | None = None) -> list[Violation]:
+        """Check everything recorded so far (``max_run``: see :func:`check`)."""
+        return check(
+            self.sections(),
+            self.writes(),
+            self.counters(),
+            self.counters("increments"),
+            max_run=max_run,
+        )
 
 
 def check(
@@ -205,11 +223,15 @@ def check(
     writes: Iterable[Write] = (),
     counters: dict[str, int] | None = None,
     increments: dict[str, int] | None = None,
+    *,
+    max_run: int | None = None,
 ) -> list[Violation]:
     """Every violation in a history (an empty list when all invariants held).
 
     ``increments`` counts the counter updates per key; by default, the sum of the
     sections' own counts (a killed holder's section may never be recorded).
+    ``max_run``: also check service across processes (``starved``); scenarios whose
+    faults stop a process's waiters on purpose (a paused holder) leave it out.
     """
     if increments is None:
         increments = {}
@@ -219,16 +241,14 @@ def check(
         *_overlaps(sections),
         *_stale_writes(writes),
         *_lost_updates(increments, counters or {}),
+        *([] if max_run is None else _starved(sections, max_run)),
     ]
 
 
 def _overlaps(sections: Sequence[Section]) -> list[Violation]:
     """Valid parts of two sections of one key that overlap (a sweep by start time)."""
     violations = []
-    by_key: dict[str, list[Section]] = {}
-    for section in sections:
-        by_key.setdefault(section.key, []).append(section)
-    for key, group in by_key.items():
+    for key, group in _by_key(sections).items():
         group.sort(key=lambda s: s.start)
         latest: Section | None = None  # the earlier section whose valid part ends last
         for section in group:
@@ -281,6 +301,80 @@ def _lost_updates(expected: dict[str, int], counters: dict[str, int]) -> list[Vi
         for key, want in sorted(expected.items())
         if counters.get(key, 0) != want
     ]
+
+
+def _starved(sections: Sequence[Section], max_run: int) -> list[Violation]:
+    """Waits during which another process ran more than ``max_run`` sections in a row.
+
+    Per key, sections in start order; for each section with ``asked``, the sections
+    that started while it waited, in runs of one process (any other process's section
+    ends a run). Only other processes' runs count: a process serving its own threads
+    in turn is the handoff working. One violation per waiting section, its longest run.
+    """
+    violations = []
+    for key, group in _by_key(sections).items():
+        if len({s.process for s in group}) < 2:
+            continue  # one process: nobody elsewhere to starve
+        group.sort(key=lambda s: s.start)
+        starts = [s.start for s in group]
+        for section in group:
+            if section.asked is None:
+                continue
+            first = bisect.bisect_right(starts, section.asked)
+            last = bisect.bisect_left(starts, section.start)
+            longest, run, runner, worst = 0, 0, None, None
+            for other in group[first:last]:
+                run = run + 1 if other.process == runner else 1
+                runner = other.process
+                if runner != section.process and run > longest:
+                    longest, worst = run, runner
+            if longest > max_run:
+                violations.append(
+                    Violation(
+                        "starved",
+                        key,
+                        f"section {section.id} (pid {section.process}) waited "
+                        f"{section.start - section.asked:.3f}s while pid {worst} ran "
+                        f"{longest} sections in a row (bound {max_run})",
+                    )
+                )
+    return violations
+
+
+def _by_key(sections: Iterable[Section]) -> dict[str, list[Section]]:
+    by_key: dict[str, list[Section]] = {}
+    for section in sections:
+        by_key.setdefault(section.key, []).append(section)
+    return by_key
+
+
+def service(sections: Iterable[Section], contended: bool = False) -> dict[str, dict[int, int]]:
+    """Per key, the sections each process ran (its service).
+
+    ``contended``: only sections that started while every process of the key wanted
+    the lock: from the last process's first request (``asked``, else start) to the
+    first process's last start. A run of fixed iterations per process ends with equal
+    totals however unfair it was, and spawned processes start at different moments.
+    """
+    served = {}
+    for key, group in _by_key(sections).items():
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for s in group:
+            began = s.start if s.asked is None else s.asked
+            first[s.process] = min(began, first.get(s.process, began))
+            last[s.process] = max(s.start, last.get(s.process, s.start))
+        since, until = (max(first.values()), min(last.values())) if contended else (-1, math.inf)
+        counts = Counter(s.process for s in group if since <= s.start <= until)
+        served[key] = {pid: counts[pid] for pid in sorted(first)}  # 0 for one never served
+    return served
+
+
+def jain(counts: Iterable[int]) -> float:
+    """Jain's fairness index: 1.0 when all counts are equal, 1/n when one has all."""
+    values = list(counts)
+    squares = sum(c * c for c in values)
+    return sum(values) ** 2 / (len(values) * squares) if squares else 1.0
 
 
 def now() -> float:

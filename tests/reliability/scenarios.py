@@ -18,6 +18,7 @@ from typing import Any
 from unittest import mock
 
 from celery_redlock import LockLost, NodeUnavailable, Redlock
+from celery_redlock.engine import handoff
 from celery_redlock.engine.lease import clock
 from tests.harness.history import History, Section
 from tests.harness.servers import wait_for
@@ -32,6 +33,35 @@ def contention(lab: Lab, nodes: int, processes: int = 8, iterations: int = 25) -
     servers = lab.servers(nodes)
     return run_holders(
         f"contention-{nodes}", lab, [s.url for s in servers], processes, iterations=iterations
+    )
+
+
+#: Sections of one process in a row while a thread of another waits, at most: its turn
+#: (TURN.handoffs handoffs, so one more hold), three times: a waiter that misses a
+#: reservation (woken later than TURN.reserve_ms on a loaded machine, or a split vote
+#: on several nodes, whose undo frees the reserved lock there) waits for one more
+#: turn, which may begin before the one it missed has ended.
+MAX_RUN = 3 * (handoff.TURN.handoffs + 1)
+
+
+def mixed(
+    lab: Lab, nodes: int, processes: int = 3, threads: int = 3, iterations: int = 20
+) -> Outcome:
+    """``processes`` OS processes of ``threads`` threads each take one lock ``iterations``
+    times per thread: in-process handoffs meet waiters of other processes. Besides
+    the safety checks, no process may keep the lock among its threads while another
+    process waits (at most :data:`MAX_RUN` of its sections in a row), and the
+    processes' shares are reported as Jain's index."""
+    servers = lab.servers(nodes)
+    urls = [s.url for s in servers]
+    return run_holders(
+        f"mixed-{nodes}",
+        lab,
+        urls,
+        processes,
+        threads=threads,
+        iterations=iterations,
+        max_run=MAX_RUN,
     )
 
 

@@ -33,8 +33,9 @@ from tests.reliability.workload import Lab, Outcome
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 
-#: Stats whose figures are reported (min / median / max over the runs), in ms.
-TIMINGS = ("child_kill_release_ms", "worker_kill_release_ms")
+#: Stats whose figures are reported (min / median / max over the runs), in ms, and
+#: Jain's index across processes (x 1000) of the threads x processes scenarios.
+TIMINGS = ("child_kill_release_ms", "worker_kill_release_ms", "jain_processes_x1000")
 
 
 def soak_scenarios(root: Path) -> list[tuple[str, Callable[[Lab], Outcome]]]:
@@ -42,6 +43,14 @@ def soak_scenarios(root: Path) -> list[tuple[str, Callable[[Lab], Outcome]]]:
     return [
         ("contention, 1 node, 8 processes", lambda lab: scenarios.contention(lab, 1, 8, 200)),
         ("contention, 5 nodes, 8 processes", lambda lab: scenarios.contention(lab, 5, 8, 100)),
+        (
+            "threads x processes, 1 node, 4 x 4",
+            lambda lab: scenarios.mixed(lab, 1, processes=4, threads=4, iterations=50),
+        ),
+        (
+            "threads x processes, 3 nodes, 3 x 3",
+            lambda lab: scenarios.mixed(lab, 3, processes=3, threads=3, iterations=50),
+        ),
         ("SIGKILL 1 of 3 nodes", lambda lab: scenarios.node_kill(lab, 3, 1, 6, rounds=3)),
         ("SIGKILL 2 of 5 nodes", lambda lab: scenarios.node_kill(lab, 5, 2, 6, rounds=3)),
         ("2 of 3 nodes down", scenarios.majority_down),
@@ -154,8 +163,14 @@ def markdown(report: dict[str, Any]) -> str:
         )
     for label, s in report["scenarios"].items():
         for name, t in s["timings_ms"].items():
-            what = name.removesuffix("_ms").replace("_", " ")
             lines.append("")
+            if name == "jain_processes_x1000":
+                lines.append(
+                    f"{label}: Jain's index across processes: min {t['min'] / 1000:.3f}, "
+                    f"median {t['median'] / 1000:.3f} over {s['runs']} runs."
+                )
+                continue
+            what = name.removesuffix("_ms").replace("_", " ")
             lines.append(
                 f"{label}: {what}: min {t['min']} ms, median {t['median']} ms, "
                 f"max {t['max']} ms over {s['runs']} runs."

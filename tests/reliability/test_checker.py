@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness.history import History, Section, Write, check
+from tests.harness.history import History, Section, Write, check, jain, service
 
 
-def section(start, end, *, fence=1, key="k", valid_until=None, lost_at=None, inc=1, pid=1):
+def section(
+    start, end, *, fence=1, key="k", valid_until=None, lost_at=None, inc=1, pid=1, asked=None
+):
     return Section(
         key=key,
         fence=fence,
@@ -22,6 +24,7 @@ def section(start, end, *, fence=1, key="k", valid_until=None, lost_at=None, inc
         lost_at=lost_at,
         increments=inc,
         id=f"{pid}.{fence}",
+        asked=asked,
     )
 
 
@@ -93,6 +96,58 @@ def test_lost_update_fails():
     (violation,) = check(sections, counters={"k": 1})
     assert violation.kind == "lost-update"
     assert "counter is 1, 2 increments" in violation.detail
+
+
+def turns(*pids, waiter=None):
+    """Back-to-back sections of one key by ``pids`` in order; ``waiter`` = (pid, asked)
+    adds a last section of that pid which asked at ``asked``."""
+    sections = [section(i, i + 1, fence=i + 1, pid=pid, inc=0) for i, pid in enumerate(pids)]
+    if waiter is not None:
+        pid, asked = waiter
+        n = len(pids)
+        sections.append(section(n, n + 1, fence=n + 1, pid=pid, asked=asked, inc=0))
+    return sections
+
+
+def test_more_sections_of_one_process_in_a_row_than_the_bound_while_another_waits_is_starved():
+    """Pid 2 asked, then pid 1 ran 5 sections in a row before it got in: bound 4."""
+    sections = turns(1, 1, 1, 1, 1, waiter=(2, -1))
+    (violation,) = check(sections, max_run=4)
+    assert violation.kind == "starved"
+    assert "pid 1 ran 5 sections in a row (bound 4)" in violation.detail
+    assert check(sections, max_run=5) == []
+    assert check(sections) == [], "only checked when asked for"
+
+
+def test_only_runs_during_the_wait_count():
+    """Sections that started before the waiter asked were not run while it waited."""
+    assert check(turns(1, 1, 1, 1, 1, waiter=(2, 2.5)), max_run=2) == []
+
+
+def test_runs_of_the_waiters_own_process_or_broken_by_another_process_are_service():
+    """A process serving its own threads in turn is the handoff working; a section of
+    any other process ends a run."""
+    assert check(turns(2, 2, 2, 2, 2, waiter=(2, -1)), max_run=1) == []
+    assert check(turns(1, 1, 3, 1, 1, 3, waiter=(2, -1)), max_run=2) == []
+    (violation,) = check(turns(1, 1, 3, 1, 1, 1, waiter=(2, -1)), max_run=2)
+    assert "pid 1 ran 3 sections" in violation.detail
+
+
+def test_one_process_alone_cannot_starve_anybody():
+    sections = [section(i, i + 1, fence=i + 1, asked=0, inc=0) for i in range(10)]
+    assert check(sections, max_run=1) == []
+
+
+def test_service_counts_sections_per_process_and_jain_measures_their_spread():
+    sections = [*turns(1, 2, 1, 2), section(0, 1, key="other", pid=3, inc=0)]
+    assert service(sections) == {"k": {1: 2, 2: 2}, "other": {3: 1}}
+    # Both wanted the lock from pid 2's first start (1) to its last (3).
+    assert service(turns(1, 2, 1, 2, 1, 1, 1), contended=True) == {"k": {1: 1, 2: 2}}
+    # Pid 2 asked first and was served only after pid 1 had run all of its sections.
+    assert service(turns(1, 1, 1, waiter=(2, -1)), contended=True) == {"k": {1: 3, 2: 0}}
+    assert jain([5, 5]) == 1.0
+    assert jain([10, 0]) == 0.5
+    assert jain([]) == 1.0
 
 
 def test_register_refuses_stale_fences_and_logs_every_attempt(redis_node):

@@ -4,7 +4,9 @@
   plus one *storage* server for the history, which no fault ever touches.
 * :func:`holder` is the body of one contending OS process (spawned, not forked, so it
   shares nothing with the test process): take the lock, run a recorded critical
-  section (fenced write, non-atomic counter increment), release, again.
+  section (fenced write, non-atomic counter increment), release, again; in one thread,
+  or in ``threads`` threads with a lock object each (threads x processes, where
+  in-process handoffs meet waiters of other processes).
 * :func:`run_holders` starts ``processes`` of them, runs a fault script in the test
   process meanwhile, and returns an :class:`Outcome` with the checker's verdict.
 
@@ -18,6 +20,7 @@ import itertools
 import multiprocessing
 import os
 import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,7 +31,7 @@ from typing import Any
 from celery_redlock import LockLost, NodeUnavailable, Redlock
 from celery_redlock.engine.lease import clock
 from tests.harness.faultproxy import FaultProxy
-from tests.harness.history import History, Section, Violation
+from tests.harness.history import History, Section, Violation, jain, service
 from tests.harness.servers import RedisServer, wait_for
 
 #: Seconds a run may take before the harness gives up on it (a hang is a failure).
@@ -121,6 +124,8 @@ class Spec:
     #: Extra time spent inside the section (lets renewals and faults happen).
     hold: float = 0.0
     node_timeout: float | None = None
+    #: Threads per process, each with its own lock object and ``iterations``.
+    threads: int = 1
 
 
 def run_section(
@@ -132,8 +137,11 @@ def run_section(
     pause: float = 0.001,
     hold: float = 0.0,
     release: bool = True,
+    asked: float | None = None,
 ) -> None:
     """One recorded critical section; the lock is held on entry (and released if asked).
+
+    ``asked``: when the holder called ``acquire()`` for it (for the service check).
 
     ``lock.check()`` comes before every write, as a correct task does; a lease lost in
     between is caught by the lease's own margin, or else by the checker. A LockLost
@@ -166,7 +174,7 @@ def run_section(
         except NodeUnavailable:
             stats["release_failed"] += 1
     history.record(
-        Section(key, fence, start, end, os.getpid(), valid_until, lost_at, increments, sid)
+        Section(key, fence, start, end, os.getpid(), valid_until, lost_at, increments, sid, asked)
     )
 
 
@@ -181,25 +189,43 @@ def lease_deadline(lock: Redlock) -> float:
 
 
 def holder(spec: Spec, start: Any, stop: Any, results: Any) -> None:
-    """Body of one contending process: up to ``spec.iterations`` sections, or until stop."""
-    lock = Redlock(spec.key, nodes=list(spec.urls), ttl=spec.ttl, node_timeout=spec.node_timeout)
-    stats: Counter[str] = Counter()
-    start.wait(60)
+    """Body of one contending process: up to ``spec.iterations`` sections per thread, or
+    until stop; the threads' stats summed."""
+    stats: list[Counter[str]] = [Counter() for _ in range(spec.threads)]
+    threads = [
+        threading.Thread(target=contend, args=(spec, start, stop, counts)) for counts in stats
+    ]
     try:
-        while stats["acquired"] < spec.iterations and not stop.is_set():
-            try:
-                acquired = lock.acquire(timeout=min(1.0, spec.ttl))
-            except NodeUnavailable:
-                stats["unavailable"] += 1  # fail closed: no section without the lock
-                stop.wait(0.05)  # back off; a stop ends the wait at once
-                continue
-            if not acquired:
-                stats["busy_timeouts"] += 1
-                continue
-            stats["acquired"] += 1
-            run_section(lock, spec.history, spec.key, stats, pause=spec.pause, hold=spec.hold)
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     finally:
-        results.put((os.getpid(), dict(stats)))
+        results.put((os.getpid(), dict(sum(stats, Counter()))))
+
+
+def contend(spec: Spec, start: Any, stop: Any, stats: Counter[str]) -> None:
+    """One thread of a holder process: take the lock, run a section, release, again."""
+    lock = Redlock(spec.key, nodes=list(spec.urls), ttl=spec.ttl, node_timeout=spec.node_timeout)
+    start.wait(60)
+    asked = None
+    while stats["acquired"] < spec.iterations and not stop.is_set():
+        asked = clock() if asked is None else asked  # a timed-out wait goes on waiting
+        try:
+            acquired = lock.acquire(timeout=min(1.0, spec.ttl))
+        except NodeUnavailable:
+            stats["unavailable"] += 1  # fail closed: no section without the lock
+            asked = None
+            stop.wait(0.05)  # back off; a stop ends the wait at once
+            continue
+        if not acquired:
+            stats["busy_timeouts"] += 1
+            continue
+        stats["acquired"] += 1
+        run_section(
+            lock, spec.history, spec.key, stats, pause=spec.pause, hold=spec.hold, asked=asked
+        )
+        asked = None
 
 
 FaultScript = Callable[["Progress"], None]
@@ -233,12 +259,15 @@ def run_holders(
     processes: int,
     *,
     faults: FaultScript | None = None,
+    max_run: int | None = None,
     **spec: Any,
 ) -> Outcome:
     """Run ``processes`` holders on ``urls`` (and ``faults`` meanwhile); check the history.
 
     Without a fault script, each holder runs its iterations; with one, holders run until
-    the script returns (unless ``iterations`` says otherwise).
+    the script returns (unless ``iterations`` says otherwise). ``max_run``: also check
+    service across processes (see :func:`tests.harness.history.check`), and report
+    Jain's index across processes (``stats["jain_processes_x1000"]``).
     """
     if faults is not None:
         spec.setdefault("iterations", 1_000_000)
@@ -277,5 +306,8 @@ def run_holders(
                 proc.join(5)
     outcome.duration = time.monotonic() - began
     outcome.acquisitions = outcome.stats["acquired"]
-    outcome.violations = history.check()
+    outcome.violations = history.check(max_run)
+    if max_run is not None:
+        served = service(history.sections(), contended=True).get(spec_.key, {})
+        outcome.stats["jain_processes_x1000"] = round(1000 * jain(served.values()))
     return outcome
