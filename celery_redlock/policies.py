@@ -51,6 +51,7 @@ __all__ = [
     "already_done",
     "apply_on_busy",
     "apply_on_lost",
+    "request_header",
     "requeue_duplicate",
     "requeues",
 ]
@@ -66,9 +67,13 @@ def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOpt
     """Apply ``lock_on_busy``; always raises."""
     if busy.holder == task_id:
         requeue_duplicate(task, task_id, busy, "is held by an earlier delivery of itself")
-    if options.unique == "until_started" or options.debounce or options.throttle:
-        # The follow-up of a running copy (queued while it ran): it must run after it,
-        # so it waits on the queue, whatever lock_on_busy says.
+    follows = options.unique == "until_started" or options.debounce or options.throttle
+    if follows or (options.unique == "until_finished" and busy.holder):
+        # The follow-up of a running copy (queued while it ran; or, until_finished, a
+        # second copy whose claim a lock node lost in a restart, or a copy of another
+        # task on the resource): it must run after that task, so it waits on the queue,
+        # whatever lock_on_busy says. A holder that is no task (a Redlock in a web
+        # request) gets lock_on_busy.
         requeue_duplicate(task, task_id, busy, "follows the running copy")
     policy = options.on_busy
     if policy == "retry":
@@ -127,7 +132,9 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
     count = requeues(task.request) + 1
     countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(count, 8))
     signature = task.signature_from_request(task.request, countdown=countdown)
-    signature.set(headers={REQUEUES_HEADER: count})
+    # Merged: the copy's other headers (its claim's, the user's) go on with it.
+    headers = signature.options.get("headers") or {}
+    signature.set(headers={**headers, REQUEUES_HEADER: count})
     signature.apply_async()
     logger.info(
         "Task %s[%s] %s; trying again in %.2fs: %s",
@@ -150,13 +157,22 @@ class Requeued(Ignore):
 
 def requeues(request: Any) -> int:
     """How often this delivery was put back as a duplicate (0 for none, or unreadable)."""
-    value = getattr(request, REQUEUES_HEADER, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(REQUEUES_HEADER)
     try:
-        return int(value or 0)
+        return int(request_header(request, REQUEUES_HEADER) or 0)
     except (TypeError, ValueError):
         return 0
+
+
+def request_header(request: Any, name: str) -> Any:
+    """A custom message header of the delivery ``request`` is for (None if absent).
+
+    Celery puts a message's custom headers on the request, or (eager, some
+    versions) in its ``headers``.
+    """
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return value
 
 
 def already_done(task: Task, task_id: str) -> bool:

@@ -64,6 +64,7 @@ from typing import Any
 
 from celery import Task, states
 from celery.utils import uuid
+from celery.utils.time import maybe_iso8601
 
 from . import metrics
 from .engine.claims import admit, claim, start, unclaim
@@ -74,15 +75,20 @@ from .engine.timing import MAX_SECONDS
 from .exceptions import LockBusy, LockKeyError, NodeUnavailable
 from .nodes import NodeSet
 from .options import TaskLockOptions
-from .policies import Requeued
+from .policies import Requeued, request_header
 from .settings import Settings
 
 __all__ = ["active", "ended", "revoked", "send", "started"]
 
 logger = logging.getLogger("celery_redlock.unique")
 
-#: Options that make a send part of a canvas (its task id is promised to it already).
-CANVAS_OPTIONS = ("chain", "group_id", "chord")
+#: Header of a copy sent with a claim; its retries and requeues keep it.
+CLAIMED_HEADER = "redlock_claimed"
+
+#: Options that make a send part of a canvas (its task id is promised to it already):
+#: a chain's next step, a group's or chord's member, and a ``link``/``link_error``
+#: callback, which the worker sends with the parent's id.
+CANVAS_OPTIONS = ("chain", "group_id", "chord", "parent_id")
 
 # Task ids whose claim this thread handed over when their body started
 # (``until_started``), so that their end does not free it a second time.
@@ -104,27 +110,33 @@ def send(
     ``send_options`` gets the task id the claim was taken for.
     """
     task_id = send_options.get("task_id")
-    if (
-        not active(options)
-        or task.app.conf.task_always_eager
-        or any(send_options.get(name) is not None for name in CANVAS_OPTIONS)
-        or (task_id is not None and task_id == task.request.id)  # a retry of this copy
-    ):
+    if not active(options) or task.app.conf.task_always_eager:
+        return publish(send_options)
+    if task_id is not None and task_id == task.request.id:
+        # The running copy sends itself again: self.retry(), or put back on the queue
+        # (a busy lock, a debounced or throttled run). It stays the one copy, and
+        # one sent with a claim carries it over the time it waits on the queue.
+        if request_header(task.request, CLAIMED_HEADER):
+            _carry(task, options, settings, task_id, args, kwargs, send_options)
+        return publish(send_options)
+    if any(send_options.get(name) is not None for name in CANVAS_OPTIONS):
         return publish(send_options)
     keys = _keys(task, options, settings, args, kwargs)
     if keys is None:
         return publish(send_options)
-    task_id = send_options["task_id"] = task_id or uuid()
     nodeset = NodeSet.get(settings.node_urls(), timeout=options.timing.node_timeout)
+    task_id = send_options["task_id"] = task_id or uuid()
     debounce, payload = options.debounce, ""
     if options.throttle is not None:
         ttl = options.throttle  # the window, from the call that opens it
     else:
         ttl = options.unique_ttl + _delay(send_options) + (debounce or 0.0)
     if debounce is not None:
+        # No countdown: the copy is due `debounce` after the last call by the lock
+        # node's clock, which the worker asks when it starts the copy (start.lua). A
+        # countdown would be the sender's clock, and a sender running ahead would
+        # delay the run by as much.
         payload = _payload(task, args, kwargs)
-        if not _delay(send_options):
-            send_options["countdown"] = debounce
     replace = ""
     for _ in range(2):
         try:
@@ -137,6 +149,7 @@ def send(
                 replace=replace,
                 debounce=debounce,
                 args=payload,
+                running=options.unique == "until_finished",
             )
         except NodeUnavailable as exc:
             if options.on_duplicate == "raise":
@@ -148,23 +161,62 @@ def send(
                 exc,
             )
             return publish(send_options)
+        if found.claimed and found.again:
+            # A second send of one task id (a deterministic id makes a send
+            # idempotent): that copy is queued already.
+            break
         if found.claimed:
+            # Marks the copy (and its retries, which keep its headers) as one that
+            # holds a claim: see _carry.
+            send_options["headers"] = {**(send_options.get("headers") or {}), CLAIMED_HEADER: 1}
             try:
                 return publish(send_options)
             except BaseException:
-                unclaim(nodeset, keys, task_id)
+                unclaim(nodeset, keys, task_id, task.name)
                 raise
         assert found.holder is not None
         # A throttle window outlives its run: only its time ends it.
         if replace or options.throttle is not None or not _ended(task, found.holder):
             break
         replace = found.holder  # that copy ended without freeing its claim: take it over
-    logger.debug("Task %s: a copy is queued already (%s)", task.name, found.holder)
+    holder = task_id if found.again else found.holder
+    assert holder is not None
+    logger.debug("Task %s: a copy is queued already (%s)", task.name, holder)
     if metrics.enabled:
         metrics.duplicate(task.name)
     if options.on_duplicate == "raise" and debounce is None:
-        raise LockBusy(keys.lock, found.holder, found.ttl)
-    return task.AsyncResult(found.holder)
+        raise LockBusy(keys.lock, holder, found.ttl)
+    return task.AsyncResult(holder)
+
+
+def _carry(
+    task: Task,
+    options: TaskLockOptions,
+    settings: Settings,
+    task_id: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    send_options: dict[str, Any],
+) -> None:
+    """Keep the running copy's claim while it waits on the queue again.
+
+    Taken again if it was handed back at start (``until_started``) or has expired
+    while the body ran: until the copy is delivered again, and ``lock_unique_ttl``
+    more. A throttle window ends with its time only. A claim another copy holds (a
+    follow-up queued while this one ran) stays that copy's. Best effort: Redis
+    unreachable leaves the copy to its execution lock, as a send does.
+    """
+    keys = _keys(task, options, settings, args, kwargs)
+    if options.throttle is not None or keys is None:
+        return
+    ttl = options.unique_ttl + _delay(send_options) + (options.debounce or 0.0)
+    nodeset = NodeSet.get(settings.node_urls(), timeout=options.timing.node_timeout)
+    try:
+        claim(nodeset, keys, task_id, min(ttl, MAX_SECONDS), task_name=task.name)
+    except NodeUnavailable as exc:
+        logger.warning(
+            "Task %s[%s] goes back on the queue without its claim: %s", task.name, task_id, exc
+        )
 
 
 def active(options: TaskLockOptions) -> bool:
@@ -204,7 +256,7 @@ def started(
             _requeue(task, task_id, wait, args, kwargs, "waits for its throttle window")
         return
     if options.debounce is not None:
-        verdict = start(nodeset, keys, task_id, _payload(task, args, kwargs))
+        verdict = start(nodeset, keys, task_id, task.name, _payload(task, args, kwargs))
         if verdict is not None:
             wait, payload = verdict
             last_args, last_kwargs = json.loads(payload)
@@ -267,7 +319,7 @@ def _free(
     """Free ``task_id``'s claim; count it as expired if ``expected`` and it was gone."""
     try:
         nodeset = NodeSet.get(settings.node_urls(), timeout=options.timing.node_timeout)
-        status = unclaim(nodeset, keys, task_id)
+        status = unclaim(nodeset, keys, task_id, task.name)
     except Exception:  # the claim ends with its TTL
         logger.exception("Task %s[%s]: freeing its send-time claim failed", task.name, task_id)
         return
@@ -340,6 +392,11 @@ def _delay(send_options: dict[str, Any]) -> float:
     if countdown:
         return max(0.0, float(countdown))
     eta = send_options.get("eta")
+    if isinstance(eta, str):  # Celery accepts an ISO 8601 string too
+        try:
+            eta = maybe_iso8601(eta)
+        except ValueError:
+            return 0.0  # Celery refuses it when it publishes
     if isinstance(eta, datetime):
         now = datetime.now(eta.tzinfo or timezone.utc)
         if eta.tzinfo is None:

@@ -31,7 +31,7 @@ from redis.exceptions import ResponseError
 
 from ..exceptions import NodeUnavailable
 from ..nodes import Call, NodeSet, Reply
-from .keys import LockKeys
+from .keys import LockKeys, claim_key
 from .scripts import CLAIM, CLAIM_START, THROTTLE, UNCLAIM, ClaimStatus, UnclaimStatus
 
 __all__ = ["ClaimResult", "admit", "claim", "start", "unclaim"]
@@ -42,11 +42,16 @@ SPLIT_ROUNDS = 8
 
 @dataclass(frozen=True)
 class ClaimResult:
-    """What a claim attempt found: claimed, or held by ``holder`` for ``ttl`` seconds."""
+    """What a claim attempt found: claimed, or held by ``holder`` for ``ttl`` seconds.
+
+    ``again``: claimed, and a majority said the task id held it already (a second send
+    of one task id, or the running copy's retry carrying its claim).
+    """
 
     claimed: bool
     holder: str | None = None
     ttl: float | None = None
+    again: bool = False
 
 
 def claim(
@@ -55,25 +60,29 @@ def claim(
     task_id: str,
     ttl: float,
     *,
-    task_name: str = "",
+    task_name: str,
     replace: str = "",
     debounce: float | None = None,
     args: str = "",
+    running: bool = False,
 ) -> ClaimResult:
-    """Claim ``keys``' name for ``task_id`` for ``ttl`` seconds, on a majority of nodes.
+    """Claim ``keys``' name for ``task_id`` of ``task_name`` for ``ttl`` s, on a majority.
 
     A claim ``task_id`` holds already is refreshed and counts as claimed (a retry of
     the same copy). ``replace`` names a holder the caller knows has ended: its claim
     is taken over instead of reported. With ``debounce`` (seconds), the claim's copy
     may not run before ``debounce`` after this call, and runs with ``args`` (this
     call's arguments, serialized), whether this call claimed it or found it held.
+    With ``running`` (``until_finished``), a copy of ``task_name`` that holds the
+    name's execution lock holds the claim too, for as long as its lease is renewed:
+    a copy that runs longer than ``ttl`` still turns duplicates away.
 
     Raises:
         NodeUnavailable: too few nodes answered to decide.
     """
     call = Call(
         CLAIM,
-        (keys.claim,),
+        (claim_key(keys, task_name), keys.lock),
         (
             task_id,
             max(1, round(ttl * 1000)),
@@ -82,33 +91,35 @@ def claim(
             replace,
             "" if debounce is None else max(0, round(debounce * 1000)),
             args,
+            "1" if running else "",
         ),
     )
     for _ in range(SPLIT_ROUNDS):
         replies = nodeset.call([call], decided=_decided(nodeset) if len(nodeset) > 1 else None)
         granted, holders, errors = _tally(replies)
         if granted >= nodeset.quorum:
-            return ClaimResult(True)
+            return ClaimResult(True, again=_ours(replies) >= nodeset.quorum)
         if granted or None in replies:
             # A node whose reply was not waited for may have granted it too.
-            unclaim(nodeset, keys, task_id)
+            unclaim(nodeset, keys, task_id, task_name)
         if holders:
             (holder, count), *_ = Counter(h for h, _ in holders).most_common(1)
             if count >= nodeset.quorum:
                 ttl_left = min(t for h, t in holders if h == holder)
                 return ClaimResult(False, holder, ttl_left)
         if granted + len(holders) < nodeset.quorum:
-            raise NodeUnavailable(keys.claim, errors)
+            raise NodeUnavailable(call.keys[0], errors)
         time.sleep(random.uniform(0.002, 0.02))  # split between senders: one will win
-    raise NodeUnavailable(keys.claim, [f"no majority after {SPLIT_ROUNDS} rounds (split votes)"])
+    raise NodeUnavailable(call.keys[0], [f"no majority after {SPLIT_ROUNDS} rounds (split votes)"])
 
 
-def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str) -> UnclaimStatus | None:
-    """Free ``keys``' claim where ``task_id`` holds it; what a majority of nodes said.
+def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str, task_name: str) -> UnclaimStatus | None:
+    """Free ``task_name``'s claim of ``keys``' name if ``task_id`` holds it.
 
-    FREED: it was ``task_id``'s; GONE: no claim (freed, or expired); TAKEN: another
-    task id's, left alone; None: no majority agreed (or too few answered). Never
-    raises for unreachable nodes: their copy of the claim ends with its TTL.
+    Returns what a majority of nodes said. FREED: it was ``task_id``'s; GONE: no
+    claim (freed, or expired); TAKEN: another task id's, left alone; None: no
+    majority agreed (or too few answered). Never raises for unreachable nodes:
+    their copy of the claim ends with its TTL.
     """
 
     def said(replies: list[Reply | None]) -> Counter[UnclaimStatus]:
@@ -122,7 +133,7 @@ def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str) -> UnclaimStatus | N
         # Sent to every node; a node slower than the majority is not waited for.
         return any(count >= nodeset.quorum for count in said(replies).values())
 
-    call = Call(UNCLAIM, (keys.claim,), (task_id,))
+    call = Call(UNCLAIM, (claim_key(keys, task_name),), (task_id,))
     replies = nodeset.call([call], decided=decided if len(nodeset) > 1 else None)
     for status, count in said(replies).items():
         if count >= nodeset.quorum:
@@ -130,14 +141,16 @@ def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str) -> UnclaimStatus | N
     return None
 
 
-def start(nodeset: NodeSet, keys: LockKeys, task_id: str, args: str) -> tuple[float, str] | None:
+def start(
+    nodeset: NodeSet, keys: LockKeys, task_id: str, task_name: str, args: str
+) -> tuple[float, str] | None:
     """Whether a debounced copy about to run may: None, or ``(seconds, args)`` to wait.
 
     None: run now (its claim is freed). ``(seconds, args)``: go back on the queue
     with ``args`` (the last call's) for that long. Runs when a majority says so, or
     when too few nodes answer to say otherwise (the execution lock still guards it).
     """
-    replies = nodeset.call([Call(CLAIM_START, (keys.claim,), (task_id, args))])
+    replies = nodeset.call([Call(CLAIM_START, (claim_key(keys, task_name),), (task_id, args))])
     later: list[tuple[float, str]] = []
     for reply in replies:
         if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
@@ -147,7 +160,7 @@ def start(nodeset: NodeSet, keys: LockKeys, task_id: str, args: str) -> tuple[fl
             later.append((int(value[1]) / 1000, str(value[2])))
     if len(later) < nodeset.quorum:
         if later:
-            unclaim(nodeset, keys, task_id)
+            unclaim(nodeset, keys, task_id, task_name)
         return None
     return max(wait for wait, _ in later), later[0][1]
 
@@ -181,6 +194,18 @@ def _decided(nodeset: NodeSet) -> Callable[[list[Reply | None]], bool]:
         return granted >= quorum or len(holders) > n - quorum
 
     return decided
+
+
+def _ours(replies: list[Reply | None]) -> int:
+    """How many nodes said the task id held the claim already."""
+    return sum(
+        1
+        for reply in replies
+        if reply is not None
+        and reply.ok
+        and not isinstance(reply.values[0], ResponseError)
+        and reply.values[0][0] == ClaimStatus.OURS
+    )
 
 
 def _tally(replies: list[Reply | None]) -> tuple[int, list[tuple[str, float]], list[str]]:

@@ -14,9 +14,12 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               task_id, host, pid, acquired_at, task_name, ttl
     redlock:{NAME}:queue      sorted set: fair waiters, token -> arrival order
     redlock:{NAME}:waiting    sorted set: fair waiters, token -> deadline in ms
-    redlock:{NAME}:claim      hash: task_id, task_name, claimed_at (with debounce, due
+    redlock:{NAME}:claim:TAG  hash: task_id, task_name, claimed_at (with debounce, due
                               and args); the send-time claim of a task with
-                              ``lock_unique`` (one queued copy per name)
+                              ``lock_unique`` (one queued copy per task and name).
+                              TAG: 16 hex digits of the task name's SHA-256, so two
+                              tasks naming one resource claim apart (their bodies
+                              still exclude each other through the lock)
     redlock:{NAME}:throttle   string: the task id of the last run admitted, expiring
                               with its ``lock_throttle`` window
     redlock:{NAME}:abandoned  sorted set: tokens of acquisitions abandoned with a
@@ -44,6 +47,7 @@ Names of task locks (from the task and its arguments) are made in
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -56,6 +60,7 @@ __all__ = [
     "WRITER_MARK",
     "YIELD_MARK",
     "LockKeys",
+    "claim_key",
     "is_lock_key",
     "keys_of",
     "lock_keys",
@@ -187,12 +192,35 @@ def is_lock_key(key: str, prefix: str = DEFAULT_PREFIX) -> bool:
     return key.startswith(prefix + "{") and key.endswith("}") and len(key) > len(prefix) + 2
 
 
+#: Hex digits of a task's tag in its claim keys (:func:`claim_key`).
+CLAIM_TAG_LENGTH = 16
+
+
+def claim_key(keys: LockKeys, task_name: str) -> str:
+    """The send-time claim of ``task_name`` on the lock ``keys`` (``<lock>:claim:<tag>``).
+
+    A claim is per task and name: a send of one task is never taken for a duplicate
+    of another task that names the same resource.
+    """
+    tag = hashlib.sha256(task_name.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{keys.claim}:{tag[:CLAIM_TAG_LENGTH]}"
+
+
 def parse_key(key: str, prefix: str = DEFAULT_PREFIX) -> tuple[LockKeys, str] | None:
     """The lock ``key`` belongs to, and which of its keys it is (a :class:`LockKeys` field).
 
     None when ``key`` is none of a lock's keys under ``prefix``. A lock key always
-    ends with ``}``, so no other key of a lock can be read as one.
+    ends with ``}``, so no other key of a lock can be read as one; a claim key ends
+    with ``:claim:`` and its task's tag (:func:`claim_key`).
     """
+    base, sep, tag = key.rpartition(SUFFIXES["claim"] + ":")
+    if (
+        sep
+        and len(tag) == CLAIM_TAG_LENGTH
+        and all(c in "0123456789abcdef" for c in tag)
+        and is_lock_key(base, prefix)
+    ):
+        return keys_of(base), "claim"
     for field, suffix in SUFFIXES.items():
         if key.endswith(suffix):
             lock = key[: len(key) - len(suffix)]

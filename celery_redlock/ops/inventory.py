@@ -265,6 +265,8 @@ def scan_lock_keys(
         (sorted keys, {node url: error}) for nodes that failed part-way.
     """
     pattern = _glob_escape(prefix) + "{*}" + _glob_escape(SUFFIXES[field])
+    if field == "claim":  # one per task: <lock>:claim:<task tag> (keys.claim_key)
+        pattern += "*"
     # A cluster node is scanned on every master; its errors are reported under its URL.
     servers: list[Server] = []
     owners: list[str] = []

@@ -100,6 +100,54 @@ def make_unique_app(redis_url: str, **conf: object) -> Celery:
             log.write(f"{self.request.id} {n} {time.time()}\n")
         return n
 
+    # Claims far shorter than what they protect (issue 25): the body, the countdown of a
+    # retry, a follow-up's wait on the queue.
+    for name, options in (
+        ("unique.brief.until_finished", {"lock_unique": "until_finished"}),
+        ("unique.brief.until_started", {"lock_unique": "until_started"}),
+    ):
+        app.task(
+            base=LockedTask,
+            bind=True,
+            shared=False,
+            name=name,
+            lock_key="brief:{item}",
+            lock_unique_ttl=1,
+            **options,
+        )(body)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="unique.brief.retrying",
+        lock_key="later:{item}",
+        lock_unique="until_finished",
+        lock_unique_ttl=1,
+    )
+    def retry_later(self, item, out, countdown=3.0):
+        with Path(out).open("a") as log:
+            log.write(f"{self.request.id} {self.request.retries}\n")
+        if self.request.retries < 1:
+            raise self.retry(countdown=countdown)
+        return item
+
+    # Two tasks on one resource: their bodies exclude each other; neither is a
+    # duplicate of the other.
+    for name in ("unique.sync_account", "unique.close_account"):
+        app.task(
+            base=LockedTask,
+            bind=True,
+            shared=False,
+            name=name,
+            lock_key="account:{item}",
+            lock_unique="until_started",
+        )(body)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="unique.echo", lock_key="echo:{item}")
+    def echo(self, item):
+        return item
+
     for name, options in (
         ("unique.digest", {"lock_key": "digest:{key}", "lock_debounce": 1.0}),
         ("unique.poll", {"lock_key": "poll:{key}", "lock_throttle": 2.0}),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery_redlock.engine.keys import parse_key
+
 #: Keys beside a lock that are not a hold: fence counters, and the send-time claims
 #: and throttle windows of ``lock_unique`` tasks (a claim is a queued copy, not a lock).
 NOT_HOLDS = (":fence", ":claim", ":throttle")
@@ -11,7 +13,11 @@ NOT_HOLDS = (":fence", ":claim", ":throttle")
 
 def lock_keys(server: Any) -> list[str]:
     """The lock keys present on ``server``: what holders hold (not counters or claims)."""
-    return sorted(k for k in server.client().scan_iter("redlock:*") if not k.endswith(NOT_HOLDS))
+    return sorted(
+        k
+        for k in server.client().scan_iter("redlock:*")
+        if not k.endswith(NOT_HOLDS) and (parse_key(k) or (None, ""))[1] != "claim"
+    )
 
 
 def holder_pid(server: Any) -> int | None:

@@ -46,8 +46,17 @@ def queued(server, queue="celery"):
     return server.client(db=BROKER_DB).llen(queue)
 
 
+def claim_keys(server, lock_name):
+    """The claim keys of ``lock_name`` (one per task that claimed it)."""
+    return sorted(server.client(db=0).scan_iter((CLAIM % lock_name) + "*"))
+
+
 def claim_holder(server, item, name="item"):
-    return server.client(db=0).hget(CLAIM % f"{name}:{item}", "task_id")
+    """The task id holding the claim of ``<name>:<item>`` (of its one claiming task)."""
+    holders = [server.client(db=0).hget(k, "task_id") for k in claim_keys(server, f"{name}:{item}")]
+    holders = [h for h in holders if h]
+    assert len(holders) <= 1, holders
+    return holders[0] if holders else None
 
 
 def get(result, timeout=30, **kwargs):
@@ -103,25 +112,27 @@ def test_until_finished_returns_the_running_copy(
     assert out.read_text().split() == [running.id, again.id]
 
 
-def test_a_lost_claim_never_lets_two_bodies_of_a_key_run_at_once(
-    app, celery_redis, inprocess_worker_factory, tmp_path
+def test_two_until_finished_copies_whose_claims_a_restart_lost_run_one_after_the_other(
+    app, celery_redis, inprocess_worker_factory, tmp_path, caplog
 ):
-    """The claim deleted behind the running copy's back: a second copy is queued, and the
-    execution lock, taken when it starts, still keeps it from running beside the first."""
-    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    """The lock node restarted empty with a copy queued: its claim is gone, so a second
+    copy is published. They never run at once (the execution lock), and the second is
+    not failed as busy either: it waits on the queue and runs after the first, as an
+    until_started follow-up does."""
     gate, out = tmp_path / "gate", tmp_path / "runs"
     task = app.tasks["unique.until_finished.return"]
-    running = task.delay("a", str(gate), str(out))
-    wait_for(out.exists, timeout=10)
-    celery_redis.client(db=0).delete(CLAIM % "item:a")
+    first = task.delay("a", str(gate), str(out))
+    celery_redis.client(db=0).delete(*claim_keys(celery_redis, "item:a"))  # the restart
     second = task.delay("a", str(gate), str(out))
-    assert second.id != running.id, "without its claim, the key looks free at send time"
-    with pytest.raises(LockBusy) as info:
-        get(second)
-    assert info.value.holder == running.id
-    assert out.read_text().split() == [running.id], "the second body never ran"
+    assert second.id != first.id, "without its claim, the key looks free at send time"
+    with caplog.at_level(logging.INFO, logger="celery_redlock.task"):
+        inprocess_worker_factory(app, pool="threads", concurrency=2)
+        wait_for(out.exists, timeout=10)
+        wait_for(lambda: "follows the running copy" in caplog.text, timeout=10)
+    assert len(out.read_text().split()) == 1, "both bodies ran at once"
     gate.touch()
-    assert get(running) == "a"
+    assert get(first) == "a" and get(second) == "a"
+    assert sorted(out.read_text().split()) == sorted([first.id, second.id])
 
 
 def test_on_duplicate_raise_names_the_queued_copy(app, celery_redis):
@@ -488,7 +499,7 @@ def test_send_options_reach_the_message_and_canvases_are_not_deduplicated(app, c
     assert message["headers"]["id"] == first.id
     assert message["headers"]["eta"] and message["headers"]["expires"]
     assert message["headers"]["trace"] == "t-1"
-    claim_ttl = celery_redis.client(db=0).pttl(CLAIM % "item:q") / 1000
+    claim_ttl = celery_redis.client(db=0).pttl(claim_keys(celery_redis, "item:q")[0]) / 1000
     assert 3600 + 50 < claim_ttl <= 3600 + 60, "the claim waits out the countdown too"
     group([task.s("g"), task.s("g")]).apply_async()
     chain(task.s("c"), task.si("c")).apply_async()
@@ -505,3 +516,138 @@ def test_beat_never_piles_up_copies_of_a_slow_periodic_task(app, celery_redis):
     results = [scheduler.apply_async(entry, advance=False) for _ in range(5)]
     assert len({r.id for r in results}) == 1
     assert queued(celery_redis) == 1
+
+
+# -- lifetimes far shorter than the work (issue 25) -------------------------------------
+
+
+def test_until_finished_a_copy_running_past_its_claims_ttl_still_turns_duplicates_away(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """lock_unique_ttl=1 and a body that runs on: once the claim's own TTL is over, the
+    copy still holds it through its execution lock (renewed while it runs)."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    gate, out = tmp_path / "gate", tmp_path / "runs"
+    task = app.tasks["unique.brief.until_finished"]
+    running = task.delay("a", str(gate), str(out))
+    wait_for(out.exists, timeout=10)
+    wait_for(lambda: not claim_keys(celery_redis, "brief:a"), timeout=10)  # its TTL is over
+    assert task.delay("a", str(gate), str(out)).id == running.id, "published beside it"
+    assert queued(celery_redis) == 0
+    gate.touch()
+    assert get(running) == "a"
+    assert out.read_text().split() == [running.id]
+
+
+def test_until_finished_a_retry_keeps_its_claim_over_a_countdown_longer_than_the_ttl(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """self.retry(countdown=3) with a 1 s claim: a send during the countdown gets the
+    retrying copy; one copy runs, with its retry, and nothing else."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    out = tmp_path / "runs"
+    task = app.tasks["unique.brief.retrying"]
+    sent_at = time.monotonic()
+    first = task.delay("a", str(out))
+    wait_for(lambda: first.state == "RETRY", timeout=10)
+    # Past the send's own claim (1 s), within the countdown (3 s).
+    wait_for(lambda: time.monotonic() - sent_at > 1.5, timeout=10)
+    assert task.delay("a", str(out)).id == first.id, "a second copy during the countdown"
+    assert get(first) == "a"
+    assert out.read_text().split("\n")[:-1] == [f"{first.id} 0", f"{first.id} 1"]
+
+
+def test_until_started_the_waiting_follow_up_keeps_its_claim_while_it_waits(
+    app, celery_redis, inprocess_worker_factory, tmp_path, caplog
+):
+    """A 1 s claim; the follow-up of a running copy waits on the queue for seconds: it
+    stays the one follow-up (no second one published), and runs after the running one."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    gate, out = tmp_path / "gate", tmp_path / "runs"
+    task = app.tasks["unique.brief.until_started"]
+    running = task.delay("a", str(gate), str(out))
+    wait_for(out.exists, timeout=10)
+    with caplog.at_level(logging.INFO, logger="celery_redlock.task"):
+        follow_up = task.delay("a", str(gate), str(out))
+        wait_for(lambda: any("follows the running copy" in r.message for r in caplog.records))
+        wait_for(lambda: caplog.text.count("follows the running copy") >= 3, timeout=20)
+    # The follow-up has waited well past its claim's 1 s; it still holds it.
+    assert claim_holder(celery_redis, "a", name="brief") == follow_up.id
+    assert task.delay("a", str(gate), str(out)).id == follow_up.id
+    gate.touch()
+    assert get(running) == "a" and get(follow_up) == "a"
+    assert out.read_text().split() == [running.id, follow_up.id]
+
+
+def test_two_tasks_naming_one_resource_are_not_duplicates_of_each_other(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """close_account(7) sent while sync_account(7) is queued: published, and both run
+    (one after the other: they share the resource's execution lock)."""
+    gate, out = tmp_path / "gate", tmp_path / "runs"
+    sync = app.tasks["unique.sync_account"].delay("7", str(gate), str(out))
+    close = app.tasks["unique.close_account"].delay("7", str(gate), str(out))
+    assert close.id != sync.id, "close_account was taken for a copy of sync_account"
+    assert queued(celery_redis) == 2
+    assert app.tasks["unique.close_account"].delay("7", str(gate), str(out)).id == close.id
+    gate.touch()
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    assert get(sync) == "7" and get(close) == "7"
+    assert sorted(out.read_text().split()) == sorted([sync.id, close.id])
+
+
+def test_a_task_id_sent_twice_while_queued_publishes_one_message(app, celery_redis):
+    """A deterministic task id makes a send idempotent."""
+    task = app.tasks["unique.until_started.return"]
+    first = task.apply_async(("a",), task_id="order-42")
+    again = task.apply_async(("a",), task_id="order-42")
+    assert first.id == again.id == "order-42"
+    assert queued(celery_redis) == 1
+    with pytest.raises(LockBusy) as info:
+        app.tasks["unique.until_started.raise"].apply_async(("b",), task_id="order-43")
+        app.tasks["unique.until_started.raise"].apply_async(("b",), task_id="order-43")
+    assert info.value.holder == "order-43"
+    assert queued(celery_redis) == 2
+
+
+def test_an_iso_string_eta_is_added_to_the_claims_ttl(app, celery_redis):
+    """Celery accepts an eta as an ISO 8601 string: the claim covers it as a datetime's."""
+    from datetime import datetime, timedelta, timezone
+
+    task = app.tasks["unique.short_claim"]  # lock_unique_ttl=0.3
+    eta = (datetime.now(timezone.utc) + timedelta(seconds=60)).isoformat()
+    first = task.apply_async(("e",), eta=eta)
+    ttl = celery_redis.client(db=0).pttl(claim_keys(celery_redis, "short:e")[0]) / 1000
+    assert 55 < ttl <= 61
+    assert task.apply_async(("e",), eta=eta).id == first.id
+    assert queued(celery_redis) == 1
+
+
+def test_debounce_takes_no_due_time_from_the_senders_clock(app, celery_redis):
+    """The debounced copy is published with no eta of the sender's: its due time is the
+    lock node's (judged when a worker starts it), as throttle's is."""
+    task = app.tasks["unique.digest"]
+    task.delay("k", 1, "")
+    (raw,) = celery_redis.client(db=BROKER_DB).lrange("celery", 0, -1)
+    headers = json.loads(raw)["headers"]
+    assert headers.get("eta") is None and headers.get("countdown") is None
+
+
+def test_a_unique_link_callback_is_published_while_a_copy_of_its_key_runs(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """A callback's task id is promised to its parent's caller: never deduplicated away.
+    It runs after the running copy of its key (they share the execution lock)."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    gate, out = tmp_path / "gate", tmp_path / "runs"
+    unique_task = app.tasks["unique.until_finished.return"]
+    running = unique_task.delay("a", str(gate), str(out))
+    wait_for(out.exists, timeout=10)
+    callback = unique_task.s(str(gate), str(out))
+    callback.freeze()
+    parent = app.tasks["unique.echo"].apply_async(("a",), link=callback)
+    assert get(parent) == "a"
+    gate.touch()
+    assert get(running) == "a"
+    assert get(app.AsyncResult(callback.id)) == "a", "the callback was never published"
+    assert out.read_text().split() == [running.id, callback.id]

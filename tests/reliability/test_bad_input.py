@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from celery_redlock import ConfigurationError, LockKeyError
-from celery_redlock.engine.keys import lock_keys, release_keys
+from celery_redlock.engine.keys import claim_key, lock_keys, release_keys
 from celery_redlock.engine.names import MAX_DEPTH, task_lock_name
 from celery_redlock.engine.scripts import (
     ACQUIRE,
@@ -237,9 +237,9 @@ SCRIPTS = {
     "fence_sync": (FENCE_SYNC, list(KEYS.fence_sync)),
     "inspect": (INSPECT, list(KEYS.inspect)),
     "beat_claim": (BEAT_CLAIM, [KEYS.lock, KEYS.state]),
-    "claim": (CLAIM, [KEYS.claim]),
-    "unclaim": (UNCLAIM, [KEYS.claim]),
-    "claim_start": (CLAIM_START, [KEYS.claim]),
+    "claim": (CLAIM, [claim_key(KEYS, TASK_ID), KEYS.lock]),
+    "unclaim": (UNCLAIM, [claim_key(KEYS, TASK_ID)]),
+    "claim_start": (CLAIM_START, [claim_key(KEYS, TASK_ID)]),
     "throttle": (THROTTLE, [KEYS.throttle]),
 }
 argv_item = st.one_of(

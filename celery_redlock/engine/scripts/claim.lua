@@ -5,8 +5,10 @@
 -- or finishes (celery_redlock.unique). Its TTL frees it when the copy is lost between
 -- send and start (a purged queue, a broker failure).
 --
--- KEYS[1]  claim hash (fields: task_id, task_name, claimed_at; with debounce also due,
---          the node's time in ms before which the copy may not run, and args)
+-- KEYS[1]  claim hash of one task on one name (fields: task_id, task_name, claimed_at;
+--          with debounce also due, the node's time in ms before which the copy may
+--          not run, and args)
+-- KEYS[2]  the name's execution lock hash (read only, with ARGV[8])
 -- ARGV[1]  task id     ARGV[2]  TTL in milliseconds (positive integer)
 -- ARGV[3]  task name   ARGV[4]  claimed-at, unix seconds on the client's clock (display)
 -- ARGV[5]  task id of a holder to replace ('' for none): the caller saw that copy end
@@ -14,12 +16,15 @@
 --          another task id's claim, sets due = now + debounce and args = ARGV[7] (the
 --          last call's arguments win) and refreshes the TTL
 -- ARGV[7]  the call's arguments, serialized ('' without debounce)
+-- ARGV[8]  '1': until_finished. With no claim to report, a copy of this task (task
+--          name ARGV[3]) holding the execution lock holds the claim: it is running,
+--          and its lease, renewed while it runs, is the claim's life then. Else ''.
 --
 -- Returns  {1}                  claimed
 --          {2}                  this task id held it already; its TTL is refreshed
 --          {0, holder, pttl}    held by another task id, for pttl more milliseconds
-if #ARGV ~= 7 then
-    return redis.error_reply('ERR celery_redlock claim: expected 7 arguments, got ' .. #ARGV)
+if #ARGV ~= 8 then
+    return redis.error_reply('ERR celery_redlock claim: expected 8 arguments, got ' .. #ARGV)
 end
 if ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock claim: empty task id')
@@ -53,6 +58,13 @@ if holder and holder ~= ARGV[5] then
         return {0, holder, ttl}
     end
     return {0, holder, redis.call('PTTL', KEYS[1])}
+end
+if ARGV[8] == '1' then
+    local running = redis.call('HMGET', KEYS[2], 'task_id', 'task_name')
+    if running[1] and running[1] ~= '' and running[1] ~= ARGV[1] and running[1] ~= ARGV[5]
+            and running[2] == ARGV[3] then
+        return {0, running[1], redis.call('PTTL', KEYS[2])}
+    end
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'task_id', ARGV[1], 'task_name', ARGV[3], 'claimed_at', ARGV[4])

@@ -133,7 +133,7 @@ def test_ls_lists_queued_copies_after_the_locks(redis_node, cli):
     filtered = json.loads(cli(redis_node.url, "ls", "--json", "--task", "other.*").stdout)
     assert filtered["claims"] == []
     lock.release()
-    unclaim(nodeset, lock_keys("report:mon"), "copy-1")
+    unclaim(nodeset, lock_keys("report:mon"), "copy-1", "proj.report")
     nodeset.close()
     assert "No locks held." in cli(redis_node.url, "ls").stdout
 
