@@ -32,7 +32,7 @@ from benchmarks.common import environment, server_label, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
 
-LEAD = 1.0  # seconds between handing out a run and its common start (spawned imports)
+LEAD = 0.3  # seconds between the last process being ready and the common start
 DRAIN = 30.0  # seconds a run may overrun its duration (+ timeout) before it counts as hung
 
 
@@ -66,8 +66,11 @@ def client(
     out.update(acquired=acquired, timeouts=timeouts, longest_s=longest)
 
 
-def process_main(args: tuple, results: Any) -> None:
-    url, name, threads, hold, timeout, start_at, deadline = args
+def process_main(args: tuple, ready: Any, go: Any, start: Any, results: Any) -> None:
+    url, name, threads, hold, timeout, duration = args
+    ready.put(None)  # imported: spawned processes take different times to get here
+    go.wait(120)
+    start_at, deadline = start.value, start.value + duration
     outs: list[dict] = [{} for _ in range(threads)]
     workers = [
         threading.Thread(
@@ -85,13 +88,19 @@ def process_main(args: tuple, results: Any) -> None:
 def run_once(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run: every process's threads' counts, and the figures across processes."""
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    start_at = time.monotonic() + LEAD + 0.2 * args.procs
-    deadline = start_at + args.duration
-    job = (url, name, args.threads, args.hold / 1000, args.timeout, start_at, deadline)
-    procs = [ctx.Process(target=process_main, args=(job, results)) for _ in range(args.procs)]
+    ready, go, start, results = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
+    job = (url, name, args.threads, args.hold / 1000, args.timeout, args.duration)
+    procs = [
+        ctx.Process(target=process_main, args=(job, ready, go, start, results))
+        for _ in range(args.procs)
+    ]
     for proc in procs:
         proc.start()
+    for _ in procs:
+        ready.get(timeout=120)
+    start.value = time.monotonic() + LEAD  # CLOCK_MONOTONIC is system-wide on Linux
+    deadline = start.value + args.duration
+    go.set()
     per_process = []
     for _ in procs:
         outs = results.get(timeout=deadline + args.timeout + DRAIN - time.monotonic())
