@@ -1,9 +1,12 @@
 """The send-time claims on the lock nodes (queued copies of ``lock_unique`` tasks).
 
-A claim is ``<lock key>:claim``, a hash of the queued copy's task_id, task_name and
-claimed_at with a TTL (see :mod:`celery_redlock.engine.claims`). ``ls`` lists them
-beside the locks: a claim is a copy sent and not yet started (``until_started``) or
-not yet finished (``until_finished``). Reading them takes no lock and changes nothing.
+A claim is ``<lock key>:claim:<task tag>`` (one per task naming the lock), a hash of
+the queued copy's task_id, task_name and claimed_at with a TTL (see
+:mod:`celery_redlock.engine.claims`). ``ls`` lists them beside the locks: a claim is a
+copy sent and not yet started (``until_started``) or not yet finished
+(``until_finished``). Reading them takes no lock and changes nothing;
+:func:`clear_claim` (``release KEY --force``) deletes one whose copy is gone (a purged
+queue, a revoke no worker heard), by the task id read, as ``release`` does a lock.
 """
 
 from __future__ import annotations
@@ -14,10 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.keys import lock_name_of, parse_key
+from ..engine.scripts import UNCLAIM, UnclaimStatus
 from ..nodes import Call, NodeSet
-from .inventory import HeldOnNodes, scan_lock_keys, to_float
+from .inventory import HeldOnNodes, reply_error, scan_lock_keys, to_float
 
-__all__ = ["ClaimView", "held_claims"]
+__all__ = ["ClaimView", "clear_claim", "held_claims"]
+
+#: What ``unclaim.lua`` said on a node, as ``release KEY --force`` reports it.
+CLEAR_RESULTS: dict[int, str] = {
+    UnclaimStatus.FREED: "cleared",
+    UnclaimStatus.GONE: "gone",
+    UnclaimStatus.TAKEN: "taken",
+}
 
 #: Claims read per round trip.
 READ_CHUNK = 500
@@ -35,6 +46,7 @@ class ClaimView(HeldOnNodes):
     remaining: list[float] = field(default_factory=list)  # seconds left, per holding node
     nodes: int = 1
     quorum_size: int = 1
+    claim_key: str = ""  #: the claim's own key (``<key>:claim:<task tag>``)
 
     def age(self, now: float) -> float | None:
         """Seconds since the copy was sent (on the sender's clock)."""
@@ -44,6 +56,7 @@ class ClaimView(HeldOnNodes):
         """The JSON of ``ls --json``'s ``claims`` list."""
         return {
             "key": self.key,
+            "claim_key": self.claim_key,
             "name": self.name,
             "task_id": self.task_id,
             "task_name": self.task_name,
@@ -54,13 +67,19 @@ class ClaimView(HeldOnNodes):
 
 
 def held_claims(
-    nodeset: NodeSet, prefix: str, task: str | None = None, *, timeout: float | None = None
+    nodeset: NodeSet,
+    prefix: str,
+    task: str | None = None,
+    *,
+    timeout: float | None = None,
+    lock: str | None = None,
 ) -> tuple[list[ClaimView], dict[str, str]]:
-    """Every claim on the nodes (one per lock name: its majority holder), and node errors.
+    """Every claim on the nodes (per task and lock name: its majority holder); errors.
 
-    ``task`` keeps only the claims of task names matching that glob.
+    ``task`` keeps only the claims of task names matching that glob; ``lock`` (a lock
+    key) only that lock's claims.
     """
-    keys, errors = scan_lock_keys(nodeset, prefix, timeout=timeout, field="claim")
+    keys, errors = scan_lock_keys(nodeset, prefix, timeout=timeout, field="claim", lock=lock)
     claims = []
     for start in range(0, len(keys), READ_CHUNK):
         chunk = keys[start : start + READ_CHUNK]
@@ -101,6 +120,33 @@ def held_claims(
                     remaining=[ttl for f, ttl in views if f["task_id"] == holder],
                     nodes=len(nodeset),
                     quorum_size=nodeset.quorum,
+                    claim_key=key,
                 )
             )
     return claims, errors
+
+
+def clear_claim(
+    nodeset: NodeSet, claim: ClaimView, *, timeout: float | None = None
+) -> list[dict[str, Any]]:
+    """Delete ``claim`` on every node where the task id read still holds it (``unclaim.lua``).
+
+    A node where it is gone answers ``gone``; one where another copy claimed the name
+    since it was read answers ``taken`` and keeps that copy's claim.
+
+    Returns:
+        One ``{"node", "result", "error"}`` per node; result is ``cleared``, ``gone``,
+        ``taken`` or ``error``.
+    """
+    replies = nodeset.call([Call(UNCLAIM, (claim.claim_key,), (claim.task_id,))], timeout=timeout)
+    results: list[dict[str, Any]] = []
+    for node, reply in zip(nodeset.nodes, replies, strict=True):
+        error = reply_error(reply)
+        if error is not None:
+            results.append({"node": node.safe_url, "result": "error", "error": error})
+            continue
+        code = int(reply.values[0])  # type: ignore[union-attr]
+        results.append(
+            {"node": node.safe_url, "result": CLEAR_RESULTS.get(code, "error"), "error": None}
+        )
+    return results

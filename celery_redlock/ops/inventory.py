@@ -34,6 +34,7 @@ __all__ = [
     "held_locks",
     "read_locks",
     "release_lock",
+    "reply_error",
     "resolve_key",
     "scan_lock_keys",
     "to_float",
@@ -239,9 +240,10 @@ def resolve_key(text: str, prefix: str) -> str:
     return lock_keys(text, prefix).lock
 
 
-def _field_of(key: str, prefix: str) -> str | None:
+def _is_field_of(key: str, prefix: str, field: str, lock: str | None) -> bool:
+    """Whether ``key`` is the ``field`` key of a lock (of ``lock``, if given)."""
     parsed = parse_key(key, prefix)
-    return None if parsed is None else parsed[1]
+    return parsed is not None and parsed[1] == field and lock in (None, parsed[0].lock)
 
 
 def scan_lock_keys(
@@ -251,6 +253,7 @@ def scan_lock_keys(
     timeout: float | None = None,
     field: str = "lock",
     key_type: str = "hash",
+    lock: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Every lock key on any node, with SCAN (never KEYS); and the nodes that failed.
 
@@ -259,12 +262,14 @@ def scan_lock_keys(
     ``TYPE hash`` leaves out fence counters (strings) on the server;
     :func:`is_lock_key` drops beat state hashes. With ``field`` (a
     :class:`~celery_redlock.engine.keys.LockKeys` field, e.g. ``"shared"`` with
-    ``key_type="zset"``) it finds that key of every lock instead.
+    ``key_type="zset"``) it finds that key of every lock instead; with ``lock`` (a
+    lock key), only that lock's (its claims, one per task: ``field="claim"``).
 
     Returns:
         (sorted keys, {node url: error}) for nodes that failed part-way.
     """
-    pattern = _glob_escape(prefix) + "{*}" + _glob_escape(SUFFIXES[field])
+    locks = _glob_escape(prefix) + "{*}" if lock is None else _glob_escape(lock)
+    pattern = locks + _glob_escape(SUFFIXES[field])
     if field == "claim":  # one per task: <lock>:claim:<task tag> (keys.claim_key)
         pattern += "*"
     # A cluster node is scanned on every master; its errors are reported under its URL.
@@ -291,14 +296,14 @@ def scan_lock_keys(
         )
         for i in list(cursors):
             reply = replies[i]
-            error = _reply_error(reply)
+            error = reply_error(reply)
             if error is not None:
                 label = servers[i].safe_url
                 errors[owners[i]] = error if label == owners[i] else f"{label}: {error}"
                 del cursors[i]
                 continue
             cursor, found = reply.values[0]  # type: ignore[union-attr]
-            keys.update(k for k in found if _field_of(k, prefix) == field)
+            keys.update(k for k in found if _is_field_of(k, prefix, field, lock))
             if str(cursor) == "0":
                 del cursors[i]
             else:
@@ -306,7 +311,8 @@ def scan_lock_keys(
     return sorted(keys), errors
 
 
-def _reply_error(reply: Any) -> str | None:
+def reply_error(reply: Any) -> str | None:
+    """Why a node's reply (or its absence) is an error; None for a good reply."""
     if reply is None:
         return "no reply"
     if reply.error is not None:
@@ -328,7 +334,7 @@ def read_locks(
         for i, reply in enumerate(nodeset.call(calls, timeout=timeout)):
             node = nodeset.nodes[i].safe_url
             if reply is None or reply.error is not None:
-                error = _reply_error(reply)
+                error = reply_error(reply)
                 for key in chunk:
                     per_key[key].append(NodeView(node, error=error))
                 continue
@@ -370,7 +376,7 @@ def release_lock(
     )
     results: list[dict[str, str | None]] = []
     for node, reply in zip(nodeset.nodes, replies, strict=True):
-        error = _reply_error(reply)
+        error = reply_error(reply)
         if error is not None:
             results.append({"node": node.safe_url, "result": "error", "error": error})
         else:

@@ -1,4 +1,9 @@
-"""``celery redlock release``: release one lock, or every stale one, with the token read."""
+"""``celery redlock release``: release one lock, or every stale one, with the token read.
+
+``release KEY --force`` also clears the name's send-time claims (``lock_unique``),
+each by the task id read: a claim whose copy is gone (a purged queue, a revoke that
+no worker heard) otherwise holds the name until its TTL.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import click
 from celery.bin.base import CeleryCommand, CeleryOption
 from celery.platforms import EX_UNAVAILABLE
 
+from ..claims import ClaimView, clear_claim, held_claims
 from ..inventory import LockView, held_locks, read_locks, release_lock
 from ..workers import ACTIVE, STALE, UNKNOWN, ask_workers, classify
 from .base import (
@@ -56,7 +62,8 @@ __all__ = ["release"]
     is_flag=True,
     help_group="Release Options",
     help="Release KEY even if its holder task is running (it loses the lock at its "
-    "next renewal, and aborts by default).",
+    "next renewal, and aborts by default), and clear its send-time claims "
+    "(lock_unique), whose copies may still be queued.",
 )
 @common_options(workers=True)
 @click.pass_context
@@ -77,6 +84,7 @@ def release(
 
     Only the token that was read is deleted, so a lock re-acquired meanwhile stays.
     A lock whose holder task is running, or may be, is refused without --force.
+    The send-time claims of KEY's name (lock_unique) are cleared with --force only.
     """
     if stale == (key is not None):
         raise click.UsageError("give either KEY or --stale")
@@ -106,28 +114,44 @@ def _release_key(
 ) -> None:
     key = lock_key(session, key)
     (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
-    errors = {v.node: v.error for v in lock.views if v.error is not None}
+    claims, errors = held_claims(session.nodeset, session.prefix, timeout=node_timeout, lock=key)
+    errors.update((v.node, v.error) for v in lock.views if v.error is not None)
     code = check_quorum(ctx, session.nodeset, errors)
     if code:
         _report_release(ctx, as_json, [], [], code, quorum_error(session.nodeset, errors))
-    if not lock.held:
+    if not lock.held and not claims:
         ctx.obj.error(f"{key} is not held on any node that answered: nothing to release")
         _report_release(ctx, as_json, [], [], 0)
     now = time.time()
     # With --json, stdout carries the JSON alone; the description goes to stderr.
     say = ctx.obj.error if as_json else ctx.obj.echo
-    say(_describe(lock, now))
-    if not force and lock.task_id is not None:
+    if lock.held:
+        say(_describe(lock, now))
+    for claim in claims:
+        say(_describe_claim(claim, now))
+    # Without --force a claim stays: the command cannot see the broker's queues, and its
+    # copy may be waiting there (its run would free it).
+    kept = [] if force else [_claim_refusal(claim) for claim in claims]
+    if not force and lock.held and lock.task_id is not None:
         workers = ask_workers(ctx.obj.app, timeout)
         state, reason = classify(lock, workers)
         if state in (ACTIVE, UNKNOWN):
             refusal = {"key": key, "task_id": lock.task_id, "state": state, "reason": reason}
             hint = " (use --force to release it anyway)"
             refusal["reason"] += hint
-            _report_release(ctx, as_json, [], [refusal], EX_UNAVAILABLE if workers is None else 1)
+            code = EX_UNAVAILABLE if workers is None else 1
+            _report_release(ctx, as_json, [], [refusal, *kept], code)
+    if not lock.held and not force:
+        _report_release(ctx, as_json, [], kept, 1)
     if not yes:
-        click.confirm(f"Release {key}?", err=True, abort=True)
-    _report_release(ctx, as_json, _release_many(ctx, session, [lock], node_timeout), [], 0)
+        prompt = f"Release {key}" if lock.held else ""
+        if force and claims:
+            also = " and clear" if lock.held else "Clear"
+            prompt += f"{also} {len(claims)} send-time claim(s) of {key}"
+        click.confirm(prompt + "?", err=True, abort=True)
+    released = _release_many(ctx, session, [lock], node_timeout) if lock.held else []
+    cleared = [] if not force else _clear_many(session, claims, node_timeout)
+    _report_release(ctx, as_json, released, kept, 1 if kept else 0, cleared=cleared)
 
 
 def _release_stale(
@@ -193,6 +217,39 @@ def _release_many(
     return done
 
 
+def _clear_many(
+    session: Session, claims: Sequence[ClaimView], timeout: float
+) -> list[dict[str, Any]]:
+    done = []
+    for claim in claims:
+        results = clear_claim(session.nodeset, claim, timeout=timeout)
+        done.append(
+            {
+                "key": claim.claim_key,
+                "lock": claim.key,
+                "task_id": claim.task_id,
+                "task_name": claim.task_name,
+                "cleared_on": sum(r["result"] == "cleared" for r in results),
+                "nodes": results,
+            }
+        )
+    return done
+
+
+def _claim_refusal(claim: ClaimView) -> dict[str, Any]:
+    return {
+        "key": claim.claim_key,
+        "task_id": claim.task_id,
+        "state": "claimed",
+        "reason": (
+            f"a send-time claim of task {claim.task_name or '-'} (lock_unique) holds the "
+            "name: its copy may still be queued, and sends of that task get it instead of "
+            "publishing. If the copy is gone (a purged queue, a revoke no worker heard), "
+            "use --force to clear the claim"
+        ),
+    }
+
+
 def _report_release(
     ctx: click.Context,
     as_json: bool,
@@ -200,14 +257,18 @@ def _report_release(
     refused: list[dict[str, Any]],
     code: int,
     error: str | None = None,
+    *,
+    cleared: list[dict[str, Any]] | None = None,
 ) -> NoReturn:
-    """Print what was released and refused, and exit with ``code``.
+    """Print what was released, cleared and refused, and exit with ``code``.
 
     ``error`` says why nothing could be decided (JSON ``error``; the text form has
-    already said it on stderr).
+    already said it on stderr). ``cleared``: the send-time claims cleared.
     """
+    cleared = cleared or []
     if as_json:
-        echo_json(ctx, {"released": released, "refused": refused, "error": error})
+        data = {"released": released, "cleared": cleared, "refused": refused, "error": error}
+        echo_json(ctx, data)
         ctx.exit(code)
     for item in refused:
         ctx.obj.error(f"refused {item['key']}: {item['reason']}", fg="red")
@@ -217,7 +278,23 @@ def _report_release(
             f"released {item['key']} (fence {item['fence']}) "
             f"on {item['released_on']} node(s): {parts}"
         )
+    for item in cleared:
+        parts = ", ".join(f"{r['node']}: {r['result']}" for r in item["nodes"])
+        ctx.obj.echo(
+            f"cleared claim {item['key']} (task {item['task_name'] or '-'} "
+            f"[{item['task_id']}]) on {item['cleared_on']} node(s): {parts}"
+        )
     ctx.exit(code)
+
+
+def _describe_claim(claim: ClaimView, now: float) -> str:
+    age = claim.age(now)
+    where = f"{claim.held_on}/{claim.nodes} nodes, " if claim.nodes > 1 else ""
+    return (
+        f"{claim.claim_key}: send-time claim of task {claim.task_name or '-'} "
+        f"[{claim.task_id}], {where}age {duration(None if age is None else max(age, 0.0))}, "
+        f"TTL {duration(claim.ttl)}"
+    )
 
 
 def _describe(lock: LockView, now: float) -> str:

@@ -75,7 +75,12 @@ def test_release_of_a_free_key_does_nothing(redis_node, cli):
     """Nothing held: nothing released, exit 0."""
     result = cli(redis_node.url, "release", "nothing:here", "--yes", "--json")
     assert result.exit_code == 0
-    assert json.loads(result.stdout) == {"released": [], "refused": [], "error": None}
+    assert json.loads(result.stdout) == {
+        "released": [],
+        "cleared": [],
+        "refused": [],
+        "error": None,
+    }
     assert "not held" in result.stderr
 
 
