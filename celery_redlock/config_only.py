@@ -30,6 +30,27 @@ from its ``redlock_tasks`` entry (and the ``redlock_*`` settings) only, never fr
 
 ``args`` must be a list of argument names: a string is refused at worker start
 (naming the task and the entry), not split into letters.
+
+A process that only sends (a web app) starts no worker or beat, yet its sends must be
+deduplicated (``unique``, ``debounce``, ``throttle`` are decided at send time). So,
+once :mod:`celery_redlock` is imported there (``imports`` is read by workers and beat
+only: the process imports it itself, or a module it imports does). Celery finalizes an
+app at its first ``app.tasks``, not for ``delay()`` on a task imported from its module:
+a web process calls :func:`lock_configured_tasks`, which finalizes it, or is warned.
+
+==========================  ===================================================
+app finalized               ``redlock_tasks`` is applied to the tasks it made
+                            (``app.on_after_finalize``, connected for every app
+                            through Celery's ``connect_on_app_finalize``, as
+                            ``shared_task`` is); invalid settings are logged at
+                            ERROR here, and refused by the worker at its start
+``before_task_publish``     a task that ``redlock_tasks`` makes unique, sent
+                            while it is not locked in this process (its app
+                            not finalized, the task registered after, or sent
+                            by name with ``send_task``), is published
+                            undeduplicated: a
+                            WARNING, once per task name, says so and what to do
+==========================  ===================================================
 """
 
 from __future__ import annotations
@@ -38,8 +59,10 @@ import fnmatch
 import logging
 from typing import Any
 
-from celery import Task
+from celery import Task, signals
+from celery._state import _get_active_apps, connect_on_app_finalize
 
+from .exceptions import ConfigurationError
 from .options import parse_entry
 from .settings import Settings
 from .task import LockedTask, app_settings, forget_options
@@ -49,34 +72,119 @@ __all__ = ["apply", "lock_configured_tasks", "lockify"]
 logger = logging.getLogger("celery_redlock.config_only")
 
 
-def apply(app: Any, settings: Settings) -> list[str]:
-    """Lock every task of ``app`` that ``redlock_tasks`` names; return their names."""
+#: The options decided at send time: a task with one of them is deduplicated by
+#: ``apply_async()``, which only a locked task class does.
+SEND_TIME_OPTIONS = ("unique", "debounce", "throttle")
+
+#: Task names already warned about in this process (:func:`_warn_unlocked_send`).
+_warned: set[str] = set()
+
+
+def apply(app: Any, settings: Settings, *, quiet: bool = False) -> list[str]:
+    """Lock every task of ``app`` that ``redlock_tasks`` names; return their names.
+
+    ``quiet``: what was locked, and patterns that matched nothing, are logged at DEBUG
+    (at finalize, before a worker has imported its task modules), else INFO and WARNING.
+    """
     if not settings.tasks:
         return []
     locked = []
     matched: set[str] = set()
     for name in sorted(app.tasks):
-        for pattern, options in settings.tasks.items():
-            if name == pattern or fnmatch.fnmatchcase(name, pattern):
-                matched.add(pattern)
-                lockify(app.tasks[name], options, source=f"redlock_tasks[{pattern!r}]")
-                locked.append(name)
-                break
+        found = _entry(settings, name)
+        if found is not None:
+            pattern, options = found
+            matched.add(pattern)
+            lockify(app.tasks[name], options, source=f"redlock_tasks[{pattern!r}]")
+            locked.append(name)
     for pattern in settings.tasks.keys() - matched:
-        logger.warning("redlock_tasks: %r matches no registered task", pattern)
-    logger.info("celery_redlock: locking by configuration: %s", ", ".join(locked) or "none")
+        logger.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "redlock_tasks: %r matches no registered task",
+            pattern,
+        )
+    logger.log(
+        logging.DEBUG if quiet else logging.INFO,
+        "celery_redlock: locking by configuration: %s",
+        ", ".join(locked) or "none",
+    )
     return locked
+
+
+def _entry(settings: Settings, name: str) -> tuple[str, dict[str, Any]] | None:
+    """The first ``redlock_tasks`` (pattern, options) naming the task ``name``, if any."""
+    for pattern, options in settings.tasks.items():
+        if name == pattern or fnmatch.fnmatchcase(name, pattern):
+            return pattern, options
+    return None
+
+
+def _on_app_finalize(app: Any) -> None:
+    # Called inside app.finalize(), before its pending task decorators have made their
+    # tasks: lock them once they have. Nothing here may raise (finalize would).
+    app.on_after_finalize.connect(_lock_at_finalize, weak=False, dispatch_uid=__name__)
+
+
+def _lock_at_finalize(sender: Any = None, **kwargs: Any) -> None:
+    """Apply ``redlock_tasks`` to the tasks the app ``sender`` made as it finalized."""
+    app = sender
+    if not app.conf.get("redlock_tasks"):
+        return  # cheap for every app that locks nothing by configuration
+    try:
+        apply(app, app_settings(app), quiet=True)
+    except ConfigurationError as exc:
+        # Celery ignores a receiver's exception; a worker refuses the same error at its
+        # start (RedlockStep), and lock_configured_tasks(app) raises it.
+        logger.error("celery_redlock: redlock_tasks not applied in this process: %s", exc)
+
+
+def _warn_unlocked_send(sender: Any = None, **kwargs: Any) -> None:
+    """Warn, once per task name, of a send ``redlock_tasks`` would deduplicate but cannot."""
+    name = sender
+    if not isinstance(name, str) or name in _warned:
+        return
+    for app in list(_get_active_apps()):
+        if not app.configured or not app.conf.get("redlock_tasks"):
+            continue
+        try:
+            settings = app_settings(app)
+        except ConfigurationError:
+            continue  # said at finalize, and refused by the worker
+        found = _entry(settings, name)
+        if found is None or isinstance(app._tasks.get(name), LockedTask):
+            continue
+        pattern, options = found
+        if all(options.get(o, getattr(settings, o, None)) is None for o in SEND_TIME_OPTIONS):
+            continue
+        _warned.add(name)
+        if name not in app._tasks:
+            why = "not registered here; send it through its task object, not send_task()"
+        elif not app.finalized:
+            why = "its app is not finalized: Celery does it at app.tasks, not for delay()"
+        else:
+            why = "registered after its app finalized"
+        logger.warning(
+            "celery_redlock: task %s is sent from this process without its lock, so "
+            "redlock_tasks[%r] cannot deduplicate its sends (%s). Call "
+            "celery_redlock.lock_configured_tasks(app) once the task's module is imported",
+            name,
+            pattern,
+            why,
+        )
+        return
 
 
 def lock_configured_tasks(app: Any) -> list[str]:
     """Lock ``app``'s ``redlock_tasks`` in this process; the names of the tasks locked.
 
-    Workers and beat do this when they start. A process that only sends tasks (a web
-    app) does not start either, so its sends of a configuration-locked task would not
-    be deduplicated (``lock_unique``): call this there, once its task modules are
-    imported (Django: in an ``AppConfig.ready()``). The app is finalized first, so
-    that its pending task decorators have made their tasks. A task registered later
-    is not locked: call this again after importing it.
+    Workers and beat do this when they start, and any process that imported
+    :mod:`celery_redlock` when its app finalizes. A process that only sends tasks (a web
+    app) starts neither, and Celery does not finalize an app for ``delay()`` on a task
+    imported from its module, so its sends of a configuration-locked task would not be
+    deduplicated (``lock_unique``; they are warned about): call this there, once its
+    task modules are imported (Django: in an ``AppConfig.ready()``). The app is
+    finalized first, so that its pending task decorators have made their tasks. A task
+    registered later is not locked: call this again after importing it.
 
     Raises:
         ConfigurationError: invalid ``redlock_*`` settings or ``redlock_tasks`` entries,
@@ -141,3 +249,9 @@ def _kept_attributes(cls: type) -> dict[str, Any]:
         if owner is not None and owner not in Task.__mro__:
             kept[name] = vars(owner)[name]
     return kept
+
+
+connect_on_app_finalize(_on_app_finalize)
+signals.before_task_publish.connect(
+    _warn_unlocked_send, weak=False, dispatch_uid="celery_redlock.config_only.before_publish"
+)

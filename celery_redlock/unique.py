@@ -1,7 +1,8 @@
 """Uniqueness over a task's lifecycle: one queued copy per key, decided at send time.
 
 With ``lock_unique`` set, :meth:`LockedTask.apply_async` claims the task's lock name
-for the new task id *before* publishing (:mod:`celery_redlock.engine.claims`). When a
+for the new task id *before* publishing (one claim per task and name: two tasks naming
+one resource are never duplicates of each other) (:mod:`celery_redlock.engine.claims`). When a
 copy of the same key is queued (or, ``until_finished``, running), nothing is
 published: ``apply_async()`` returns that copy's ``AsyncResult``
 (``lock_on_duplicate="return"``) or raises :class:`~celery_redlock.LockBusy` naming it
@@ -14,23 +15,35 @@ published: ``apply_async()`` returns that copy's ``AsyncResult``
                                                            retried, waited) at start
 ``"until_started"``  from ``apply_async()`` until a        gets the queued copy; once that
                      worker starts the copy                copy runs, a new one may queue
+                                                           (and keeps its claim while it
+                                                           waits for the running copy)
 ``"until_finished"`` from ``apply_async()`` until the      gets the queued or running copy
-                     copy finishes (any final state)
+                     copy finishes (any final state);
+                     while it runs, through its
+                     execution lock (renewed with the
+                     lease: ``claim.lua`` reads it)
 ===================  ====================================  ===============================
+
+A claim lives as long as its copy: ``self.retry()`` and a copy put back on the queue
+carry it (the ``redlock_claimed`` header marks a copy sent with one, :func:`_carry`),
+over any countdown; a task id sent twice while queued publishes once.
 
 The claim is freed (by the worker that had the copy, keyed by its task id, so a
 freed claim is never someone else's) when the copy starts (``until_started``) or ends
 (``until_finished``); when it ends without running its body (busy lock skipped or
 raised, a failure before the body, rejected); when it is revoked or its ``expires``
 passes (``task_revoked``, which the worker sends when it discards the message); and
-after ``lock_unique_ttl`` (plus any countdown or eta) at the latest, for a copy lost
-on the way (a purged queue). A copy whose result backend already has a final state
-(revoked under Celery 5.7, which stores REVOKED at once, or killed with its child) no
-longer holds its key: the next send takes the claim over.
+after ``lock_unique_ttl`` (plus any countdown or eta, an ISO string too) at the latest,
+for a copy lost on the way (a purged queue; ``celery redlock release KEY --force``
+clears it sooner). A copy whose result backend already has a final state (revoked
+under Celery 5.7 by a worker that received the revoke, which stores REVOKED at once,
+or killed with its child) no longer holds its key: the next send takes the claim
+over. A revoke no worker receives does nothing (docs/failure-modes.md).
 
 ``lock_debounce`` and ``lock_throttle`` give the claim other lives: a debounced claim
 is pushed back by every call and carries the last call's arguments; the copy runs
-only once the last call is ``lock_debounce`` old, with its arguments, or goes back on
+only once the last call is ``lock_debounce`` old by the lock node's clock (no
+countdown from the sender's), with its arguments, or goes back on
 the queue as that call (:func:`started`). A throttle claim lives ``lock_throttle``
 seconds from the call that opened the window, whatever its run does, and the worker
 admits one run per key per window (``throttle.lua``).
@@ -42,11 +55,13 @@ deduplicated against itself.
 
 Not deduplicated (published as usual, still guarded by the execution lock):
 members of a canvas (chain, group, chord: their task ids are already promised to a
-result the canvas waits for), ``apply()`` and ``task_always_eager``, and
-``app.send_task()`` by name (no task class to read ``lock_unique`` from).
-Configuration-only enablement (``redlock_tasks``) is applied by workers and beat when
-they start; a process that only sends calls
-:func:`celery_redlock.lock_configured_tasks`.
+result the canvas waits for) and ``link`` callbacks (sent with their parent's id),
+``apply()`` and ``task_always_eager``, and ``app.send_task()`` by name (no task class
+to read ``lock_unique`` from). Configuration-only enablement (``redlock_tasks``) is
+applied when the app finalizes in any process that imported :mod:`celery_redlock`, and
+again by workers and beat when they start; a task registered later is locked by
+:func:`celery_redlock.lock_configured_tasks` (its sends meanwhile are warned about:
+:mod:`celery_redlock.config_only`).
 
 Redis unreachable at send time: the copy is published anyway, with a WARNING (the
 execution lock still guards its body); with ``lock_on_duplicate="raise"``

@@ -56,6 +56,22 @@ logger = logging.getLogger("tests.harness")
 #: Repository root: the working directory and ``PYTHONPATH`` entry of worker processes.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+
+def run_python(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` in the project's environment (``env`` added); once it exits 0."""
+    done = subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 #: Environment variable from which test app modules (``tests.apps.*``) read their Redis URL.
 APP_URL_ENV = "REDLOCK_TEST_REDIS_URL"
 

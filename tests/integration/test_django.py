@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +19,8 @@ pytest.importorskip("django_celery_beat", reason="django-celery-beat: in the 'te
 
 from celery_redlock import LockBusy
 from tests.harness import BeatProcess, close_app, wait_for
-from tests.harness.celery_workers import REPO_ROOT, make_app
+from tests.harness.celery_workers import make_app
+from tests.harness.celery_workers import run_python as python_process
 from tests.integration.test_beat import assert_one_dispatch_per_slot, dispatches, leader
 
 APP = "tests.apps.djangoproj.celery"
@@ -41,17 +40,7 @@ def env(tmp_path, celery_redis):
 
 def run_python(env, *args: str) -> str:
     """``python ARGS`` in the project's environment; its stdout, once it exits 0."""
-    done = subprocess.run(
-        [sys.executable, *args],
-        env={**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)},
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return python_process(env, *args).stdout
 
 
 def django_db(env, command: str) -> str:

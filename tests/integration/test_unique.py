@@ -191,6 +191,22 @@ def test_a_revoked_queued_copy_does_not_block_a_new_one(
     assert app.backend.get_state(waiting.id) == "REVOKED"
 
 
+def test_a_revoke_no_worker_receives_does_nothing_and_a_send_gets_the_copy_that_runs(
+    app, celery_redis, inprocess_worker_factory
+):
+    """No worker online: the revoke broadcast reaches nobody and nothing is stored (Celery
+    keeps revoked ids in workers' memory only), so the copy is not revoked: a send
+    meanwhile gets it, and it runs once a worker starts (docs/failure-modes.md)."""
+    task = app.tasks["unique.until_started.return"]
+    first = task.delay("a")
+    first.revoke()
+    again = task.delay("a")
+    assert again.id == first.id and app.backend.get_state(first.id) == "PENDING"
+    assert queued(celery_redis) == 1
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    assert get(again) == "a", "the revoke did nothing: the copy ran, for both sends"
+
+
 def test_an_expired_copy_frees_its_key_when_the_worker_discards_it(
     app, celery_redis, inprocess_worker_factory
 ):
@@ -290,14 +306,20 @@ def test_a_send_costs_one_script_call_and_a_duplicate_publishes_nothing(app, cel
     assert stats.get("lpush", 0) == 0, "the duplicate published nothing"
 
 
-def plain_app(redis_url: str, entry: dict):
-    """An app whose task is plain, locked by configuration alone with ``entry``."""
+def plain_app(redis_url: str, entry: dict, *, late: bool = False):
+    """An app whose task is plain, locked by configuration alone with ``entry``.
+
+    ``late``: the task is registered after the app finalized, so that finalizing has
+    not locked it (issue 25 item 12): only a worker, beat or lock_configured_tasks do.
+    """
     app = make_app(
         redis_url,
         name="plain",
         redlock_url=redis_url_with_db(redis_url, 0),
         redlock_tasks={"plain.report": entry},
     )
+    if late:
+        app.finalize()
 
     @app.task(shared=False, name="plain.report")
     def report(day):
@@ -311,10 +333,12 @@ def test_configuration_only_uniqueness_in_the_worker_and_beat(
 ):
     """redlock_tasks {"unique": ...}: sends from a worker's process, and from beat, are
     deduplicated (the worker and beat lock the task class when they start)."""
-    app = plain_app(celery_redis.url, {"unique": "until_finished", "key": "report:{day}"})
+    app = plain_app(
+        celery_redis.url, {"unique": "until_finished", "key": "report:{day}"}, late=True
+    )
     try:
         task = app.tasks["plain.report"]
-        assert not isinstance(task, LockedTask), "not locked before a worker or beat starts"
+        assert not isinstance(task, LockedTask), "registered after finalize: not locked yet"
         signals.beat_init.send(sender=Service(app=app))  # as celery beat does at start
         assert isinstance(app.tasks["plain.report"], LockedTask)
         first = task.delay("mon")
@@ -330,8 +354,9 @@ def test_configuration_only_uniqueness_in_the_worker_and_beat(
 def test_a_process_that_only_sends_locks_configured_tasks_on_request(celery_redis):
     """A web process starts no worker or beat: lock_configured_tasks(app) applies
     redlock_tasks there, and its sends are deduplicated; bad entries are refused."""
-    app = plain_app(celery_redis.url, {"unique": "until_started", "key": "report:{day}"})
+    app = plain_app(celery_redis.url, {"unique": "until_started", "key": "report:{day}"}, late=True)
     try:
+        assert not isinstance(app.tasks["plain.report"], LockedTask)
         assert lock_configured_tasks(app) == ["plain.report"]
         task = app.tasks["plain.report"]
         assert isinstance(task, LockedTask)
