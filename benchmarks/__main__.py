@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "celery": ["--tasks", "30", "--runs", "1"],
     "redis_cost": ["--ops", "30", "--batch", "30"],
     "family": ["--ops", "50", "--runs", "1"],
+    "memory": ["--keys", "2000"],
 }
 
 

@@ -335,8 +335,15 @@ class LeaderMixin:
         known = "" if entry.last_run_at is None else repr(_timestamp(entry.last_run_at))
         now = repr(_timestamp(getattr(current, "last_run_at", None) or self.app.now()))
         keys = self.leader_lock.keys
+        keep = round(_state_lifetime(current, lease.timing.ttl) * 1000)
         replies = self.leader_lock.nodeset.call(
-            [Call(BEAT_CLAIM, (keys.lock, keys.state), (lease.token, entry.name, known, now))]
+            [
+                Call(
+                    BEAT_CLAIM,
+                    (keys.lock, keys.state),
+                    (lease.token, entry.name, known, now, keep),
+                )
+            ]
         )
         codes, stored = [], []
         for reply in replies:
@@ -418,6 +425,24 @@ def __getattr__(name: str) -> Any:
         globals()[name] = scheduler
         return scheduler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: The schedule state lasts at least this many leader leases from each claim.
+STATE_LEASES = 10
+
+
+def _state_lifetime(entry: Any, lease_ttl: float) -> float:
+    """Seconds the schedule state must last after claiming a run of ``entry``.
+
+    Twice the time to the entry's next run (a standby taking over before that run must
+    still find this one), and at least :data:`STATE_LEASES` leases: the state of a beat
+    that stopped for good expires by itself, like every key of the package.
+    """
+    try:
+        next_in = float(entry.is_due()[1])
+    except Exception:  # a schedule that cannot say: the lease bound alone
+        next_in = 0.0
+    return max(STATE_LEASES * lease_ttl, 2 * next_in)
 
 
 def _timestamp(value: datetime) -> float:

@@ -123,7 +123,15 @@ def test_metadata_is_what_pypi_should_show(dist):
             "https://raw.githubusercontent.com/celery-redlock/celery_redlock/main/",
         ):
             if target.startswith(prefix):
-                assert (ROOT / target.removeprefix(prefix)).is_file(), target
+                path, _, anchor = target.removeprefix(prefix).partition("#")
+                assert (ROOT / path).is_file(), target
+                if anchor and path.endswith(".md"):  # a heading of that file, as GitHub slugs it
+                    headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.M)
+                    slugs = {
+                        re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+                        for h in headings
+                    }
+                    assert anchor in slugs, target
 
 
 def test_python_classifiers_are_the_pythons_tox_tests(dist):

@@ -4,7 +4,10 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
 
     redlock:{NAME}            hash: token, fence, task_id, task_name, host, pid,
                               acquired_at, ttl
-    redlock:{NAME}:fence      fence counter (an integer that only grows; no TTL)
+    redlock:{NAME}:fence      fence counter: the last fence granted; expires
+                              FENCE_HORIZON_LEASES leases (at least FENCE_HORIZON_MIN
+                              seconds) after it, and the next fence then starts from
+                              the node's clock in microseconds (scripts/fence.lua)
     redlock:{NAME}:released   pub/sub channel: one message per release
     redlock:{NAME}:state      hash of per-entry last run times (beat leader locks only)
     redlock:{NAME}:shared     sorted set: shared holders (read locks, ``limit`` slots),
@@ -55,6 +58,8 @@ from ..exceptions import ConfigurationError
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "FENCE_HORIZON_LEASES",
+    "FENCE_HORIZON_MIN",
     "MAX_NAME_LENGTH",
     "SUFFIXES",
     "WRITER_MARK",
@@ -82,6 +87,12 @@ MAX_NAME_LENGTH = 512
 #: holders to leave (never a token: tokens are hex). The scripts get it as the Lua
 #: constant ``WRITER_MARK`` (see :mod:`celery_redlock.engine.scripts`).
 WRITER_MARK = "!writer"
+
+#: How long a fence counter outlives the acquisition that last wrote it: this many
+#: leases, and at least FENCE_HORIZON_MIN seconds (``scripts/fence.lua``). Past it,
+#: nothing of a lock is left in Redis; its next fence comes from the node's clock.
+FENCE_HORIZON_LEASES = 2
+FENCE_HORIZON_MIN = 5.0
 
 #: The token of a lock *reserved* for other processes: released by a process whose
 #: turn was over while another process waited (:mod:`celery_redlock.engine.handoff`),

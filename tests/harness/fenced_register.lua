@@ -20,8 +20,10 @@ local current = redis.call('HMGET', KEYS[1], 'fence', 'writer')
 local largest = tonumber(current[1])
 local accepted = largest == nil or fence > largest
     or (fence == largest and current[2] == ARGV[2])
+-- Written as given: a fence (microseconds of a node's clock) has more digits than a Lua
+-- number prints (1.7956892548114e+15).
 if accepted then
-    redis.call('HSET', KEYS[1], 'fence', fence, 'writer', ARGV[2])
+    redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'writer', ARGV[2])
 end
-redis.call('RPUSH', KEYS[2], (accepted and '1' or '0') .. ' ' .. fence .. ' ' .. ARGV[2])
+redis.call('RPUSH', KEYS[2], (accepted and '1' or '0') .. ' ' .. ARGV[1] .. ' ' .. ARGV[2])
 return accepted and 1 or 0

@@ -21,6 +21,7 @@ from celery_redlock import (
 from tests.apps.locked import create_app
 from tests.harness import close_app, lock_keys, read_intervals, steal_locks, wait_for
 from tests.harness.celery_workers import redis_url_with_db
+from tests.harness.fences import assert_clock_fence
 from tests.harness.servers import free_port
 
 CELERY = tuple(int(part) for part in celery.__version__.split(".")[:2])
@@ -159,7 +160,7 @@ def test_every_outcome_releases_the_lock(app, celery_redis, inprocess_worker_fac
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("pool", ["solo", "threads"])
-def test_the_body_sees_its_own_request(app, inprocess_worker_factory, pool):
+def test_the_body_sees_its_own_request(app, celery_redis, inprocess_worker_factory, pool):
     """Inside a LockedTask body, ``self.request`` is the execution's, and ``retry()`` works.
 
     LockedTask overrides ``__call__``, so the tracer calls it rather than ``run``;
@@ -172,7 +173,7 @@ def test_the_body_sees_its_own_request(app, inprocess_worker_factory, pool):
     seen = get(result)
     assert seen["id"] == result.id
     assert seen["called_directly"] is False
-    assert seen["fence"] >= 1
+    assert_clock_fence(seen["fence"], celery_redis.client())  # a fresh key's first fence
     retried = whoami.delay("me", retry=True)
     assert get(retried)["retries"] == 1, "self.retry() from the body sent a retry"
     assert get(retried)["id"] == retried.id
@@ -186,7 +187,7 @@ def test_apply_body_sees_its_own_request(app, celery_redis):
     seen = result.get()
     assert seen["id"] == "eager-id"
     assert seen["called_directly"] is False
-    assert seen["fence"] >= 1
+    assert_clock_fence(seen["fence"], celery_redis.client())
     assert not lock_keys(celery_redis), "released after the eager run"
 
 
@@ -215,11 +216,13 @@ def test_eager_apply_of_a_finished_task_id_that_waited_runs_its_body(app, celery
     assert outcome["value"]["label"] == "again"
 
 
-def test_self_lock_exposes_fence_key_and_remaining(app, inprocess_worker_factory):
-    """Inside the body: fence grows per run, key is the hashed task key, lease is counted."""
+def test_self_lock_exposes_fence_key_and_remaining(app, celery_redis, inprocess_worker_factory):
+    """Inside the body: fence grows per run (from the node's clock for a fresh key, then
+    one by one while its counter lives), key is the hashed task key, lease is counted."""
     inprocess_worker_factory(app, pool="solo")
     hold = app.tasks["tests.apps.locked.hold"]
     one, two = get(hold.delay("acct-9")), get(hold.delay("acct-9"))
+    assert_clock_fence(one["fence"], celery_redis.client())
     assert two["fence"] == one["fence"] + 1
     assert one["key"].startswith("redlock:{tests.apps.locked.hold:") and "acct-9" not in one["key"]
     assert 0 < one["remaining"] <= 1.0

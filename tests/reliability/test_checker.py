@@ -168,6 +168,29 @@ def test_register_refuses_stale_fences_and_logs_every_attempt(redis_node):
     assert history.check() == []
 
 
+def test_register_and_history_keep_every_digit_of_a_clock_fence(redis_node):
+    """Fences seeded from a node's clock are microseconds (16 digits): Lua would print
+    them as 1.7956892548114e+15, so the register stores and logs them as given, and
+    fences one microsecond apart stay apart through the log and the sections."""
+    history = History(redis_node.url, run="unit")
+    fence = 1_795_689_254_811_401
+    assert history.write("k", fence, "a")
+    assert history.write("k", fence + 1, "b")
+    assert not history.write("k", fence, "c"), "one microsecond below the largest"
+    assert not history.write("k", fence + 1, "d"), "equal, from another section"
+    assert history.client.hget("history:unit:register:k", "fence") == str(fence + 1)
+    assert [(w.fence, w.writer, w.accepted) for w in history.writes()] == [
+        (fence, "a", True),
+        (fence + 1, "b", True),
+        (fence, "c", False),
+        (fence + 1, "d", False),
+    ]
+    history.record(section(0, 1, fence=fence, inc=0))
+    history.record(section(1, 2, fence=fence + 1, pid=2, inc=0))
+    assert [s.fence for s in history.sections()] == [fence, fence + 1]
+    assert history.check() == []
+
+
 def test_history_round_trip_and_non_atomic_counter(redis_node):
     """Sections and counters come back as recorded; interleaved increments lose one."""
     history = History(redis_node.url, run="unit")

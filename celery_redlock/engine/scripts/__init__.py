@@ -24,7 +24,7 @@ import hashlib
 from collections.abc import Sequence
 from importlib import resources
 
-from ..keys import WRITER_MARK, YIELD_MARK
+from ..keys import FENCE_HORIZON_LEASES, FENCE_HORIZON_MIN, WRITER_MARK, YIELD_MARK
 
 __all__ = [
     "ABANDON",
@@ -146,14 +146,22 @@ def _lua_string(text: str) -> str:
 #: Lua put between every script's header and its code: the constants shared with
 #: Python. One line, so error line numbers past the header are one more than in the file.
 PRELUDE = (
-    f"local WRITER_MARK = {_lua_string(WRITER_MARK)} local YIELD_MARK = {_lua_string(YIELD_MARK)}\n"
+    f"local WRITER_MARK = {_lua_string(WRITER_MARK)} local YIELD_MARK = {_lua_string(YIELD_MARK)}"
+    f" local FENCE_HORIZON_LEASES = {FENCE_HORIZON_LEASES}"
+    f" local FENCE_HORIZON_MIN_MS = {round(FENCE_HORIZON_MIN * 1000)}\n"
 )
+
+
+def _library(name: str) -> str:
+    """The code of the Lua library ``<name>.lua``: its text without its header."""
+    text = resources.files(__package__).joinpath(f"{name}.lua").read_text("utf-8")
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith("--"))
 
 
 class Script:
     """A Lua script shipped with the package, addressed by its SHA1."""
 
-    __slots__ = ("name", "per_key_args", "sha", "source", "status")
+    __slots__ = ("libraries", "name", "per_key_args", "sha", "source", "status")
 
     def __init__(
         self,
@@ -161,8 +169,11 @@ class Script:
         *,
         status: type[enum.IntEnum] | None = None,
         per_key_args: int | None = None,
+        libraries: Sequence[str] = (),
     ) -> None:
         self.name = name
+        #: Lua libraries (``<name>.lua`` files of functions) put after the prelude.
+        self.libraries = tuple(libraries)
         #: The script's return codes (None: it returns data, not a status).
         self.status = status
         #: For a script whose keys are independent of each other (each key with this
@@ -172,7 +183,8 @@ class Script:
         text = resources.files(__package__).joinpath(f"{name}.lua").read_text("utf-8")
         lines = text.splitlines(keepends=True)
         header = next((i for i, line in enumerate(lines) if not line.startswith("--")), 0)
-        self.source = "".join([*lines[:header], PRELUDE, *lines[header:]])
+        code = [PRELUDE, *(_library(library) for library in self.libraries)]
+        self.source = "".join([*lines[:header], *code, *lines[header:]])
         self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
 
     def evalsha(self, keys: Sequence[str], args: Sequence[object]) -> tuple[object, ...]:
@@ -183,12 +195,12 @@ class Script:
         return f"<Script {self.name} {self.sha[:8]}>"
 
 
-ACQUIRE = Script("acquire", status=AcquireStatus)
+ACQUIRE = Script("acquire", status=AcquireStatus, libraries=("fence",))
 ABANDON = Script("abandon")
-FENCE_SYNC = Script("fence_sync", status=FenceSyncStatus)
+FENCE_SYNC = Script("fence_sync", status=FenceSyncStatus, libraries=("fence",))
 RENEW_MANY = Script("renew_many", status=RenewStatus, per_key_args=3)
 RELEASE = Script("release", status=ReleaseStatus)
-ACQUIRE_SHARED = Script("acquire_shared", status=AcquireStatus)
+ACQUIRE_SHARED = Script("acquire_shared", status=AcquireStatus, libraries=("fence",))
 RELEASE_SHARED = Script("release_shared", status=ReleaseSharedStatus)
 FAIR_LEAVE = Script("fair_leave", status=FairLeaveStatus)
 RELEASE_IF = Script("release_if", status=ReleaseIfStatus)

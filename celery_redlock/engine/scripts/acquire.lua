@@ -3,7 +3,8 @@
 -- Four keys per resource i (taken together in one script, so no lock-order deadlock):
 -- KEYS[4i-3]  lock hash (fields: token, fence, task_id, task_name, host, pid,
 --             acquired_at, ttl)
--- KEYS[4i-2]  fence counter; never expires, so fences only grow for a resource
+-- KEYS[4i-2]  fence counter (next_fence, fence.lua: fences only grow for a resource,
+--             and the counter expires a horizon after the last one)
 -- KEYS[4i-1]  shared holders (sorted set token -> lease deadline, node clock, ms)
 -- KEYS[4i]    shared holders' details (hash token -> json)
 -- With fair waiting (one resource only) two more keys:
@@ -248,8 +249,8 @@ for i = 1, n do
         elseif handed[i] then
             redis.call('HINCRBY', lock, 'handoffs', 1)
         end
-        fence = redis.call('INCR', KEYS[4 * i - 2])
-        redis.call('HSET', lock, 'token', token, 'fence', fence, 'task_id', ARGV[3],
+        fence = next_fence(KEYS[4 * i - 2], ttl)
+        redis.call('HSET', lock, 'token', token, 'fence', fence_text(fence), 'task_id', ARGV[3],
                    'task_name', ARGV[7] or '', 'host', ARGV[4], 'pid', ARGV[5],
                    'acquired_at', ARGV[6], 'ttl', ttl)
         redis.call('ZREM', KEYS[4 * i - 1], WRITER_MARK)

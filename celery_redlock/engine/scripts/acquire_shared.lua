@@ -63,7 +63,7 @@ end
 if redis.call('ZSCORE', shared, token) then
     redis.call('ZADD', shared, now + ttl, token)
     extend_keys()
-    return {2, cjson.decode(redis.call('HGET', holders, token) or '{"fence":0}').fence}
+    return {2, tonumber(cjson.decode(redis.call('HGET', holders, token) or '{"fence":0}').fence)}
 end
 local writer = redis.call('ZSCORE', shared, WRITER_MARK)
 if writer then
@@ -83,10 +83,10 @@ if limit > 0 and redis.call('ZCARD', shared) >= limit then
     local holder = cjson.decode(redis.call('HGET', holders, first[1]) or '{}').task_id
     return {0, math.max(0, tonumber(first[2]) - now), holder or ''}
 end
-local fence = redis.call('INCR', KEYS[2])
+local fence = next_fence(KEYS[2], ttl)
 redis.call('ZADD', shared, now + ttl, token)
 redis.call('HSET', holders, token, cjson.encode({
-    fence = fence, task_id = ARGV[4], host = ARGV[5], pid = ARGV[6],
+    fence = fence_text(fence), task_id = ARGV[4], host = ARGV[5], pid = ARGV[6],
     acquired_at = ARGV[7], task_name = ARGV[8], ttl = ttl}))
 extend_keys()
 return {1, fence}

@@ -12,6 +12,9 @@
 -- ARGV[1]  leader token           ARGV[2]  entry name
 -- ARGV[3]  the last run the caller knows of (unix seconds; '' if none)
 -- ARGV[4]  this run's time (unix seconds)
+-- ARGV[5]  how long the state must last from now, in ms (a positive integer): past the
+--          entry's next run, so a new leader still knows this one; the state of a beat
+--          that is gone for good then expires. Only ever lengthened.
 --
 -- Returns  {1}                 claimed: send it
 --          {0, stored}         this run or a later one was already claimed: do not send;
@@ -26,4 +29,8 @@ if stored and (ARGV[3] == '' or tonumber(stored) > tonumber(ARGV[3])
     return {0, stored}
 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
+local keep = tonumber(ARGV[5])
+if keep and keep > 0 and redis.call('PTTL', KEYS[2]) < keep then
+    redis.call('PEXPIRE', KEYS[2], keep)
+end
 return {1}

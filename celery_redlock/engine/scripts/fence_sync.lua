@@ -14,22 +14,19 @@ local fence = tonumber(ARGV[2])
 if not fence then
     return redis.error_reply('ERR celery_redlock fence_sync: fence must be an integer')
 end
-local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
-if counter < fence then
-    redis.call('SET', KEYS[2], fence)
-end
+store_fence(KEYS[2], fence)
 if ARGV[3] == 's' then
     local details = redis.call('HGET', KEYS[3], ARGV[1])
     if not details then
         return 0
     end
     local decoded = cjson.decode(details)
-    decoded.fence = fence
+    decoded.fence = fence_text(fence)
     redis.call('HSET', KEYS[3], ARGV[1], cjson.encode(decoded))
     return 1
 end
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-    redis.call('HSET', KEYS[1], 'fence', fence)
+    redis.call('HSET', KEYS[1], 'fence', fence_text(fence))
     return 1
 end
 return 0

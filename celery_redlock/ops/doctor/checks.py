@@ -146,11 +146,38 @@ def evaluate(
             check_uptime(node.node, node.info, node.config, longest),
             check_clock(node.node, node.clock_skew, node.clock_uncertainty, budget, budget_source),
             check_latency(node.node, node.rtt, node_timeout),
+            check_permanent_keys(node, settings.key_prefix),
         )
         findings += [f for f in optional if f is not None]
     if beat is not None:
         findings += check_beat_leaders(beat)
     return findings
+
+
+PERMANENT_MESSAGE = (
+    "{count}{more} key(s) of the prefix {prefix!r} on {node} have no TTL (e.g. {examples}): "
+    "left by an earlier version (fence counters), they stay until deleted and add up "
+    "with every distinct key ever locked. Delete the ':fence' ones once no earlier "
+    "version runs any more (README: Upgrading): the next fence of each comes from the "
+    "node's clock, larger than any it replaces."
+)
+
+
+def check_permanent_keys(node: NodeFacts, prefix: str) -> Finding | None:
+    """Warn about keys of the prefix that will never expire (bounded memory)."""
+    if not node.permanent_count:
+        return None
+    return Finding(
+        WARN,
+        "permanent-keys",
+        PERMANENT_MESSAGE.format(
+            count=node.permanent_count,
+            more="" if node.keys_complete else "+",
+            prefix=prefix,
+            node=node.node,
+            examples=", ".join(node.permanent_keys),
+        ),
+    )
 
 
 def check_beat_leader(

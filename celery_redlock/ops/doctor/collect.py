@@ -50,7 +50,12 @@ def collect(
     settings = from_conf(app.conf)
     urls = settings.node_urls()
     tasks, unmatched = task_locking(app, settings)
-    return settings, probe_nodes(urls, timeout=timeout), tasks, unmatched
+    return (
+        settings,
+        probe_nodes(urls, timeout=timeout, prefix=settings.key_prefix),
+        tasks,
+        unmatched,
+    )
 
 
 def task_locking(app: Any, settings: Settings) -> tuple[list[TaskLocking], list[str]]:
@@ -112,6 +117,7 @@ def probe_nodes(
     *,
     timeout: float,
     clock: Callable[[], float] = time.time,
+    prefix: str | None = None,
 ) -> list[NodeFacts]:
     """Ask every node for its configuration, INFO and clock (concurrently, no retries).
 
@@ -149,10 +155,53 @@ def probe_nodes(
                     server_facts.lock_node = owner
                 if server_facts.error is None:
                     _measure_clock(servers[i], server_facts, clock, timeout)
+                    if prefix is not None:
+                        _find_permanent_keys(servers[i], server_facts, prefix, timeout)
                 facts.append(server_facts)
         return facts
     finally:
         nodeset.close()
+
+
+#: Keys of the prefix ``doctor`` reads on each server at most (SCAN, then PTTL each).
+PERMANENT_SCAN_LIMIT = 100_000
+#: Keys without a TTL named in the report, at most.
+PERMANENT_SHOWN = 5
+
+
+def _find_permanent_keys(server: Server, facts: NodeFacts, prefix: str, timeout: float) -> None:
+    """Count the keys of ``prefix`` with no TTL on ``server`` (bounded: SCAN, PTTL).
+
+    Every key this version writes expires (README: bounded memory); one without a
+    TTL was left by an earlier version (its fence counters) and stays for ever.
+    """
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+    cursor = "0"
+    while True:
+        scan = Call.command("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
+        reply = fan_out([server], [[scan]], timeout=timeout)[0]
+        if reply is None or not reply.ok or isinstance(reply.values[0], Exception):
+            facts.keys_complete = False
+            return
+        cursor, found = reply.values[0]
+        if found:
+            pttls = fan_out([server], [[Call.command("PTTL", k) for k in found]], timeout=timeout)[
+                0
+            ]
+            if pttls is None or not pttls.ok:
+                facts.keys_complete = False
+                return
+            for key, pttl in zip(found, pttls.values, strict=True):
+                if pttl == -1:
+                    facts.permanent_count += 1
+                    if len(facts.permanent_keys) < PERMANENT_SHOWN:
+                        facts.permanent_keys.append(str(key))
+            facts.keys_scanned += len(found)
+        if str(cursor) == "0":
+            return
+        if facts.keys_scanned >= PERMANENT_SCAN_LIMIT:
+            facts.keys_complete = False
+            return
 
 
 def _measure_clock(

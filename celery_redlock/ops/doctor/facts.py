@@ -66,6 +66,12 @@ class NodeFacts:
     rtt: float | None = None
     #: The Redis Cluster lock node this master belongs to (None: it is a lock node).
     lock_node: str | None = None
+    #: Keys of the prefix without a TTL (left by an earlier version), among
+    #: ``keys_scanned`` keys read; ``keys_complete``: the scan saw them all.
+    permanent_keys: list[str] = field(default_factory=list)
+    permanent_count: int = 0
+    keys_scanned: int = 0
+    keys_complete: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary of the facts the checks used."""
@@ -80,6 +86,9 @@ class NodeFacts:
             "clock_uncertainty": _round(self.clock_uncertainty),
             "rtt": _round(self.rtt),
             "lock_node": self.lock_node,
+            "permanent_keys": self.permanent_count,
+            "keys_scanned": self.keys_scanned,
+            "keys_complete": self.keys_complete,
         }
 
 

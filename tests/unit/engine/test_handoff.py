@@ -13,6 +13,7 @@ import pytest
 from celery_redlock import Redlock
 from celery_redlock.engine import handoff
 from celery_redlock.engine.lease import clock
+from tests.harness.fences import server_clock_us
 from tests.harness.servers import wait_for
 from tests.unit.engine.test_lock_handles import Injected, _async_raise, _holding
 
@@ -56,6 +57,13 @@ def test_a_release_hands_the_lock_over_in_place_in_one_round_trip(redis_factory,
     servers = redis_factory(nodes)
     urls = [s.url for s in servers]
     holder, waiter = Redlock("job", nodes=urls, ttl=30), Redlock("job", nodes=urls, ttl=30)
+    if nodes > 1:
+        # Fresh counters start from each node's clock, at different microseconds: the
+        # nodes would disagree, and a takeover then stores the largest fence back (a
+        # second script call). Counters that agree, as after a synced acquisition:
+        seed = server_clock_us(servers[0].client())
+        for server in servers:
+            server.client().set(holder.keys.fence, seed, px=60_000)
     assert holder.acquire()
     fence = holder.fence
     thread = Waiting(waiter, timeout=30)

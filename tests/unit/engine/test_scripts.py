@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 
@@ -19,6 +21,8 @@ from celery_redlock.engine.scripts import (
     RELEASE_SHARED,
     RENEW_MANY,
 )
+from tests.harness import wait_for
+from tests.harness.fences import assert_clock_fence, assert_counter_expires, horizon_ms
 
 # Every script against every server binary of the compatibility matrix.
 pytestmark = pytest.mark.smoke
@@ -70,16 +74,22 @@ def test_scripts_build_no_key_names_and_share_the_writer_mark():
 
 
 def test_acquire_grants_a_growing_fence_and_names_the_holder(redis_node):
-    """A free lock is granted with fence 1, 2...; a held one reports holder and TTL."""
+    """A free lock is granted a fence from the node's clock (in µs), then +1, +2...
+    while its counter lives; a held one reports holder and TTL."""
     c = redis_node.client()
-    assert acquire(c, "a") == [1, 1]
-    assert acquire(c, "a") == [2, 1], "the same token refreshes, keeping its fence"
+    code, first = acquire(c, "a")
+    assert code == 1
+    assert_clock_fence(first, c)
+    assert c.get(KEYS.fence) == c.hget(KEYS.lock, "fence") == str(first), "every digit"
+    assert acquire(c, "a") == [2, first], "the same token refreshes, keeping its fence"
     code, pttl, holder = acquire(c, "b", task_id="t2")
     assert (code, holder) == (0, "t1")
     assert 0 < pttl <= 10_000
     c.delete(KEYS.lock)
-    assert acquire(c, "b") == [1, 2]
-    assert c.pttl(KEYS.fence) == -1, "the fence counter never expires"
+    assert acquire(c, "b") == [1, first + 1]
+    assert c.get(KEYS.fence) == c.hget(KEYS.lock, "fence") == str(first + 1)
+    counter_ttl = assert_counter_expires(c, KEYS.fence, 10_000)
+    assert counter_ttl > c.pttl(KEYS.lock), "the fence counter outlives the lock"
 
 
 def test_acquire_rejects_a_malformed_lease(redis_node):
@@ -182,15 +192,101 @@ def test_release_if_matches_task_id_and_pid(redis_node):
 
 
 def test_fence_sync_only_raises_the_counter(redis_node):
-    """The counter moves up to the quorum's fence, never down."""
+    """The counter moves up to the quorum's fence, never down, and keeps its expiry."""
     c = redis_node.client()
-    acquire(c, "a")
+    _, fence = acquire(c, "a")
     sync = (FENCE_SYNC.source, 3, KEYS.lock, KEYS.fence, KEYS.holders)
-    assert c.eval(*sync, "a", 7, "") == 1
-    assert c.get(KEYS.fence) == "7"
-    assert c.hget(KEYS.lock, "fence") == "7"
+    counter_ttl = assert_counter_expires(c, KEYS.fence, 10_000)
+    quorum = fence + 7  # another node seeded its counter 7 µs later
+    assert c.eval(*sync, "a", quorum, "") == 1
+    assert c.get(KEYS.fence) == str(quorum)
+    assert c.hget(KEYS.lock, "fence") == str(quorum)
+    assert 0 < c.pttl(KEYS.fence) <= counter_ttl, "the counter keeps its expiry"
     assert c.eval(*sync, "b", 3, "") == 0
-    assert c.get(KEYS.fence) == "7"
+    assert c.eval(*sync, "b", fence, "") == 0
+    assert c.get(KEYS.fence) == str(quorum)
+    assert 0 < c.pttl(KEYS.fence) <= counter_ttl
+
+
+def test_a_counter_that_expired_starts_again_above_every_earlier_fence(redis_node):
+    """Every script that writes a fence counter leaves it with a TTL within the
+    horizon (a counter from before the horizon, with none, included); once it
+    expired or was deleted, the next fence (from the node's clock) is still larger
+    than every fence the lock was given."""
+    c = redis_node.client()
+    sync = (FENCE_SYNC.source, 3, KEYS.lock, KEYS.fence, KEYS.holders)
+    fences = []
+
+    def exclusive(token, ttl=1_000):
+        code, fence = acquire(c, token, ttl=ttl)
+        assert code == 1 and fence > max(fences, default=0), (fence, fences)
+        assert c.get(KEYS.fence) == str(fence)
+        assert_counter_expires(c, KEYS.fence, ttl)
+        assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), token) == 1
+        fences.append(fence)
+        return fence
+
+    def shared(token, ttl=1_000):
+        code, fence = share(c, token, ttl=ttl)
+        assert code == 1 and fence > max(fences, default=0), (fence, fences)
+        assert c.get(KEYS.fence) == str(fence)
+        assert_counter_expires(c, KEYS.fence, ttl)
+        assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, token) == 1
+        fences.append(fence)
+        return fence
+
+    def expire_counter():
+        c.pexpire(KEYS.fence, 1)
+        wait_for(lambda: not c.exists(KEYS.fence), timeout=5, message="the counter expired")
+
+    first = exclusive("a")
+    assert_clock_fence(first, c)
+    assert exclusive("b") == first + 1
+    assert shared("r1") == first + 2
+    expire_counter()
+    assert_clock_fence(exclusive("c", ttl=60_000), c)
+    assert c.pttl(KEYS.fence) > horizon_ms(1_000), "a longer lease, a longer horizon"
+    c.delete(KEYS.fence)
+    assert_clock_fence(shared("r2"), c)
+    expire_counter()
+    assert_clock_fence(shared("r3"), c)
+    c.delete(KEYS.fence)
+    assert_clock_fence(exclusive("d"), c)
+
+    # fence_sync: raising a live counter keeps its TTL; a counter that expired in
+    # between, or one written before counters expired (no TTL), gets one.
+    code, fence = acquire(c, "e")
+    assert code == 1 and fence == fences[-1] + 1
+    c.delete(KEYS.fence)
+    assert c.eval(*sync, "e", fence + 5, "") == 1
+    assert c.get(KEYS.fence) == c.hget(KEYS.lock, "fence") == str(fence + 5)
+    assert_counter_expires(c, KEYS.fence, 0)
+    c.persist(KEYS.fence)
+    assert c.eval(*sync, "e", fence + 6, "") == 1
+    assert c.get(KEYS.fence) == str(fence + 6)
+    assert_counter_expires(c, KEYS.fence, 0)
+    c.persist(KEYS.fence)
+    assert c.eval(*sync, "e", fence, "") == 1, "a lower fence: the counter stays"
+    assert c.get(KEYS.fence) == str(fence + 6)
+    assert_counter_expires(c, KEYS.fence, 0)
+    assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), "e") == 1
+    fences += [fence, fence + 6]
+    # A share's fence is synced into its details, with every digit.
+    code, fence = share(c, "r4")
+    assert code == 1 and fence == fences[-1] + 1
+    c.delete(KEYS.fence)
+    assert c.eval(*sync, "r4", fence + 3, "s") == 1
+    assert json.loads(c.hget(KEYS.holders, "r4"))["fence"] == str(fence + 3)
+    assert c.get(KEYS.fence) == str(fence + 3)
+    assert_counter_expires(c, KEYS.fence, 0)
+    assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r4") == 1
+    fences += [fence, fence + 3]
+    # A counter from before counters expired (no TTL): counted on, and given one.
+    c.persist(KEYS.fence)
+    assert exclusive("f") == fence + 4
+    expire_counter()
+    assert_clock_fence(exclusive("g"), c)
+    assert fences == sorted(set(fences)), "fences went back or repeated"
 
 
 def test_inspect_snapshot(redis_node):
@@ -200,7 +296,8 @@ def test_inspect_snapshot(redis_node):
     acquire(c, "a", task_id="t9", pid=42)
     pttl, counter, *flat = c.eval(INSPECT.source, 2, KEYS.lock, KEYS.fence)
     fields = dict(zip(flat[::2], flat[1::2], strict=True))
-    assert 0 < pttl <= 10_000 and counter == 1
+    assert 0 < pttl <= 10_000 and counter == int(fields["fence"])
+    assert_clock_fence(counter, c)
     assert fields["token"] == "a" and fields["task_id"] == "t9" and fields["pid"] == "42"
 
 
@@ -227,13 +324,17 @@ def test_acquire_takes_several_resources_all_or_none(redis_node):
     """A multi-resource acquisition writes nothing when one resource is held."""
     c = redis_node.client()
     a, b = lock_keys("acct:1"), lock_keys("acct:2")
-    acquire(c, "other", keys=b, task_id="t9")
+    _, before = acquire(c, "other", keys=b, task_id="t9")
     code, _, holder = acquire(c, "mine", keys=[a, b])
     assert (code, holder) == (0, "t9")
-    assert not c.exists(a.lock), "no partial hold"
+    assert c.exists(a.lock, a.fence) == 0, "no partial hold, no fence taken"
     c.delete(b.lock)
-    assert acquire(c, "mine", keys=[a, b]) == [1, 1, 2]
-    assert acquire(c, "mine", keys=[a, b]) == [2, 1, 2], "the same token refreshes both"
+    code, fence_a, fence_b = acquire(c, "mine", keys=[a, b])
+    assert code == 1 and fence_b == before + 1, "b's counter lives on"
+    assert_clock_fence(fence_a, c)
+    assert acquire(c, "mine", keys=[a, b]) == [2, fence_a, fence_b], "the same token refreshes both"
+    for keys in (a, b):
+        assert_counter_expires(c, keys.fence, 10_000)
     assert c.eval(RELEASE.source, 4, *release_keys([a, b]), "mine") == 1
     assert c.exists(a.lock, b.lock) == 0
 
@@ -241,9 +342,13 @@ def test_acquire_takes_several_resources_all_or_none(redis_node):
 def test_shares_exclude_writers_and_respect_the_limit(redis_node):
     """Shares coexist up to the limit; an exclusive holder and shares never mix."""
     c = redis_node.client()
-    assert share(c, "r1", limit=2) == [1, 1]
-    assert share(c, "r1", limit=2) == [2, 1], "the same token refreshes its share"
-    assert share(c, "r2", limit=2) == [1, 2]
+    code, fence = share(c, "r1", limit=2)
+    assert code == 1
+    assert_clock_fence(fence, c)
+    assert share(c, "r1", limit=2) == [2, fence], "the same token refreshes its share"
+    assert share(c, "r2", limit=2) == [1, fence + 1]
+    assert json.loads(c.hget(KEYS.holders, "r2"))["fence"] == str(fence + 1), "every digit"
+    assert_counter_expires(c, KEYS.fence, 10_000)
     code, wait, _ = share(c, "r3", limit=2)
     assert code == 0 and 0 < wait <= 10_000, "the limit is reached"
     code, wait, holder = acquire(c, "w")
@@ -273,7 +378,9 @@ def test_a_waiting_writer_stops_new_shares(redis_node):
 def test_expired_shares_are_dropped_and_not_renewed(redis_node):
     """A dead reader's share ends at its deadline; renewal reports it gone."""
     c = redis_node.client()
-    assert share(c, "r1", ttl=50, task_id="t1") == [1, 1]
+    code, fence = share(c, "r1", ttl=50, task_id="t1")
+    assert code == 1
+    assert_clock_fence(fence, c)
     renew = (RENEW_MANY.source, 2, KEYS.shared, KEYS.holders, "r1", 60_000, "s", "r1", 60_000, "d")
     assert c.eval(*renew) == [1, 1]
     c.zadd(KEYS.shared, {"r1": 0})  # its deadline passes

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from celery_redlock import NodeUnavailable, Redlock
+from tests.harness.fences import assert_counter_expires, server_clock_us
 from tests.harness.servers import wait_for
 
 
@@ -80,7 +81,10 @@ def test_split_vote_is_undone_everywhere(redis_factory):
 def test_fences_keep_growing_when_nodes_disagree(redis_factory, fault_proxy):
     """Fence = max over the granting quorum, stored back, so it grows across quorums."""
     servers = redis_factory(3)
-    servers[0].client().set("redlock:{job}:fence", 100)
+    # Node 0's counter is far ahead of the others' (which start from their clocks,
+    # in µs): a fence from it must win and be stored back on the other granting node.
+    ahead = server_clock_us(servers[0].client()) + 10**9
+    servers[0].client().set("redlock:{job}:fence", ahead, px=60_000)
     # The first quorum must be nodes 0 and 1: with all three answering, a quorum of 1
     # and 2 may be decided before node 0's reply (its fence is then theirs, 1).
     third = fault_proxy(servers[2])
@@ -88,7 +92,8 @@ def test_fences_keep_growing_when_nodes_disagree(redis_factory, fault_proxy):
     lock = Redlock("job", nodes=[servers[0].url, servers[1].url, third.url], ttl=5)
     with lock:
         first = lock.fence
-    assert first == 101
+    assert first == ahead + 1
+    assert int(servers[1].client().get("redlock:{job}:fence")) == first, "stored back"
     third.restore()
     # The node that had the high counter is now down; the other two were synced.
     servers[0].kill()
@@ -96,6 +101,8 @@ def test_fences_keep_growing_when_nodes_disagree(redis_factory, fault_proxy):
         assert lock.fence > first
     counters = [int(s.client().get("redlock:{job}:fence")) for s in servers[1:]]
     assert min(counters) > first
+    for server in servers[1:]:
+        assert_counter_expires(server.client(), "redlock:{job}:fence", 5_000)
 
 
 def test_min_replicas_counts_only_replicated_votes(redis_factory):

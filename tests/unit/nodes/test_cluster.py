@@ -25,6 +25,7 @@ from celery_redlock.settings import from_conf
 from tests.apps.locked import create_app
 from tests.harness import close_app, wait_for
 from tests.harness.cluster import RedisCluster, slot_of
+from tests.harness.fences import CLOCK_FENCE_MIN, assert_clock_fence, assert_counter_expires
 from tests.unit.nodes.test_topologies import (
     MINIMAL_ACL,
     certificates,  # noqa: F401 (fixture)
@@ -119,6 +120,7 @@ def test_acquire_extend_release_on_the_master_of_the_slot(cluster):
         with owner.client() as conn:
             assert conn.hget(lock.keys.lock, "token") == lock.lease.token
             assert int(conn.get(lock.keys.fence)) == lock.fence
+            assert_counter_expires(conn, lock.keys.fence, 10_000)
         lock.extend()
         (view,) = lock.inspect()
         assert int(view["fence"]) == lock.fence and view["node"] == cluster.url()
@@ -126,6 +128,9 @@ def test_acquire_extend_release_on_the_master_of_the_slot(cluster):
         lock.release()
         assert not lock.locked()
     assert fences == sorted(set(fences)), "fencing tokens grow with every acquisition"
+    with owner.client() as conn:
+        assert_clock_fence(fences[0], conn)  # a fresh key: from the master's clock
+    assert fences == [fences[0], fences[0] + 1, fences[0] + 2], "then one by one"
     for server in cluster.masters:
         if server is not owner:
             with server.client() as conn:
@@ -357,6 +362,7 @@ def test_a_slot_migrated_mid_hold_keeps_the_lock_through_ask_and_moved(redis_clu
     with target.client() as conn:
         assert not conn.exists(lock.keys.lock)
         assert int(conn.get(lock.keys.fence)) == lock.fence
+        assert_counter_expires(conn, lock.keys.fence, 1_500)  # its TTL moved with it
     again = Redlock("migrating", nodes=[redis_cluster.url()], ttl=5, auto_renew=False)
     assert again.acquire(blocking=False) and again.fence > lock.fence
     again.release()
@@ -506,7 +512,7 @@ def test_a_locked_task_runs_with_a_cluster_url(
         with pytest.raises(LockBusy):
             second.get(timeout=30, disable_sync_subtasks=False)
         result = first.get(timeout=30, disable_sync_subtasks=False)
-        assert result["label"] == "first" and result["fence"] >= 1
+        assert result["label"] == "first" and result["fence"] > CLOCK_FENCE_MIN
         assert exists(cluster, f"{result['key']}:fence")
         assert not exists(cluster, result["key"]), "released after the run"
     finally:

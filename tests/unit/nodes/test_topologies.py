@@ -7,9 +7,13 @@ import subprocess
 import threading
 
 import pytest
+import redis
 
 from celery_redlock import NodeUnavailable, Redlock
+from celery_redlock.engine.keys import lock_keys
+from celery_redlock.engine.scripts import ACQUIRE
 from tests.harness import free_port
+from tests.harness.fences import assert_clock_fence
 
 #: Everything the library sends, directly or from its Lua scripts (scripts run with the
 #: caller's permissions). Documented in the README; keep both in step.
@@ -23,6 +27,8 @@ MINIMAL_ACL = (
     "+hgetall",
     "+hget",
     "+hset",
+    "+hsetnx",
+    "+hincrby",
     "+hmget",
     "+incr",
     "+pexpire",
@@ -56,6 +62,8 @@ def exercise(url: str, *, several: bool = True) -> None:
     holder = Redlock("topology", nodes=[url], **TIMING)
     waiter = Redlock("topology", nodes=[url], **TIMING)
     assert holder.acquire() and holder.locked() and holder.owned()
+    first = holder.fence
+    assert_clock_fence(first)  # a fresh key: its fence counter starts from the clock
     holder.extend()
     result = {}
     acquired_by_waiter = threading.Event()
@@ -72,7 +80,7 @@ def exercise(url: str, *, several: bool = True) -> None:
     holder.release()
     assert acquired_by_waiter.wait(15)
     assert result["got"] is True
-    assert waiter.inspect()[0]["fence_counter"] == 2
+    assert waiter.inspect()[0]["fence_counter"] == waiter.fence == first + 1
     release_waiter.set()
     thread.join(15)
     # The rest of the lock family: shares with a limit, a writer among them, fair
@@ -110,11 +118,44 @@ def test_acl_user_with_the_documented_command_set_works(redis_factory):
     assert "keys" not in stats, "the KEYS command is never used"
 
 
-def test_acl_user_without_a_needed_command_gets_a_clear_error(redis_factory):
-    """Missing a permission names the command instead of failing silently."""
+def test_acl_user_runs_the_turn_of_a_process_another_process_waits_for(redis_factory):
+    """What exercise() cannot reach from one process: another process's blocking attempt
+    marks the lock ``waited`` (HSETNX), and the holder's process then counts its
+    handoffs (HINCRBY). Both were missing from the documented set."""
     (server,) = redis_factory(1)
-    url = acl_user(server, [c for c in MINIMAL_ACL if c != "+incr"])
+    client = redis.Redis.from_url(acl_user(server, MINIMAL_ACL), decode_responses=True)
+    sha = client.script_load(ACQUIRE.source)
+    keys = lock_keys("topology")
+
+    def acquire(token, pid, writer="", handoff=()):
+        return client.evalsha(
+            sha, 4, *keys.resource, token, 10_000, "t", "h", pid, 0, "task", writer, "", "",
+            *handoff,
+        )  # fmt: skip
+
+    try:
+        assert acquire("a", 100)[0] == 1
+        assert acquire("b", 200, writer="1")[0] == 0, "another process waits"
+        assert server.client().hget(keys.lock, "waited") is not None
+        assert acquire("a2", 100, handoff=("a", 8, 60_000, 1_000))[0] == 1, "a takeover"
+        assert server.client().hget(keys.lock, "handoffs") == "1"
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("missing", ["+time", "+incr"])
+def test_acl_user_without_a_needed_command_gets_a_clear_error(redis_factory, missing):
+    """Missing a permission names the command instead of failing silently. A fresh
+    key's first fence needs TIME (its fence counter starts from the node's clock);
+    INCR is needed from its next acquisition on, while the counter lives: a user
+    without it is refused then, with the same clear error."""
+    (server,) = redis_factory(1)
+    url = acl_user(server, [c for c in MINIMAL_ACL if c != missing])
     lock = Redlock("topology", nodes=[url], ttl=1.0)
+    if missing == "+incr":
+        assert lock.acquire(blocking=False), "a fresh key's first fence needs no INCR"
+        lock.release()
+        assert server.client().exists(lock.keys.fence), "the counter lives: INCR is next"
     # Redis: "The user executing the script can't run this command";
     # Valkey: "ACL failure in script: User locker has no permissions to run the 'incr' command".
     denied = r"(?i)user.*(can't run this command|no permissions to run)"

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from tests.harness.fences import assert_clock_fence, assert_counter_expires
 from tests.unit.ops.cli.helpers import HOST, lock_on
 
 
@@ -31,10 +32,12 @@ def test_inspect_shows_every_field_per_node_with_pttl_and_fence_counter(redis_no
     (node,) = data["nodes"]
     assert node["node"] == redis_node.url and node["ok"] and node["held"]
     assert 20_000 < node["pttl"] <= 30_000
-    assert node["fence_counter"] == lock.fence == 1
+    fence = lock.fence
+    assert_clock_fence(fence, redis_node.client())  # a fresh key: from the node's clock
+    assert node["fence_counter"] == fence
     assert node["fields"] == {
         "token": token,
-        "fence": "1",
+        "fence": str(fence),
         "task_id": "task-1",
         "task_name": "proj.tasks.sync",
         "host": HOST,
@@ -46,7 +49,7 @@ def test_inspect_shows_every_field_per_node_with_pttl_and_fence_counter(redis_no
 
     text = cli(redis_node.url, "inspect", "proj:sync:1")
     assert text.exit_code == 0
-    for expected in ("fence counter  1", f"token          {token}", "task_id        task-1"):
+    for expected in (f"fence counter  {fence}", f"token          {token}", "task_id        task-1"):
         assert expected in text.stdout
     lock.release()
 
@@ -54,7 +57,8 @@ def test_inspect_shows_every_field_per_node_with_pttl_and_fence_counter(redis_no
     data = json.loads(free.stdout)
     assert free.exit_code == 0
     assert (data["held"], data["holder"], data["nodes"][0]["pttl"]) == (False, None, -2)
-    assert data["nodes"][0]["fence_counter"] == 1, "the fence counter outlives the lock"
+    assert data["nodes"][0]["fence_counter"] == fence, "the fence counter outlives the lock"
+    assert_counter_expires(redis_node.client(), "redlock:{proj:sync:1}:fence", 30_000)
 
 
 @pytest.mark.parametrize("command", ["inspect", "release"])

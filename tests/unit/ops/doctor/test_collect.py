@@ -9,6 +9,7 @@ import celery
 import pytest
 
 from celery_redlock import ConfigurationError, LockedTask
+from celery_redlock.ops.doctor.checks import check_permanent_keys
 from celery_redlock.ops.doctor.checks_nodes import check_clock
 from celery_redlock.ops.doctor.checks_settings import check_settings
 from celery_redlock.ops.doctor.collect import probe_nodes, task_locking
@@ -33,6 +34,10 @@ def test_task_locking_reads_locked_tasks_and_configured_patterns_without_changin
             "proj.typo": {},
         },
     )
+    # Finalized first: an app locks its redlock_tasks as it finalizes (in any process
+    # that imported celery_redlock); tasks made afterwards stay as they are, so this
+    # shows that doctor itself changes nothing.
+    app.finalize()
 
     @app.task(name="proj.locked", base=LockedTask, lock_ttl=60, lock_on_lost="ignore", shared=False)
     def locked():
@@ -123,3 +128,21 @@ def test_probe_measures_clock_skew_against_this_host(redis_node):
     assert fast.info["role"] == "master" and int(fast.info["uptime_in_seconds"]) >= 0
     finding = check_clock(fast.node, fast.clock_skew, fast.clock_uncertainty, 0.302, "budget")
     assert finding.level == WARN
+
+
+def test_doctor_finds_the_keys_of_the_prefix_that_never_expire(redis_node):
+    """A fence counter left by an earlier version has no TTL: doctor counts such keys
+    of the prefix (and only of the prefix) and warns, naming some; expiring keys pass."""
+    client = redis_node.client()
+    client.set("redlock:{old:1}:fence", 7)
+    client.set("redlock:{old:2}:fence", 9)
+    client.set("redlock:{new}:fence", 1, px=60_000)
+    client.set("someone-else:{x}", 1)
+    (facts,) = probe_nodes([redis_node.url], timeout=2.0, prefix="redlock:")
+    assert facts.permanent_count == 2 and facts.keys_complete
+    assert sorted(facts.permanent_keys) == ["redlock:{old:1}:fence", "redlock:{old:2}:fence"]
+    finding = check_permanent_keys(facts, "redlock:")
+    assert finding is not None and finding.level == WARN and "2 key(s)" in finding.message
+    client.delete("redlock:{old:1}:fence", "redlock:{old:2}:fence")
+    (facts,) = probe_nodes([redis_node.url], timeout=2.0, prefix="redlock:")
+    assert facts.permanent_count == 0 and check_permanent_keys(facts, "redlock:") is None
