@@ -9,6 +9,7 @@ from . import worker as _worker  # noqa: F401 (connects the worker signal receiv
 from .config_only import lock_configured_tasks
 from .engine.aio import AsyncRedlock
 from .engine.lock import Redlock
+from .engine.rate import AsyncRateLimit, RateLimit
 from .exceptions import (
     ConfigurationError,
     LockBusy,
@@ -26,6 +27,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0"
 
 __all__ = [
+    "AsyncRateLimit",
     "AsyncRedlock",
     "ConfigurationError",
     "LockBusy",
@@ -34,6 +36,7 @@ __all__ = [
     "LockNotOwned",
     "LockedTask",
     "NodeUnavailable",
+    "RateLimit",
     "Redlock",
     "RedlockError",
     "__version__",

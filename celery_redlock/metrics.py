@@ -17,6 +17,10 @@ metric                             type       labels / meaning
                                               of the key being queued (``lock_unique``)
 ``redlock_claims_expired_total``   counter    ``task``: copies whose send-time claim was
                                               gone when they started (``lock_unique_ttl``)
+``redlock_deferred_total``         counter    ``task``, ``reason``: runs put back on the queue
+                                              to wait for their turn: ``rate``
+                                              (``lock_rate``), ``busy``
+                                              (``lock_on_busy="requeue"``)
 ``redlock_acquire_seconds``        histogram  ``task``: time to acquire (successful)
 ``redlock_hold_seconds``           histogram  ``task``: acquisition to release
 ``redlock_renew_tick_seconds``     histogram  one renewer tick, all its locks
@@ -60,6 +64,12 @@ def enable(registry: Any = None) -> None:
         ("claims_expired", "Copies whose send-time claim had expired when they started"),
     ):
         _metrics[name] = Counter(f"redlock_{name}", doc, ["task"], registry=registry)
+    _metrics["deferred"] = Counter(
+        "redlock_deferred",
+        "Runs put back on the queue to wait for their turn (rate budget, busy key)",
+        ["task", "reason"],
+        registry=registry,
+    )
     _metrics["acquire"] = Histogram(
         "redlock_acquire_seconds",
         "Time to acquire a lock",
@@ -131,6 +141,11 @@ def renew_failed(task: str | None) -> None:
 def duplicate(task: str | None) -> None:
     """A send found a copy of its key queued and published nothing."""
     _metrics["duplicates"].labels(_task(task)).inc()
+
+
+def deferred(task: str | None, reason: str) -> None:
+    """A run went back on the queue to wait: ``rate`` (its budget) or ``busy`` (its key)."""
+    _metrics["deferred"].labels(_task(task), reason).inc()
 
 
 def claim_expired(task: str | None) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .engine.names import check_key_template, check_lock_args
+from .engine.rate import Budget, parse_rate
 from .engine.timing import Timing, check_kind, lease_seconds, seconds
 from .exceptions import ConfigurationError
 
@@ -42,17 +43,25 @@ __all__ = [
     "TaskOption",
     "choice",
     "parse_entry",
+    "rate",
     "resolve_task_options",
 ]
 
 #: What a task does when its lock is held (``lock_on_busy``, ``redlock_on_busy``).
-ON_BUSY = ("skip", "retry", "raise", "wait")
+ON_BUSY = ("skip", "retry", "raise", "wait", "requeue")
 #: What happens to a running task whose lock is lost (``lock_on_lost``, ``redlock_on_lost``).
 ON_LOST = ("abort", "revoke", "ignore")
 #: How long a send-time claim keeps other copies out (``lock_unique``; None: no claim).
 UNIQUE = ("until_started", "until_finished")
 #: What ``apply_async()`` does when a copy is queued already (``lock_on_duplicate``).
 ON_DUPLICATE = ("return", "raise")
+
+
+def rate(name: str, value: Any) -> str:
+    """A rate ``"N/s"``, ``"N/m"`` or ``"N/h"``, checked (``lock_rate``, ``redlock_rate``)."""
+    parse_rate(name, value)
+    checked: str = value
+    return checked
 
 
 def choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
@@ -101,7 +110,7 @@ TASK_OPTIONS: dict[str, TaskOption] = {
             "(args, kwargs) -> str, or a format string over argument names (a list of "
             "either: several resources)",
         ),
-        TaskOption("on_busy", "on_busy", choice(ON_BUSY), "skip, retry, raise or wait"),
+        TaskOption("on_busy", "on_busy", choice(ON_BUSY), "skip, retry, raise, wait or requeue"),
         TaskOption("on_lost", "on_lost", choice(ON_LOST), "abort, revoke or ignore"),
         TaskOption("retry_countdown", "retry_countdown", seconds, "seconds before a retry"),
         TaskOption("wait_timeout", "wait_timeout", seconds, "longest wait for a busy lock"),
@@ -127,6 +136,13 @@ TASK_OPTIONS: dict[str, TaskOption] = {
             "throttle",
             seconds,
             "seconds: at most one run per key starts per window (the first call's)",
+        ),
+        TaskOption(
+            "rate",
+            "rate",
+            rate,
+            '"N/s", "N/m" or "N/h": at most N runs per key start in any such sliding window, '
+            "across all workers; an early run waits on the queue",
         ),
         TaskOption(
             "on_duplicate",
@@ -163,6 +179,7 @@ class TaskLockOptions:
     throttle: float | None = None
     on_duplicate: str = "return"
     unique_ttl: float = 3600.0
+    rate: Budget | None = None
 
 
 def parse_entry(task_name: str, entry: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -286,6 +303,10 @@ def _resolve(
                     f"names {resources}"
                 )
         unique = debounce = throttle = None  # the redlock_* defaults are for tasks they fit
+        if values["rate"] is not None:
+            raise ConfigurationError(
+                f"{where}rate: a rate budget is for one resource; lock_key names {resources}"
+            )
     if unique is not None and (debounce is not None or throttle is not None):
         if values["unique"] is not None:
             raise ConfigurationError(
@@ -317,4 +338,7 @@ def _resolve(
         throttle=throttle,
         on_duplicate=resolved["on_duplicate"],
         unique_ttl=resolved["unique_ttl"],
+        rate=None
+        if resolved["rate"] is None or resources > 1
+        else parse_rate(f"{where}rate", resolved["rate"]),
     )

@@ -5,19 +5,23 @@ renewer later finds the lease gone, the task's policy decides what happens.
 
 What a busy lock does (``lock_on_busy``, :func:`apply_on_busy`):
 
-=========  ======================================================================
-``skip``   The body does not run. Logged at INFO with the holder's task id. The
-           result is stored as FAILURE with :class:`~celery_redlock.LockBusy`, so
-           ``AsyncResult.get()`` raises ``LockBusy`` at once (``propagate=False``
-           returns it); no callbacks or errbacks run; the worker logs it as ignored.
-           ``apply()`` returns the same: an eager result in state FAILURE (stored
-           nowhere else, as Celery stores no eager result).
-``retry``  ``self.retry(countdown=lock_retry_countdown, exc=LockBusy(...))``;
-           counts against ``max_retries``, after which the task fails with LockBusy.
-``raise``  The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
-``wait``   Waits up to ``lock_wait_timeout`` seconds, woken by the holder's release;
-           then fails with ``LockBusy`` if still held.
-=========  ======================================================================
+===========  ======================================================================
+``skip``     The body does not run. Logged at INFO with the holder's task id. The
+             result is stored as FAILURE with :class:`~celery_redlock.LockBusy`, so
+             ``AsyncResult.get()`` raises ``LockBusy`` at once (``propagate=False``
+             returns it); no callbacks or errbacks run; the worker logs it as ignored.
+             ``apply()`` returns the same: an eager result in state FAILURE (stored
+             nowhere else, as Celery stores no eager result).
+``retry``    ``self.retry(countdown=lock_retry_countdown, exc=LockBusy(...))``;
+             counts against ``max_retries``, after which the task fails with LockBusy.
+``raise``    The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
+``wait``     Waits up to ``lock_wait_timeout`` seconds, woken by the holder's release;
+             then fails with ``LockBusy`` if still held.
+``requeue``  Goes back on the queue (same task id, arguments and options; not a
+             retry: ``max_retries`` does not count it) after a jittered backoff that
+             doubles per requeue from 0.25 s, capped at the holder's lease left; holds
+             no pool process meanwhile (:func:`defer`).
+===========  ======================================================================
 
 A second delivery of a task id whose first delivery still holds the lock (acks_late
 redelivery, ``retry(countdown=0)`` picked up before the release, redelivery after the
@@ -34,23 +38,27 @@ What a lost lock does (``lock_on_lost``, :func:`apply_on_lost`): ``abort`` raise
 from __future__ import annotations
 
 import logging
-from typing import Any
+import random
+from typing import Any, NoReturn
 
 from celery import Task, states
 from celery.exceptions import Ignore
 
-from . import abort, reaper
+from . import abort, metrics, reaper
 from .engine.lock import Redlock
 from .exceptions import LockBusy, LockLost
 from .options import TaskLockOptions
 
 __all__ = [
+    "DEFERRALS_HEADER",
     "REQUEUES_HEADER",
     "Requeued",
     "Skipped",
     "already_done",
     "apply_on_busy",
     "apply_on_lost",
+    "defer",
+    "deferrals",
     "request_header",
     "requeue_duplicate",
     "requeues",
@@ -61,6 +69,10 @@ logger = logging.getLogger("celery_redlock.task")
 
 #: Header counting how often a duplicate delivery was put back; sets its backoff.
 REQUEUES_HEADER = "redlock_requeues"
+
+#: Header counting how often a run was put back on the queue to wait for its turn
+#: (``lock_on_busy="requeue"``, ``lock_rate``): not a retry, so not ``retries``.
+DEFERRALS_HEADER = "redlock_deferrals"
 
 
 def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
@@ -76,6 +88,13 @@ def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOpt
         # request) gets lock_on_busy.
         requeue_duplicate(task, task_id, busy, "follows the running copy")
     policy = options.on_busy
+    if policy == "requeue" and not getattr(task.request, "is_eager", False):
+        # An eager run has no queue to go back to: it gets LockBusy (as "raise").
+        count = deferrals(task.request)
+        backoff = 0.25 * 2 ** min(count, 8) * random.uniform(0.5, 1.5)
+        if metrics.enabled:
+            metrics.deferred(task.name, "busy")
+        defer(task, task_id, min(busy.ttl or 1.0, backoff), f"waits for its key: {busy}")
     if policy == "retry":
         logger.info(
             "Task %s[%s] retries in %ss: %s", task.name, task_id, options.retry_countdown, busy
@@ -145,6 +164,34 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
         busy,
     )
     raise Requeued(str(busy))
+
+
+def defer(task: Task, task_id: str, countdown: float, why: str) -> NoReturn:
+    """Put this run back on the queue for ``countdown`` seconds, and end this delivery.
+
+    The copy is the same task id with its arguments and options (headers, links,
+    ``retries`` as they were: it is not a retry), published before this delivery ends,
+    so before an ``acks_late`` message is acknowledged; it waits in the broker and the
+    worker's timer, holding no pool process. Counted in :data:`DEFERRALS_HEADER`.
+
+    Raises:
+        Requeued: always; the body must not run.
+    """
+    count = deferrals(task.request) + 1
+    signature = task.signature_from_request(task.request, countdown=countdown)
+    headers = signature.options.get("headers") or {}
+    signature.set(headers={**headers, DEFERRALS_HEADER: count})
+    signature.apply_async()
+    logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
+    raise Requeued(why)
+
+
+def deferrals(request: Any) -> int:
+    """How often this run was put back to wait for its turn (0 for none, or unreadable)."""
+    try:
+        return int(request_header(request, DEFERRALS_HEADER) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 class Requeued(Ignore):

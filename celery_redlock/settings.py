@@ -25,7 +25,7 @@ from .engine.timing import fraction as _fraction
 from .engine.timing import lease_seconds as _lease
 from .engine.timing import seconds as _seconds
 from .exceptions import ConfigurationError
-from .options import ON_BUSY, ON_DUPLICATE, ON_LOST, TASK_OPTIONS, UNIQUE, choice
+from .options import ON_BUSY, ON_DUPLICATE, ON_LOST, TASK_OPTIONS, UNIQUE, choice, rate
 
 __all__ = ["OPTIONS", "Option", "Settings", "from_conf", "reference"]
 
@@ -181,7 +181,8 @@ OPTIONS: dict[str, Option] = {
             "on_busy",
             "skip",
             choice(ON_BUSY),
-            "What a task does when its lock is held: skip, retry, raise or wait.",
+            "What a task does when its lock is held: skip, retry, raise, wait or requeue "
+            "(back on the queue until the key is free; not a retry).",
         ),
         Option(
             "on_lost",
@@ -219,6 +220,14 @@ OPTIONS: dict[str, Option] = {
             _optional(_seconds),
             "Seconds: at most one run per key of a locked task starts per window; calls "
             "inside it get that run (lock_on_duplicate).",
+        ),
+        Option(
+            "rate",
+            None,
+            _optional(rate),
+            'A rate "N/s", "N/m" or "N/h": at most N runs per key of a locked task start '
+            "in any such sliding window, across all workers; a run that comes early goes "
+            "back on the queue for its slot (not a retry).",
         ),
         Option(
             "on_duplicate",
@@ -315,6 +324,7 @@ class Settings:
     unique: str | None = None
     debounce: float | None = None
     throttle: float | None = None
+    rate: str | None = None
     on_duplicate: str = "return"
     unique_ttl: float = 3600.0
     drift_factor: float = 0.01

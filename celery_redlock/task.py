@@ -40,12 +40,12 @@ from celery import Celery, Task, states
 from celery.exceptions import Ignore
 from celery.result import EagerResult
 
-from . import abort, reaper, unique
+from . import abort, budgets, reaper, unique
 from .engine.lock import Redlock
 from .engine.names import call_lock_name, signature
 from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
-from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, requeues
+from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, deferrals, requeues
 from .settings import Settings, from_conf
 
 __all__ = [
@@ -219,7 +219,8 @@ class LockedTask(Task):
     * ``lock_args``: argument names the key uses; ``None`` all, ``()`` none.
     * ``lock_key``: ``(args, kwargs) -> str`` or a format string over argument
       names, naming the resource instead (tasks with the same key share a lock).
-    * ``lock_on_busy``: ``skip`` | ``retry`` | ``raise`` | ``wait``.
+    * ``lock_on_busy``: ``skip`` | ``retry`` | ``raise`` | ``wait`` | ``requeue`` (back
+      on the queue until the key is free; not a retry).
     * ``lock_on_lost``: ``abort`` (``LockLost`` raised in the body) | ``revoke``
       (terminate through Celery's revoke; prefork) | ``ignore`` (log only). In
       every case ``self.lock.check()`` raises and the task's result is a failure
@@ -236,6 +237,10 @@ class LockedTask(Task):
     * ``lock_debounce``: seconds; calls within it collapse into one run, started no
       sooner than that after the last call, with its arguments. ``lock_throttle``:
       seconds; at most one run per key starts per window.
+    * ``lock_rate``: ``"N/s"`` | ``"N/m"`` | ``"N/h"``: at most N runs per key start in
+      any such sliding window, across all workers; a run that comes early goes back on
+      the queue for its slot (:mod:`celery_redlock.budgets`). With ``lock_mode="shared"``
+      runs of a key may overlap; with ``lock_limit=N`` at most N at once.
 
     ``lock_key`` may name several resources (a list of format strings, or a callable
     returning a list): all are locked together or none, e.g. both accounts of a
@@ -260,6 +265,7 @@ class LockedTask(Task):
     lock_unique_ttl: float | None = None
     lock_debounce: float | None = None
     lock_throttle: float | None = None
+    lock_rate: str | None = None
 
     @property
     def lock(self) -> Redlock:
@@ -285,8 +291,12 @@ class LockedTask(Task):
     def before_start(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Take the lock before the body runs (see the module docs for busy locks)."""
         super().before_start(task_id, args, kwargs)
-        acquire_for(self, task_id, args, kwargs)
-        unique.started(self, lock_options(self), app_settings(self.app), task_id, args, kwargs)
+        lock = acquire_for(self, task_id, args, kwargs)
+        options, settings = lock_options(self), app_settings(self.app)
+        if lock is not None and options.rate is not None:
+            # Last before the body (and the claim's hand-over): the start logged is its.
+            budgets.admit(self, options, settings, lock)
+        unique.started(self, options, settings, task_id, args, kwargs)
 
     def apply_async(
         self,
@@ -413,7 +423,9 @@ def acquire_for(
     # only what apply() returns, so it runs even where an earlier run of its task id
     # stored a final result (a frozen canvas applied again, a test reusing an id).
     eager = bool(getattr(task.request, "is_eager", False))
-    maybe_duplicate = not eager and (waited or task.request.retries or requeues(task.request))
+    maybe_duplicate = not eager and (
+        waited or task.request.retries or requeues(task.request) or deferrals(task.request)
+    )
     if maybe_duplicate and already_done(task, task_id):
         # Another delivery of this task id finished while this one waited: behind the
         # lock (wait), on the queue (retry, or requeued as a duplicate). Running it again

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "abort",
             "reaper",
             "unique",
+            "budgets",
         },
     ),
     ("ops", {"ops"}),

@@ -29,6 +29,10 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               request maybe still on the way -> when that entry
                               expires (ms, node clock; one lease after it was
                               written); the acquire scripts refuse these tokens
+    redlock:{NAME}:rate       sorted set: the starts of the last ``lock_rate`` /
+                              :class:`~celery_redlock.RateLimit` window, member ->
+                              start time in ms on the node's clock; expires one
+                              window after its last start (scripts/rate.lua)
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all. Redis hashes a key by the text between its first
@@ -115,6 +119,7 @@ class LockKeys(NamedTuple):
     claim: str
     throttle: str
     abandoned: str
+    rate: str
 
     @property
     def resource(self) -> tuple[str, str, str, str]:

@@ -6,9 +6,10 @@ from typing import Any
 
 from celery_redlock.engine.keys import parse_key
 
-#: Keys beside a lock that are not a hold: fence counters, and the send-time claims
-#: and throttle windows of ``lock_unique`` tasks (a claim is a queued copy, not a lock).
-NOT_HOLDS = (":fence", ":claim", ":throttle")
+#: Keys beside a lock that are not a hold: fence counters, the send-time claims and
+#: throttle windows of ``lock_unique`` tasks (a claim is a queued copy, not a lock), and
+#: the logs of starts of rate budgets (``lock_rate``).
+NOT_HOLDS = (":fence", ":claim", ":throttle", ":rate")
 
 
 def lock_keys(server: Any) -> list[str]:

@@ -36,6 +36,8 @@ __all__ = [
     "FAIR_LEAVE",
     "FENCE_SYNC",
     "INSPECT",
+    "RATE",
+    "RATE_RETURN",
     "RELEASE",
     "RELEASE_IF",
     "RELEASE_SHARED",
@@ -47,6 +49,7 @@ __all__ = [
     "ClaimStatus",
     "FairLeaveStatus",
     "FenceSyncStatus",
+    "RateStatus",
     "ReleaseIfStatus",
     "ReleaseSharedStatus",
     "ReleaseStatus",
@@ -127,6 +130,14 @@ class ClaimStatus(enum.IntEnum):
     BUSY = 0  #: held by another task id; the reply's next elements are it and its PTTL
     CLAIMED = 1
     OURS = 2  #: this task id held it already (a retry); TTL refreshed
+
+
+class RateStatus(enum.IntEnum):
+    """First element of a ``rate.lua`` reply (then the starts in the window, and a wait)."""
+
+    REFUSED = 0  #: N starts in the last window; the reply's third element: ms until one leaves
+    ADMITTED = 1
+    PEEKED = 2  #: counted only (``peek``); the third element: ms until a start fits (0: now)
 
 
 class UnclaimStatus(enum.IntEnum):
@@ -210,3 +221,5 @@ CLAIM = Script("claim", status=ClaimStatus)
 UNCLAIM = Script("unclaim", status=UnclaimStatus)
 CLAIM_START = Script("claim_start")
 THROTTLE = Script("throttle")
+RATE = Script("rate", status=RateStatus)
+RATE_RETURN = Script("rate_return")

@@ -1,0 +1,218 @@
+"""Rate budgets (``rate.lua``, ``rate_return.lua``, :mod:`celery_redlock.engine.rate`)
+against real redis-servers: one node, and three (Redlock) with nodes cut off in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from celery_redlock import AsyncRateLimit, ConfigurationError, NodeUnavailable, RateLimit
+from celery_redlock.engine.keys import lock_keys
+from celery_redlock.engine.rate import Budget, parse_rate
+from celery_redlock.engine.scripts import RATE, RATE_RETURN
+from tests.harness.servers import wait_for
+
+KEYS = lock_keys("api:stripe")
+
+
+def rate(client, member, limit=3, window=60_000, peek=""):
+    return client.eval(RATE.source, 1, KEYS.rate, limit, window, member, peek)
+
+
+def node_ms(client):
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+
+def test_the_script_admits_n_starts_per_window_and_says_when_the_next_fits(redis_node):
+    """3 per minute: three starts are logged, the fourth is refused with the time until
+    the oldest leaves the window; the key lives one window; a member sent again is not
+    logged twice; peek writes nothing."""
+    c = redis_node.client()
+    assert [rate(c, m) for m in "abc"] == [[1, 1, 0], [1, 2, 0], [1, 3, 0]]
+    status, used, wait = rate(c, "d")
+    assert (status, used) == (0, 3)
+    oldest = float(c.zrange(KEYS.rate, 0, 0, withscores=True)[0][1])
+    assert wait == pytest.approx(oldest + 60_000 - node_ms(c), abs=50)
+    assert 0 < c.pttl(KEYS.rate) <= 60_000, "expires one window after its last start"
+    assert rate(c, "b") == [1, 3, 0], "the same admission sent again"
+    assert c.zcard(KEYS.rate) == 3
+    status, used, wait = rate(c, "-", peek="peek")
+    assert (status, used) == (2, 3) and 59_000 < wait <= 60_000
+    assert c.zcard(KEYS.rate) == 3, "peek logs nothing"
+    assert c.eval(RATE_RETURN.source, 1, KEYS.rate, "a") == 1
+    assert c.eval(RATE_RETURN.source, 1, KEYS.rate, "a") == 0
+    assert rate(c, "d")[0] == 1, "a start given back frees its place"
+
+
+def test_the_window_slides_on_the_node_clock(redis_node):
+    """Starts leave the window one window after they were logged: never sooner."""
+    c = redis_node.client()
+    assert rate(c, "a", limit=1, window=300)[0] == 1
+    first = float(c.zscore(KEYS.rate, "a"))
+    assert rate(c, "b", limit=1, window=300)[0] == 0
+    wait_for(lambda: rate(c, "b", limit=1, window=300)[0] == 1, timeout=5, interval=0.01)
+    assert float(c.zscore(KEYS.rate, "b")) - first >= 300
+    assert c.zrange(KEYS.rate, 0, -1) == ["b"], "the old start was dropped"
+    wait_for(lambda: not c.exists(KEYS.rate), timeout=5)
+
+
+@pytest.mark.parametrize("bad", [(0, 1000, "m"), (2, 0, "m"), (2, 1000, ""), ("x", 1, "m")])
+def test_the_script_refuses_bad_arguments_with_its_own_message(redis_node, bad):
+    c = redis_node.client()
+    limit, window, member = bad
+    with pytest.raises(Exception, match="celery_redlock rate"):
+        c.eval(RATE.source, 1, KEYS.rate, limit, window, member, "")
+    assert not c.exists(KEYS.rate)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["fast", "0/s", "-3/m", "5/fortnight", "5/S", "1.5/s", " 5/s", "5", 5, None, "2000000/s"],
+)
+def test_bad_rates_are_refused_naming_the_option_and_the_form(value):
+    with pytest.raises(ConfigurationError, match=r'lock_rate must be a rate "N/s", "N/m" or "N/h"'):
+        parse_rate("lock_rate", value)
+
+
+def test_rates_parse_as_celery_writes_them():
+    assert parse_rate("r", "5/s") == Budget(5, 1.0)
+    assert parse_rate("r", "100/m") == Budget(100, 60.0)
+    assert parse_rate("r", "1/h") == Budget(1, 3600.0)
+    assert str(parse_rate("r", "100/m")) == "100/m"
+
+
+def test_try_acquire_admits_exactly_n_among_racing_threads(redis_node):
+    """20 threads race for a 7-per-minute budget: exactly 7 are admitted, and the others
+    are told how long until a start fits (about one minute)."""
+    limit = RateLimit("api:race", rate="7/m", nodes=[redis_node.url])
+    barrier = threading.Barrier(20)
+    waits: list[float] = []
+
+    def take():
+        barrier.wait()
+        waits.append(limit.try_acquire())
+
+    threads = [threading.Thread(target=take) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(waits)[:8].count(0.0) == 7
+    assert all(55 < w <= 60 for w in waits if w)
+    assert limit.used()[0] == 7
+
+
+def test_acquire_waits_for_a_slot_or_gives_up_at_its_timeout(redis_node):
+    """2/s: the third acquire waits until the first start leaves the window (by the
+    node's clock); a timeout shorter than the wait gives up at once."""
+    limit = RateLimit("api:wait", rate="2/s", nodes=[redis_node.url])
+    c = redis_node.client()
+    assert limit.try_acquire() == 0.0 and limit.try_acquire() == 0.0
+    first = min(s for _, s in c.zrange(limit.key, 0, -1, withscores=True))
+    assert limit.acquire(timeout=0.01) is False
+    assert limit.acquire(blocking=False) is False
+    assert limit.acquire(timeout=5) is True
+    third = max(s for _, s in c.zrange(limit.key, 0, -1, withscores=True))
+    assert third - first >= 1000
+
+
+def test_asyncio_and_sync_callers_share_one_budget(redis_node):
+    """A RateLimit and an AsyncRateLimit of one name take from the same 3 per minute."""
+    sync = RateLimit("api:shared", rate="3/m", nodes=[redis_node.url])
+    assert sync.try_acquire() == 0.0
+
+    async def main():
+        limit = AsyncRateLimit("api:shared", rate="3/m", nodes=[redis_node.url])
+        got = [await limit.try_acquire() for _ in range(3)]
+        timed_out = await limit.acquire(timeout=0.01)
+        return got, timed_out, await limit.used()
+
+    got, timed_out, (used, wait) = asyncio.run(main())
+    assert got[:2] == [0.0, 0.0] and got[2] > 50
+    assert timed_out is False
+    assert used == 3 and wait > 50
+    assert sync.try_acquire() > 50
+
+
+def test_a_budget_without_reachable_nodes_raises_node_unavailable():
+    limit = RateLimit("api:down", rate="3/m", nodes=["redis://127.0.0.1:1"], node_timeout=0.2)
+    with pytest.raises(NodeUnavailable):
+        limit.try_acquire()
+
+
+# -- Redlock: three nodes ----------------------------------------------------------------
+
+
+def test_three_nodes_admit_n_when_all_answer_and_give_back_a_refused_start(redis_factory):
+    """N=2 on three healthy nodes: two starts, then refusals. A node that admitted a
+    start the majority refused (its log was behind) gives it back."""
+    servers = redis_factory(3)
+    limit = RateLimit("api:three", rate="2/m", nodes=[s.url for s in servers])
+    assert [limit.try_acquire() for _ in range(2)] == [0.0, 0.0]
+    assert limit.try_acquire() > 50
+    assert [s.client().zcard(limit.key) for s in servers] == [2, 2, 2]
+    a = servers[0].client()
+    a.delete(limit.key)  # node a forgot its log (restarted without persistence)
+    assert limit.try_acquire() > 50, "b and c refuse"
+    assert a.zcard(limit.key) == 0, "a gave back the start it admitted"
+
+
+def test_a_majority_admits_up_to_n_times_nodes_over_quorum_not_n(redis_factory, fault_proxy):
+    """What holds with Redlock, shown: N=2 on three nodes, each start reaching another
+    pair (the third node cut off in turn) is admitted by a majority, so three starts
+    are admitted in one window: floor(3 * 2 / 2) = 3 = 1.5 N. Never more: every node then
+    has 2 starts logged, and a fourth is refused."""
+    servers = redis_factory(3)
+    proxies = [fault_proxy(s) for s in servers]
+    limit = RateLimit("api:split", rate="2/m", nodes=[p.url for p in proxies], node_timeout=0.2)
+    admitted = 0
+    for cut in proxies:
+        cut.blackhole()
+        admitted += limit.try_acquire() == 0.0
+        cut.restore()
+    assert admitted == 3, "a majority each: more than N"
+    assert [s.client().zcard(limit.key) for s in servers] == [2, 2, 2]
+    wait_for(lambda: limit.try_acquire() > 0, timeout=5)  # a reconnect may time out once
+    assert [s.client().zcard(limit.key) for s in servers] == [2, 2, 2], "a fourth: refused"
+
+
+def test_racing_starts_on_three_nodes_stay_within_the_redlock_bound(redis_factory):
+    """30 threads race for 5 per minute on three nodes: at most floor(3 * 5 / 2) = 7
+    admitted and no node logs more than 5. Racing starts that each reach a different
+    node first can all be refused (fewer than 5 in the race); once their give-backs
+    are done, starts taken one by one fill the budget to at least 5."""
+    servers = redis_factory(3)
+    limit = RateLimit("api:race3", rate="5/m", nodes=[s.url for s in servers])
+    barrier = threading.Barrier(30)
+    waits: list[float] = []
+
+    def take():
+        barrier.wait()
+        waits.append(limit.try_acquire())
+
+    threads = [threading.Thread(target=take) for _ in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    admitted = waits.count(0.0)
+    assert 1 <= admitted <= 7
+    assert all(s.client().zcard(limit.key) <= 5 for s in servers)
+    while limit.try_acquire() == 0.0:
+        admitted += 1
+    assert 5 <= admitted <= 7
+    assert all(s.client().zcard(limit.key) <= 5 for s in servers)
+
+
+def test_too_few_nodes_answering_raises_node_unavailable(redis_factory, fault_proxy):
+    servers = redis_factory(3)
+    proxies = [fault_proxy(s) for s in servers]
+    limit = RateLimit("api:gone", rate="2/m", nodes=[p.url for p in proxies], node_timeout=0.2)
+    proxies[0].blackhole()
+    proxies[1].blackhole()
+    with pytest.raises(NodeUnavailable):
+        limit.try_acquire()
+    assert servers[2].client().zcard(limit.key) == 0, "the one node that admitted gave it back"
