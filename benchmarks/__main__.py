@@ -2,7 +2,7 @@
 
 Run from the repository root (``pip install -e '.[benchmarks]'`` first)::
 
-    python -m benchmarks                      # everything: 7.5 minutes on 2 cores
+    python -m benchmarks                      # everything: 11 minutes on 2 cores
     python -m benchmarks --only celery,redis_cost
     python -m benchmarks --quick              # seconds per benchmark, a smoke run
 
@@ -38,6 +38,10 @@ BENCHMARKS: dict[str, list[str]] = {
     "renewal": [
         *("--ticks", "1", "--window", "1", "--max-locks", "1000"),
         *("--hold-locks", "1000", "--hold-ttl", "1.5", "--hold-periods", "2"),
+    ],
+    "processes": [
+        *("--procs", "2", "--threads", "2", "--duration", "0.5"),
+        *("--p8-procs", "2", "--p8-holds", "0", "--p8-duration", "0.3", "--p8-runs", "1"),
     ],
     "reaper": ["--trials", "1"],
     "celery": ["--tasks", "30", "--runs", "1"],

@@ -86,7 +86,9 @@ def process_worker(inbox, outbox, index: int) -> None:
         if job is None:
             return
         try:
-            outbox.put((index, client_loop(*job)))
+            # A job is client_loop's arguments, or (a module-level function, its arguments).
+            fn, args = (job[0], job[1:]) if callable(job[0]) else (client_loop, job)
+            outbox.put((index, fn(*args)))
         except BaseException as exc:
             outbox.put((index, repr(exc)))
 
@@ -105,7 +107,7 @@ class ProcessPool:
         for proc in self.procs:
             proc.start()
 
-    def run(self, n: int, job: tuple, deadline: float) -> list[tuple[int, list[float]]]:
+    def run(self, n: int, job: tuple, deadline: float) -> list:
         for inbox in self.inboxes[:n]:
             inbox.put(job)
         results: list = [None] * n

@@ -32,7 +32,14 @@ QUICK_OPS = 30  # benchmarks/__main__.py: redis_cost --ops 30 --batch 30
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--only", "celery,redis_cost,family"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--quick",
+        "--only",
+        "celery,redis_cost,family,processes",
+    ]
     done = subprocess.run(
         [*command, "--results", str(out)],
         cwd=ROOT,
@@ -128,6 +135,32 @@ def test_family_benchmark_measures_every_variant(quick_run):
     assert (quick_run / "bench-family.png").read_bytes().startswith(PNG)
 
 
+def test_processes_benchmark_has_the_p8_cell_and_its_counts(quick_run):
+    """P8: processes x 1 thread, every peer in the same run, counted per acquisition."""
+    from benchmarks.bench_processes import P8_KINDS
+    from benchmarks.common import verdict
+
+    report = load(quick_run / "processes.json")
+    assert [run["jain_processes"] for run in report["runs"]], "the threads x processes shape"
+    rows = {row["lock"]: row for row in report["p8"]}
+    assert set(rows) == set(P8_KINDS)
+    for lock, row in rows.items():
+        assert row["processes"] == 2 and row["hold_ms"] == 0, row
+        assert 0 < row["jain_processes"] <= 1 and row["total_per_s"] > 0, (lock, row)
+    # One announcement per release; each acquisition is at least one script call.
+    ours = rows["celery_redlock"]["counted_per_acquisition"]
+    assert ours["server_publish_calls"] == pytest.approx(1.0, abs=0.1), ours
+    assert ours["attempts"] >= 1 and ours["failed_attempts"] == pytest.approx(
+        ours["attempts"] - 1, abs=0.05
+    )
+    # python-redis-lock: one BLPOP wake-up source, one LPUSH per release.
+    theirs = rows["python-redis-lock"]["counted_per_acquisition"]
+    assert theirs["server_lpush_calls"] == pytest.approx(1.0, abs=0.1), theirs
+    (label,) = [label for label in report["targets"] if label.startswith("P8 processes=2 ")]
+    assert "(>= 1.2)" in label and "(>= 0.99)" in label
+    assert verdict(label, report["targets"][label]) in {"met", "missed"}
+
+
 def test_each_performance_target_gets_a_verdict(quick_run):
     """``python -m benchmarks`` ends with every "P" target of the issue, met or missed."""
     from benchmarks.common import issue_targets, verdict
@@ -143,4 +176,5 @@ def test_each_performance_target_gets_a_verdict(quick_run):
     assert any(label.startswith("P5 ") and "(>= 0.95)" in label for label in labels), labels
     assert any(label.startswith("P5 ") and "CPU" in label for label in labels), labels
     assert any(label.startswith("P7 ") for label in labels), labels
+    assert any(label.startswith("P8 ") for label in labels), labels
     assert {verdict for *_, verdict in rows} <= {"met", "missed", "reported"}
