@@ -90,7 +90,7 @@ from .renewal import get_renewer
 from .scripts import INSPECT, ReleaseStatus
 from .timing import Timing
 from .vote import Attempt, budget, sync_fences, vote
-from .waiting import Subscription
+from .waiting import Subscription, subscribed
 
 __all__ = ["DEFAULT_URL", "Redlock", "Step"]
 
@@ -258,6 +258,15 @@ class Redlock:
                         subscription.wait(
                             self._bounded(min(held, self.timing.renew_interval), give_up)
                         )
+                if (
+                    blocking
+                    and subscription is None
+                    and subscribed(self.nodeset.nodes, self.keys.channel)
+                ):
+                    # This process still listens to the lock's channel (it waited for it
+                    # a moment ago): register first, and a refusal waits at once, with
+                    # no retry once subscribed.
+                    subscription = self._subscribe(waiter)
                 while True:
                     handed = None
                     if offer is not None:

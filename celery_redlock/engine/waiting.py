@@ -49,6 +49,13 @@ MAX_BACKOFF = 1.0
 #: registered: it tidies up when it wakes, and wakes at least this often.
 SYNC_INTERVAL = 1.0
 
+#: How long a listener stays subscribed to a channel after its last waiter left (it
+#: unsubscribes at its first wake-up after that, within :data:`SYNC_INTERVAL` more). A
+#: process that waits for the same lock again (a prefork child's next task on a hot key)
+#: then finds the channel subscribed: no SUBSCRIBE round trip, and no retry once
+#: subscribed (measured, issue 27's P8: one of the three script calls per acquisition).
+LINGER = SYNC_INTERVAL
+
 
 class Wakeup:
     """A wake-up that the waker can always deliver without blocking.
@@ -147,6 +154,8 @@ class _Listener:
         self._subscribed: set[str] = set()
         self._pending: dict[str, int] = {}
         self._unconfirmed: dict[str, list[Wakeup]] = {}
+        # Channels without waiters, kept subscribed until LINGER after the last one left.
+        self._idle: dict[str, float] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._conn: AbstractConnection | None = None
@@ -171,6 +180,7 @@ class _Listener:
         ref = weakref.ref(event)
         confirmed = Wakeup()
         with self._mutex:
+            self._idle.pop(channel, None)
             self._waiters.setdefault(channel, {})[ref] = token
             if channel in self._subscribed and channel not in self._pending:
                 confirmed.set()
@@ -181,7 +191,7 @@ class _Listener:
         return confirmed
 
     def remove(self, channel: str, event: Wakeup) -> None:
-        """Unregister ``event``; the channel is unsubscribed when no waiter is left."""
+        """Unregister ``event``; the channel is unsubscribed :data:`LINGER` after the last."""
         with self._mutex:
             waiters = self._waiters.get(channel)
             if waiters is None:
@@ -191,9 +201,18 @@ class _Listener:
                 # Woken but leaving without having used it (timed out, or gave up):
                 # pass the wake-up on, or a released lock would wait for its TTL.
                 self._wake_one(waiters)
-            if waiters:
-                return
-        self._poke()
+            if not waiters:
+                # Unsubscribed by the listener once it has lingered (_sync).
+                self._idle.setdefault(channel, time.monotonic())
+
+    def subscribed(self, channel: str) -> bool:
+        """Whether ``channel`` is subscribed and confirmed on the current connection.
+
+        Read without the mutex (two atomic look-ups; called in a waiter's thread, where
+        an asynchronous exception may land): a stale answer only costs the caller the
+        subscription's confirmation wait, or a retry once subscribed.
+        """
+        return channel in self._subscribed and channel not in self._pending
 
     def pass_on(self, channel: str, event: Wakeup) -> None:
         """Wake the next waiter for ``channel`` (after a share was taken: it may fit too)."""
@@ -275,6 +294,7 @@ class _Listener:
 
     def _sync(self, conn: AbstractConnection) -> None:
         """Subscribe to the channels that have waiters, unsubscribe from the others."""
+        now = time.monotonic()
         with self._mutex:
             for channel, waiters in list(self._waiters.items()):
                 gone = [ref for ref in waiters if ref() is None]
@@ -283,9 +303,10 @@ class _Listener:
                 if gone:
                     # A waiter cut off may have taken a release's wake-up with it.
                     self._wake_one(waiters)
-                if not waiters:
+                if not waiters and now - self._idle.setdefault(channel, now) >= LINGER:
                     del self._waiters[channel]
                     self._unconfirmed.pop(channel, None)
+                    self._idle.pop(channel, None)
             subscribe = [c for c in self._waiters if c not in self._subscribed]
             unsubscribe = [c for c in self._subscribed if c not in self._waiters]
             self._subscribed.difference_update(unsubscribe)
@@ -385,6 +406,12 @@ class Subscription:
 
 _listeners: dict[str, _Listener] = {}
 _listeners_lock = threading.Lock()
+
+
+def subscribed(nodes: tuple[LockNode, ...], channel: str) -> bool:
+    """Whether this process listens to ``channel`` already, confirmed on some node."""
+    listeners = (_listeners.get(node.url) for node in nodes)
+    return any(listener is not None and listener.subscribed(channel) for listener in listeners)
 
 
 def get_listener(node: LockNode) -> _Listener:

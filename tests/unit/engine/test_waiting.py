@@ -197,3 +197,52 @@ def test_an_exception_in_the_clean_up_after_acquiring_ends_the_hold(redis_node, 
     assert len(raised) == 2 and isinstance(raised[0], Injected), raised
     assert raised[1] is False, "acquire() raised, yet the thread still holds the lock"
     assert not client.exists(holder.key)
+
+
+def test_a_process_that_waits_again_finds_the_channel_subscribed(redis_node, monkeypatch):
+    """A prefork child waiting for a hot key task after task: its second wait sends no
+    SUBSCRIBE and no retry once subscribed: one refused try, one woken try (issue 27, P8:
+    the first wait takes three script calls and a SUBSCRIBE)."""
+    from celery_redlock.engine import waiting
+
+    monkeypatch.setattr(waiting, "LINGER", 60.0)  # the second wait comes within it
+    ctx = multiprocessing.get_context("fork")
+    waiter = Redlock("again", nodes=[redis_node.url], ttl=30)
+    attempts: list[int] = []
+    real = waiter._attempt
+
+    def counted_attempt(*args):
+        result = real(*args)
+        attempts.append(1)  # once answered: a refused try is over when it counts
+        return result
+
+    waiter._attempt = counted_attempt
+    client = redis_node.client()
+    counts, got = [], []
+    for _ in range(2):
+        held, let_go = ctx.Event(), ctx.Event()
+        holder = ctx.Process(target=_hold_in_a_child, args=(redis_node.url, "again", held, let_go))
+        holder.start()
+        assert held.wait(20)
+        redis_node.reset_stats()
+        attempts.clear()
+
+        def take_and_release() -> None:
+            got.append(waiter.acquire(timeout=30))
+            waiter.release()
+
+        thread = threading.Thread(target=take_and_release)
+        thread.start()
+        listener = waiting.get_listener(waiter.nodeset.nodes[0])
+        channel = waiter.keys.channel
+        wait_for(lambda: attempts and listener._waiters.get(channel), timeout=10)  # noqa: B023
+        wait_for(lambda: listener.subscribed(channel), timeout=10)  # noqa: B023
+        let_go.set()
+        holder.join(20)
+        thread.join(20)
+        assert got.pop() is True
+        counts.append((len(attempts), redis_node.commandstats().get("subscribe", 0)))
+    first, second = counts
+    assert first[1] == 1 and first[0] >= 2, first  # subscribed, retried once subscribed
+    assert client.pubsub_numsub(waiter.keys.channel)[0][1] == 1  # lingering
+    assert second == (2, 0), second  # refused, woken: nothing else
