@@ -154,7 +154,9 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
     # Merged: the copy's other headers (its claim's, the user's) go on with it.
     headers = signature.options.get("headers") or {}
     signature.set(headers={**headers, REQUEUES_HEADER: count})
-    signature.apply_async()
+    # The same copy put back, not a child of this delivery: nothing of it is kept
+    # on the request (whose children list outlives it, with an AsyncResult each).
+    signature.apply_async(add_to_parent=False)
     logger.info(
         "Task %s[%s] %s; trying again in %.2fs: %s",
         task.name,
@@ -181,7 +183,9 @@ def defer(task: Task, task_id: str, countdown: float, why: str) -> NoReturn:
     signature = task.signature_from_request(task.request, countdown=countdown)
     headers = signature.options.get("headers") or {}
     signature.set(headers={**headers, DEFERRALS_HEADER: count})
-    signature.apply_async()
+    # The same copy put back, not a child of this delivery: nothing of it is kept
+    # on the request (whose children list outlives it, with an AsyncResult each).
+    signature.apply_async(add_to_parent=False)
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 

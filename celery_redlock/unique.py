@@ -353,7 +353,7 @@ def _requeue(
     """Publish this copy again (same task id, keeping its claim) and end this delivery."""
     task.signature_from_request(
         task.request, args=args, kwargs=kwargs, countdown=countdown
-    ).apply_async()
+    ).apply_async(add_to_parent=False)  # the same copy, not a child of this delivery
     logger.info("Task %s[%s] %s; runs in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 

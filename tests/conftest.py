@@ -41,6 +41,7 @@ from tests.harness import (  # noqa: E402
     binary_summary,
     collect_garbage,
 )
+from tests.harness.celery_workers import quiesce_apps_on  # noqa: E402
 from tests.harness.cluster import RedisCluster  # noqa: E402
 from tests.harness.servers import close_all, wait_for  # noqa: E402
 
@@ -146,8 +147,10 @@ def redis_factory(tmp_path: Path) -> Iterator[Callable[..., list[RedisServer]]]:
 
     yield make
     # What this test left for the garbage collector talks to these servers when
-    # collected (AsyncResult.__del__): collect it while they still run.
+    # collected (AsyncResult.__del__): collect it while they still run, and make what
+    # stays reachable inert (its app's result consumer stopped) before they stop.
     collect_garbage()
+    quiesce_apps_on(server.port for server in started)
     _drop_unacked_restores()
     close_all(started)
 

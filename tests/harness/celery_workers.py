@@ -872,6 +872,7 @@ __all__ = [
     "collect_garbage",
     "group_pids",
     "make_app",
+    "quiesce_apps_on",
     "read_intervals",
     "redis_url_with_db",
     "unique_nodename",
@@ -921,13 +922,32 @@ def close_app(app: celery.Celery) -> None:
     (Celery keeps apps alive past ``close()``) unsubscribe through the result consumer
     when collected; it is closed here, so that they do no I/O then.
     """
+    stop_result_consumer(app)
+    app.close()
+    collect_garbage()
+
+
+def stop_result_consumer(app: celery.Celery) -> None:
+    """Stop ``app``'s result consumer, so that its AsyncResults do no I/O when collected."""
     backend = getattr(app._local, "backend", None) or getattr(app, "_backend_cache", None)
     consumer = getattr(backend, "result_consumer", None)
     if getattr(consumer, "_pubsub", None) is not None:
         consumer.stop()
         consumer._pubsub = None
-    app.close()
-    collect_garbage()
+
+
+def quiesce_apps_on(ports: Iterable[int | None]) -> None:
+    """Stop the result consumers of every app whose result backend is on ``ports``.
+
+    For servers about to stop: an AsyncResult of such an app that a test left behind
+    (an app it did not close) would otherwise try to reconnect when collected, during
+    whichever later test that happens in, and fail there (an unraisable error).
+    """
+    wanted = {f"127.0.0.1:{port}" for port in ports if port is not None}
+    for app in list(celery_state._get_active_apps()):
+        backend_url = str(app.conf.get("result_backend") or "")
+        if any(address in backend_url for address in wanted):
+            stop_result_consumer(app)
 
 
 def collect_garbage() -> None:
