@@ -59,6 +59,7 @@ __all__ = [
     "apply_on_lost",
     "defer",
     "deferrals",
+    "put_back",
     "request_header",
     "requeue_duplicate",
     "requeues",
@@ -150,13 +151,7 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
     """
     count = requeues(task.request) + 1
     countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(count, 8))
-    signature = task.signature_from_request(task.request, countdown=countdown)
-    # Merged: the copy's other headers (its claim's, the user's) go on with it.
-    headers = signature.options.get("headers") or {}
-    signature.set(headers={**headers, REQUEUES_HEADER: count})
-    # The same copy put back, not a child of this delivery: nothing of it is kept
-    # on the request (whose children list outlives it, with an AsyncResult each).
-    signature.apply_async(add_to_parent=False)
+    put_back(task, countdown, headers={REQUEUES_HEADER: count})
     logger.info(
         "Task %s[%s] %s; trying again in %.2fs: %s",
         task.name,
@@ -179,23 +174,37 @@ def defer(task: Task, task_id: str, countdown: float, why: str) -> NoReturn:
     Raises:
         Requeued: always; the body must not run.
     """
-    count = deferrals(task.request) + 1
-    signature = task.signature_from_request(task.request, countdown=countdown)
-    headers = signature.options.get("headers") or {}
-    signature.set(headers={**headers, DEFERRALS_HEADER: count})
-    # The same copy put back, not a child of this delivery: nothing of it is kept
-    # on the request (whose children list outlives it, with an AsyncResult each).
-    signature.apply_async(add_to_parent=False)
+    put_back(task, countdown, headers={DEFERRALS_HEADER: deferrals(task.request) + 1})
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 
 
+def put_back(
+    task: Task,
+    countdown: float,
+    *,
+    headers: dict[str, Any] | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+) -> None:
+    """Publish the running delivery's copy again: same task id, options and retries.
+
+    ``headers`` are merged into the copy's own (its claim's, the user's go on with it);
+    ``args``/``kwargs`` replace its arguments when given (a debounced copy runs with the
+    last call's). The copy is not a child of this delivery: nothing of it is kept on
+    the request (whose children list outlives it, with an AsyncResult each).
+    """
+    signature = task.signature_from_request(
+        task.request, args=args, kwargs=kwargs, countdown=countdown
+    )
+    if headers:
+        signature.set(headers={**(signature.options.get("headers") or {}), **headers})
+    signature.apply_async(add_to_parent=False)
+
+
 def deferrals(request: Any) -> int:
     """How often this run was put back to wait for its turn (0 for none, or unreadable)."""
-    try:
-        return int(request_header(request, DEFERRALS_HEADER) or 0)
-    except (TypeError, ValueError):
-        return 0
+    return _counted(request, DEFERRALS_HEADER)
 
 
 class Requeued(Ignore):
@@ -208,8 +217,13 @@ class Requeued(Ignore):
 
 def requeues(request: Any) -> int:
     """How often this delivery was put back as a duplicate (0 for none, or unreadable)."""
+    return _counted(request, REQUEUES_HEADER)
+
+
+def _counted(request: Any, header: str) -> int:
+    """A counter header of the delivery (0 when absent or unreadable)."""
     try:
-        return int(request_header(request, REQUEUES_HEADER) or 0)
+        return int(request_header(request, header) or 0)
     except (TypeError, ValueError):
         return 0
 

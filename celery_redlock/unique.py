@@ -90,7 +90,7 @@ from .engine.timing import MAX_SECONDS
 from .exceptions import LockBusy, LockKeyError, NodeUnavailable
 from .nodes import NodeSet
 from .options import TaskLockOptions
-from .policies import Requeued, request_header
+from .policies import Requeued, put_back, request_header
 from .settings import Settings
 
 __all__ = ["active", "ended", "revoked", "send", "started"]
@@ -351,9 +351,7 @@ def _requeue(
     why: str,
 ) -> None:
     """Publish this copy again (same task id, keeping its claim) and end this delivery."""
-    task.signature_from_request(
-        task.request, args=args, kwargs=kwargs, countdown=countdown
-    ).apply_async(add_to_parent=False)  # the same copy, not a child of this delivery
+    put_back(task, countdown, args=args, kwargs=kwargs)
     logger.info("Task %s[%s] %s; runs in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 
