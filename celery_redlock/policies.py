@@ -20,7 +20,8 @@ What a busy lock does (``lock_on_busy``, :func:`apply_on_busy`):
 ``requeue``  Goes back on the queue (same task id, arguments and options; not a
              retry: ``max_retries`` does not count it) after a jittered backoff that
              doubles per requeue from 0.25 s, capped at the holder's lease left; holds
-             no pool process meanwhile (:func:`defer`).
+             no pool process meanwhile (:func:`defer`), and starts as soon as the
+             key's release is announced (:mod:`celery_redlock.wakeups`).
 ===========  ======================================================================
 
 A second delivery of a task id whose first delivery still holds the lock (acks_late
@@ -75,6 +76,10 @@ REQUEUES_HEADER = "redlock_requeues"
 #: (``lock_on_busy="requeue"``, ``lock_rate``): not a retry, so not ``retries``.
 DEFERRALS_HEADER = "redlock_deferrals"
 
+#: Header of a copy put back because its key was busy: the lock key whose release may
+#: start it before its countdown (None: only the countdown).
+WAKE_HEADER = "redlock_wake"
+
 
 def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
     """Apply ``lock_on_busy``; always raises."""
@@ -95,7 +100,10 @@ def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOpt
         backoff = 0.25 * 2 ** min(count, 8) * random.uniform(0.5, 1.5)
         if metrics.enabled:
             metrics.deferred(task.name, "busy")
-        defer(task, task_id, min(busy.ttl or 1.0, backoff), f"waits for its key: {busy}")
+        countdown = min(busy.ttl or 1.0, backoff)
+        # The worker holding the copy in its timer starts it early when the key is
+        # released (celery_redlock.wakeups); the countdown is the fallback.
+        defer(task, task_id, countdown, f"waits for its key: {busy}", wake=busy.key)
     if policy == "retry":
         logger.info(
             "Task %s[%s] retries in %ss: %s", task.name, task_id, options.retry_countdown, busy
@@ -140,8 +148,9 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
     first attempt released, or a redelivery after the first delivery's worker died
     and before its lock expired. Running now would overlap; dropping the message
     would lose the task in the last two cases. So the message is published again
-    with a growing delay (never beyond the holder's lease) and this delivery ends as
-    ignored, storing nothing. When the copy runs and the task id already has a final
+    with a growing delay (never beyond the holder's lease; started earlier by the key's
+    release, :mod:`celery_redlock.wakeups`) and this delivery ends as ignored, storing
+    nothing. When the copy runs and the task id already has a final
     result from the first delivery, it does not run again (see
     :func:`celery_redlock.task.acquire_for`).
 
@@ -151,7 +160,7 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
     """
     count = requeues(task.request) + 1
     countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(count, 8))
-    put_back(task, countdown, headers={REQUEUES_HEADER: count})
+    put_back(task, countdown, headers={REQUEUES_HEADER: count, WAKE_HEADER: busy.key})
     logger.info(
         "Task %s[%s] %s; trying again in %.2fs: %s",
         task.name,
@@ -163,18 +172,25 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
     raise Requeued(str(busy))
 
 
-def defer(task: Task, task_id: str, countdown: float, why: str) -> NoReturn:
+def defer(
+    task: Task, task_id: str, countdown: float, why: str, *, wake: str | None = None
+) -> NoReturn:
     """Put this run back on the queue for ``countdown`` seconds, and end this delivery.
 
     The copy is the same task id with its arguments and options (headers, links,
     ``retries`` as they were: it is not a retry), published before this delivery ends,
     so before an ``acks_late`` message is acknowledged; it waits in the broker and the
     worker's timer, holding no pool process. Counted in :data:`DEFERRALS_HEADER`.
+    ``wake``: the lock key whose release may start the copy before its countdown
+    (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.wakeups` in the worker).
 
     Raises:
         Requeued: always; the body must not run.
     """
-    put_back(task, countdown, headers={DEFERRALS_HEADER: deferrals(task.request) + 1})
+    headers: dict[str, Any] = {DEFERRALS_HEADER: deferrals(task.request) + 1}
+    # Always set: a copy deferred again by its rate must not keep an old key's wake.
+    headers[WAKE_HEADER] = wake
+    put_back(task, countdown, headers=headers)
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 

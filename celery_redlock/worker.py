@@ -22,6 +22,8 @@ from it, and the worker does not start.
                               it released since its last lock
 ``task_postrun``              release the execution's lock, whatever the outcome;
                               free the copy's send-time claim (``lock_unique``)
+``task_received``             a busy run's copy waiting in this worker's timer:
+                              start it when its key is released (``wakeups``)
 ``task_revoked``              free a revoked or expired copy's send-time claim
 ``beat_init``                 lock the ``redlock_tasks`` of configuration-only setups
                               in beat too, so that what it sends is deduplicated
@@ -36,7 +38,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
-from . import abort, config_only, metrics, reaper, unique
+from . import abort, config_only, metrics, reaper, unique, wakeups
 from .engine.renewal import get_renewer
 from .nodes import NodeSet, safe_url
 from .options import TASK_OPTIONS
@@ -106,9 +108,10 @@ class RedlockStep(bootsteps.StartStopStep):
             get_renewer().start()
 
     def stop(self, worker: Any) -> None:
-        """Stop watching pool children."""
+        """Stop watching pool children, and listening for the keys copies wait for."""
         if self.reaper is not None:
             self.reaper.stop()
+        wakeups.stop()
 
     shutdown = stop
 
@@ -179,6 +182,12 @@ def _on_task_postrun(
                 state,
                 retval,
             )
+
+
+@signals.task_received.connect(dispatch_uid="celery_redlock.task_received")
+def _on_task_received(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    if sender is not None and request is not None:
+        wakeups.on_task_received(sender, request)
 
 
 @signals.task_revoked.connect(dispatch_uid="celery_redlock.task_revoked")
