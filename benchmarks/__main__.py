@@ -48,6 +48,10 @@ BENCHMARKS: dict[str, list[str]] = {
     "redis_cost": ["--ops", "30", "--batch", "30"],
     "family": ["--ops", "50", "--runs", "1"],
     "memory": ["--keys", "2000"],
+    "rate": [
+        *("--calls", "12", "--runs", "1"),
+        *("--tasks", "30", "--cost-runs", "1", "--count-tasks", "30"),
+    ],
 }
 
 

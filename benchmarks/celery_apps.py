@@ -7,12 +7,16 @@ db 1, locks (ours, celery-once's, celery-singleton's) on db 0, the completion co
 on db 3. Results are not stored (``task_ignore_result``): completions are counted by a
 ``task_postrun`` receiver instead, one ``HINCRBY`` per task keyed by its final state, the
 same for every task, so a skipped delivery counts too (``IGNORED``).
+
+:data:`rate_app` is the same app with the tasks of the rate benchmark added
+(:func:`add_rate_tasks`), its locks on a server of their own (``$BENCH_RATE_LOCK_URL``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import redis
@@ -122,3 +126,57 @@ def _quiet(**_: Any) -> None:
 
 #: The app the worker loads with ``-A benchmarks.celery_apps``.
 app = create_app()
+
+
+# --------------------------------------------------------------------------- rate budgets
+
+#: The rate benchmark's workers read their lock server's URL here (a redis-server of
+#: its own, so that its command counts are the locks' alone).
+LOCK_URL_ENV = "BENCH_RATE_LOCK_URL"
+#: The limit both peers of the rate benchmark are given, in Celery's syntax.
+RATE = "5/s"
+#: A rate no run of the admission benchmark reaches: every start is admitted.
+NEVER_DEFERS = "100000/s"
+#: List of ``"<task id> <start, wall clock>"``, one per body run, per key.
+STARTS_KEY = "bench:rate:starts:{key}"
+
+
+def _started(self: Task, key: str) -> None:
+    """Record this body's start (the first thing it does) under ``key``."""
+    started = time.time()
+    entry = f"{self.request.id} {started:.6f}"
+    counter(self.app.conf.bench_redis_url).rpush(STARTS_KEY.format(key=key), entry)
+
+
+def add_rate_tasks(app: Celery, lock_url: str | None = None) -> Celery:
+    """``app`` with the rate benchmark's tasks, its locks on ``lock_url`` when given.
+
+    ``rate.celery`` (Celery's ``rate_limit``) and ``rate.ours`` (``lock_rate``, shared,
+    one budget per key) record their starts (:data:`STARTS_KEY`); ``rate.locked`` and
+    ``rate.admitted`` (the same with a rate that never defers) have empty bodies.
+    """
+    if lock_url:
+        app.conf.redlock_url = lock_url
+    common: dict[str, Any] = {"bind": True, "shared": False}
+    locked = {**common, "base": LockedTask, "lock_ttl": LEASE_S}
+    tasks = [
+        app.task(name="rate.celery", rate_limit=RATE, **common)(_started),
+        app.task(
+            name="rate.ours", lock_key="bench-rate:{key}", lock_rate=RATE, lock_mode="shared",
+            **locked,
+        )(_started),
+    ]  # fmt: skip
+    for name, options in (("rate.locked", {}), ("rate.admitted", {"lock_rate": NEVER_DEFERS})):
+
+        @app.task(name=name, lock_args=("key",), **locked, **options)
+        def empty(self: Task, key: str) -> None:
+            """An empty body under our lock (one key per call)."""
+
+        tasks.append(empty)
+    for task in tasks:
+        signals.task_postrun.connect(_count, sender=task, weak=False)
+    return app
+
+
+#: The app the rate benchmark's workers load with ``-A benchmarks.celery_apps:rate_app``.
+rate_app = add_rate_tasks(create_app(), os.environ.get(LOCK_URL_ENV))

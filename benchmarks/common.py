@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -37,9 +38,31 @@ def environment() -> dict[str, Any]:
     }
 
 
+def source_state() -> dict[str, Any]:
+    """The commit measured, and the package's files that differ from it (uncommitted)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        command = ["git", *args]
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
+        return done.stdout if done.returncode == 0 else ""
+
+    changed = git("status", "--porcelain", "--", "celery_redlock")
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip() or None,
+        "uncommitted": [line[3:] for line in changed.splitlines()],
+    }
+
+
 def server_label(version: tuple[str, tuple[int, ...]]) -> str:
     """``RedisServer.version`` as the results files show it: ``"redis 7.0.15"``."""
     return f"{version[0]} {'.'.join(map(str, version[1]))}"
+
+
+def redis_cpu_seconds(client: redis.Redis) -> float:
+    """User + system CPU seconds the server of ``client`` has used (``INFO cpu``)."""
+    used = client.info("cpu")
+    return float(used["used_cpu_user"]) + float(used["used_cpu_sys"])
 
 
 def measure_us(fn: Callable[[], object], ops: int) -> list[float]:

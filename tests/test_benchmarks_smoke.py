@@ -1,5 +1,5 @@
-"""The Celery, Redis-cost and lock-family benchmarks, and their plots, still run and say
-what they should.
+"""The Celery, Redis-cost, lock-family, processes and rate benchmarks, and their plots,
+still run and say what they should.
 
 ``python -m benchmarks --quick`` in their smallest configuration (seconds), writing into
 a temporary directory. Only the shape and the counts are checked, never speed: the
@@ -25,8 +25,9 @@ from benchmarks.bench_celery import CASES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
-QUICK_TASKS = 30  # benchmarks/__main__.py: celery --tasks 30
+QUICK_TASKS = 30  # benchmarks/__main__.py: celery and rate --tasks 30
 QUICK_OPS = 30  # benchmarks/__main__.py: redis_cost --ops 30 --batch 30
+QUICK_CALLS = 12  # benchmarks/__main__.py: rate --calls 12
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def quick_run(tmp_path_factory) -> Path:
         "benchmarks",
         "--quick",
         "--only",
-        "celery,redis_cost,family,processes",
+        "celery,redis_cost,family,processes,rate",
     ]
     done = subprocess.run(
         [*command, "--results", str(out)],
@@ -178,3 +179,40 @@ def test_each_performance_target_gets_a_verdict(quick_run):
     assert any(label.startswith("P7 ") for label in labels), labels
     assert any(label.startswith("P8 ") for label in labels), labels
     assert {verdict for *_, verdict in rows} <= {"met", "missed", "reported"}
+
+
+def test_rate_benchmark_paces_both_peers_and_counts_one_admission(quick_run):
+    """Issue 26: every call of both peers ran once; ours kept 6 starts at least a window
+    apart (less the integration test's 50 ms for the bodies' clock); the admission is one
+    script call more per task, and one budget key's commands on the lock server."""
+    from benchmarks.bench_rate import ADMITTED, CELERY, OURS, PLAIN, SPAN
+    from benchmarks.common import verdict
+
+    report = load(quick_run / "rate.json")
+    assert (report["workers"], report["pool"], report["concurrency"]) == (2, "prefork", 2)
+    assert report["source"]["commit"]
+    for peer in (CELERY, OURS):
+        (run,) = report["accuracy"][peer]["runs"]
+        assert run["starts"] == QUICK_CALLS and run["ran_more_than_once"] == 0, (peer, run)
+        assert not run["other_states"], (peer, run)
+    ours = report["accuracy"][OURS]["runs"][0]
+    assert ours[SPAN] >= 0.95 and ours["deferrals"] > 0, ours
+    assert report["accuracy"][CELERY]["runs"][0]["deferrals"] == 0
+    results = report["admission"]["results"]
+    for case in (PLAIN, ADMITTED):
+        assert results[case]["ran"] == [QUICK_TASKS] and not results[case]["other_states"]
+        assert results[case]["tasks_per_s"]["median"] > 0
+    # One lock call before the body and one after it; the admission adds one.
+    plain, admitted = (
+        results[case]["network_commands_per_task_by_name"] for case in (PLAIN, ADMITTED)
+    )
+    assert plain["evalsha"] == pytest.approx(2.0, abs=0.1), plain
+    assert admitted["evalsha"] == pytest.approx(3.0, abs=0.1), admitted
+    assert results[ADMITTED]["lock_server_commands_per_task_by_name"]["zadd"] >= 0.9
+    labels = [label for label in report["targets"] if label.startswith("P26 ")]
+    assert any("(<= 5)" in label for label in labels), labels
+    assert {verdict(label, report["targets"][label]) for label in labels} <= {
+        "met",
+        "missed",
+        "reported",
+    }
