@@ -3,7 +3,14 @@ and prefork workers.
 
 The Redis URL comes from ``REDLOCK_TEST_REDIS_URL`` (broker on db 1, results on db 2,
 locks on db 0), as in :mod:`tests.apps.unique`. Each body appends one line
-``<task id> <key> <start> <end> <pid>`` (wall clock) to the file ``out``.
+``<task id> <key> <start> <end> <pid> <redelivered>`` (wall clock; ``redelivered`` 1 when
+the broker delivered this message again, after the worker holding it died) to the file
+``out``.
+
+Two apps: :data:`app` (``-A tests.apps.rated``) and :data:`late` (``-A
+tests.apps.rated:late``), the same tasks acknowledged after the body (``acks_late``), on
+a broker that gives a dead worker's messages to another within seconds
+(:data:`VISIBILITY_TIMEOUT`).
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ def record(self, key, out, hold=0.0):
     started = time.time()
     if hold:
         time.sleep(hold)  # the run's work: what lock_limit bounds
-    line = f"{self.request.id} {key} {started:.6f} {time.time():.6f} {os.getpid()}\n"
+    redelivered = int(bool((self.request.delivery_info or {}).get("redelivered")))
+    line = f"{self.request.id} {key} {started:.6f} {time.time():.6f} {os.getpid()} {redelivered}\n"
     fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, line.encode())  # one write: lines of several processes never mix
@@ -57,5 +65,33 @@ def make_rated_app(redis_url: str, **conf: object) -> Celery:
     return app
 
 
+#: Seconds after which the broker gives an unacknowledged message to another worker.
+VISIBILITY_TIMEOUT = 5
+
+
+def make_late_app(redis_url: str) -> Celery:
+    """The rated tasks with ``acks_late``: a message is acknowledged after its body.
+
+    A message a dead worker held comes back :data:`VISIBILITY_TIMEOUT` seconds after it
+    was delivered: every worker looks for such messages every second (kombu's own
+    defaults, 10 s between looks and 1 look in 10, would take minutes).
+    """
+    return make_rated_app(
+        redis_url,
+        # A dead run's share of its key ends within this lease: the message given again
+        # finds the key held under its own task id, and waits on the queue until then.
+        redlock_ttl=3.0,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        broker_transport_options={
+            "visibility_timeout": VISIBILITY_TIMEOUT,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
+    )
+
+
 #: The app worker subprocesses load with ``-A tests.apps.rated``.
 app = make_rated_app(REDIS_URL)
+#: The same with ``acks_late`` (``-A tests.apps.rated:late``).
+late = make_late_app(REDIS_URL)

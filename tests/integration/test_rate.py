@@ -10,14 +10,16 @@ more than 3 deep.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections import Counter, defaultdict
 
 import pytest
 
 from celery_redlock import LockedTask
-from tests.apps.rated import make_rated_app
-from tests.harness import close_app, wait_for
+from celery_redlock.policies import DEFERRALS_HEADER
+from tests.apps.rated import make_late_app, make_rated_app
+from tests.harness import close_app, unique_nodename, wait_for
 from tests.integration.test_inputs import start_fails
 
 #: Slack for the gap between a start's admission (node clock) and the body's record of
@@ -35,11 +37,23 @@ def app(celery_redis):
 def runs_of(out):
     """(task id, key, start, end, pid) of each run recorded."""
     lines = out.read_text().splitlines() if out.exists() else []
-    return [(i, k, float(s), float(e), int(p)) for i, k, s, e, p in (x.split() for x in lines)]
+    return [(i, k, float(s), float(e), int(p)) for i, k, s, e, p, _ in map(str.split, lines)]
+
+
+def redelivered_runs(out):
+    """The task ids of the runs whose message the broker delivered again."""
+    lines = out.read_text().splitlines() if out.exists() else []
+    return [i for i, *_, again in map(str.split, lines) if again == "1"]
 
 
 def get(result, timeout=60):
     return result.get(timeout=timeout, disable_sync_subtasks=False)
+
+
+def deferred_copies_waiting(server):
+    """Unacknowledged messages (held by a worker) that are deferred copies of a run."""
+    held = server.client(db=1).hvals("unacked")
+    return [m for m in map(json.loads, held) if m[0]["headers"].get(DEFERRALS_HEADER)]
 
 
 def busiest_window(starts, window=1.0):
@@ -79,6 +93,60 @@ def test_two_prefork_workers_share_each_keys_budget_exactly(app, worker_process_
         starts = sorted(s for _, k, s, _, _ in runs if k == key)
         assert busiest_window(starts) <= 5, (key, starts)
         assert 4.0 - SLACK <= starts[-1] - starts[0] <= 1.5 * 4.0, (key, starts)
+
+
+def test_a_worker_killed_mid_backlog_loses_no_run(celery_redis, worker_process_factory, tmp_path):
+    """acks_late: 25 calls of one key at 5/s on two prefork workers; one worker (its main
+    process and pool children) is SIGKILLed while the backlog drains, holding messages
+    unacknowledged (deferred copies waiting in its timer, prefetched ones). The broker
+    gives them to the other worker once the visibility timeout passes: every task id
+    runs and ends SUCCESS, and no second holds more than 5 starts, counting the killed
+    worker's (a start it was admitted for and never ran only leaves a slot unused).
+
+    A task id may run twice in one way only: its first run was in the killed worker,
+    which died after the body wrote its record and before the run's result was stored
+    and its message acknowledged (the body is instant, but the run is not: the lock's
+    check, the result, the release and the ack follow it). To Celery and celery_redlock
+    that run never finished, so the message given again runs (at least once); it waits
+    for the dead run's share of the key to expire (``redlock_ttl``, 3 s here) and runs
+    in the other worker, after the kill. Any other second run fails this test."""
+    late = make_late_app(celery_redis.url)
+    workers = [
+        worker_process_factory(
+            "tests.apps.rated:late", name=unique_nodename("late"), pool="prefork", concurrency=2
+        )
+        for _ in range(2)
+    ]
+    doomed_pids, survivor_pids = (set(w.group_pids()) for w in workers)
+    out = tmp_path / "runs"
+    task = late.tasks["rated.call"]
+    try:
+        results = [task.delay("k", str(out)) for _ in range(25)]
+        # Mid-backlog: the doomed worker ran bodies, deferred copies wait for their slot.
+        wait_for(
+            lambda: len(runs_of(out)) >= 6 and {p for *_, p in runs_of(out)} & doomed_pids,
+            timeout=60,
+            interval=0.01,
+        )
+        assert deferred_copies_waiting(celery_redis), "copies wait for their slot, unacked"
+        killed_at = time.time()
+        workers[0].kill()
+        assert len(runs_of(out)) < 20, "the kill came while the backlog drained"
+        assert [get(r, timeout=120) for r in results] == ["k"] * 25
+        assert {late.AsyncResult(r.id).state for r in results} == {"SUCCESS"}
+    finally:
+        close_app(late)
+    runs = runs_of(out)
+    assert {i for i, *_ in runs} == {r.id for r in results}, "every task id ran"
+    assert busiest_window(sorted(s for _, _, s, _, _ in runs)) <= 5, runs
+    again = redelivered_runs(out)
+    # The killed worker held messages, and the broker gave them to the other one.
+    assert any(i in again and p in survivor_pids and s > killed_at for i, _, s, _, p in runs)
+    for task_id, count in Counter(i for i, *_ in runs).items():
+        if count > 1:
+            first, second, *more = sorted((r for r in runs if r[0] == task_id), key=lambda r: r[2])
+            assert not more and first[4] in doomed_pids and first[3] < killed_at, (first, second)
+            assert second[4] in survivor_pids and second[2] > killed_at, (first, second)
 
 
 def test_an_early_run_is_requeued_with_its_options_not_retried(
