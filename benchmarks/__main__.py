@@ -2,7 +2,7 @@
 
 Run from the repository root (``pip install -e '.[benchmarks]'`` first)::
 
-    python -m benchmarks                      # everything: 11 minutes on 2 cores
+    python -m benchmarks                      # everything: about 13 minutes on 2 cores
     python -m benchmarks --only celery,redis_cost
     python -m benchmarks --quick              # seconds per benchmark, a smoke run
 
