@@ -38,6 +38,13 @@ seconds, the leader's clock) in the header ``redlock_beat_run``
 (``self.request.redlock_beat_run`` in a bound task): two messages never carry the same
 value for one entry, so a task can use it as an idempotency key.
 
+**Beat refuses what a worker refuses.** Before it opens its schedule, a leader scheduler
+checks the ``redlock_*`` settings, the ``redlock_tasks`` entries and the lock options of
+every locked task it knows (:func:`check_configuration`): a bad ``lock_rate`` (on a task,
+in its entry, or the ``redlock_rate`` default) stops beat with a
+:class:`~celery_redlock.ConfigurationError` naming it and the allowed form, as it stops a
+worker.
+
 Schedulers: :class:`LeaderScheduler` is Celery's default ``PersistentScheduler`` (a
 shelve file per beat) with leadership. ``DatabaseLeaderScheduler`` is
 django-celery-beat's ``DatabaseScheduler`` with leadership (imported only when named,
@@ -65,11 +72,13 @@ from celery.beat import PersistentScheduler
 from kombu.utils.url import url_to_parts
 from redis.exceptions import ResponseError
 
+from . import config_only
 from .engine.lock import Redlock
 from .engine.scripts import BEAT_CLAIM, BeatClaimStatus
 from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .nodes import Call
-from .task import app_settings
+from .settings import Settings
+from .task import LockedTask, app_settings, lock_options
 
 # DatabaseLeaderScheduler is left out: a star import would import django-celery-beat.
 __all__ = [
@@ -77,6 +86,7 @@ __all__ = [
     "LeaderScheduler",
     "beat_holder",
     "broker_identity",
+    "check_configuration",
     "default_beat_name",
     "leader_name",
     "parse_beat_holder",
@@ -155,6 +165,27 @@ def same_broker(recorded: str, identity: str) -> bool:
     return _hashed_identity(recorded) == _hashed_identity(identity)
 
 
+def check_configuration(app: Any) -> Settings:
+    """Refuse what a worker refuses at its start; ``app``'s validated settings.
+
+    The ``redlock_*`` settings, the ``redlock_tasks`` entries (applied, as the worker
+    does) and the lock options of every locked task ``app`` has (a bad ``lock_rate``,
+    on the task, in its entry or as the ``redlock_rate`` default, among them). Beat
+    sends those tasks, deduplicating at send time (``lock_unique``): a beat that started
+    with options its workers refuse would send what no worker runs.
+
+    Raises:
+        ConfigurationError: naming the setting, or the task, its option and what it
+            accepts (and the ``redlock_tasks`` entry that set it).
+    """
+    settings = app_settings(app)
+    config_only.apply(app, settings, quiet=True)
+    for task in list(app.tasks.values()):
+        if isinstance(task, LockedTask):
+            lock_options(task)
+    return settings
+
+
 def leader_name(app: Any, beat_name: str | None) -> str:
     """The leader lock's name: ``beat:`` and ``redlock_beat_name`` or the default."""
     return f"beat:{beat_name or default_beat_name(app)}"
@@ -187,8 +218,9 @@ class LeaderMixin:
     _heap: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before the scheduler opens its schedule: a ConfigurationError stops beat at start.
+        settings = check_configuration(kwargs["app"] if "app" in kwargs else args[0])
         super().__init__(*args, **kwargs)
-        settings = app_settings(self.app)  # ConfigurationError stops beat at start
         self.broker_identity = broker_identity(self.app)
         self.leader_lock = Redlock(
             leader_name(self.app, settings.beat_name),

@@ -7,10 +7,10 @@ locks on db 0), as in :mod:`tests.apps.unique`. Each body appends one line
 the broker delivered this message again, after the worker holding it died) to the file
 ``out``.
 
-Two apps: :data:`app` (``-A tests.apps.rated``) and :data:`late` (``-A
+Three apps: :data:`app` (``-A tests.apps.rated``); :data:`late` (``-A
 tests.apps.rated:late``), the same tasks acknowledged after the body (``acks_late``), on
 a broker that gives a dead worker's messages to another within seconds
-(:data:`VISIBILITY_TIMEOUT`).
+(:data:`VISIBILITY_TIMEOUT`); and :data:`beat`, with a schedule, for ``celery beat``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,40 @@ def make_late_app(redis_url: str) -> Celery:
     )
 
 
+def make_beat_app(redis_url: str, where: str | None = None, rate: str | None = None) -> Celery:
+    """The rated app with a schedule: beat sends ``rated.scheduled`` (5/s) every second.
+
+    ``rate`` replaces the task's: on the task (``where="task"``), as the
+    ``redlock_rate`` default (``"redlock_rate"``), or in its ``redlock_tasks`` entry
+    (``"redlock_tasks"``).
+    """
+    conf: dict[str, object] = {
+        "beat_schedule": {
+            "scheduled": {"task": "rated.scheduled", "schedule": 1.0, "args": ("s", os.devnull)}
+        }
+    }
+    if where == "redlock_rate":
+        conf["redlock_rate"] = rate
+    elif where == "redlock_tasks":
+        conf["redlock_tasks"] = {"rated.scheduled": {"rate": rate}}
+    app = make_rated_app(redis_url, **conf)
+    app.task(
+        name="rated.scheduled",
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        lock_key="scheduled:{key}",
+        lock_rate=rate if where == "task" else "5/s",
+    )(record)
+    return app
+
+
 #: The app worker subprocesses load with ``-A tests.apps.rated``.
 app = make_rated_app(REDIS_URL)
 #: The same with ``acks_late`` (``-A tests.apps.rated:late``).
 late = make_late_app(REDIS_URL)
+#: The app ``celery -A tests.apps.rated:beat beat`` loads: the rate
+#: ``$REDLOCK_TEST_RATE`` set where ``$REDLOCK_TEST_RATE_AT`` says (see make_beat_app).
+beat = make_beat_app(
+    REDIS_URL, os.environ.get("REDLOCK_TEST_RATE_AT"), os.environ.get("REDLOCK_TEST_RATE")
+)

@@ -213,6 +213,26 @@ def test_leader_scheduler_refuses_a_bad_setting(celery_redis, env, tmp_path):
     assert "redlock_beat_ttl must be > 0" in beat.log_text()
 
 
+@pytest.mark.parametrize("where", ["task", "redlock_rate", "redlock_tasks"])
+def test_leader_scheduler_refuses_a_bad_rate(celery_redis, tmp_path, where):
+    """A bad lock_rate stops beat at start, as it stops a worker: on a task in the
+    schedule, as the redlock_rate default, or in the task's redlock_tasks entry."""
+    beat = BeatProcess(
+        "tests.apps.rated:beat",
+        scheduler=SCHEDULER,
+        redis_url=celery_redis.url,
+        env={"REDLOCK_TEST_RATE_AT": where, "REDLOCK_TEST_RATE": "5/fortnight"},
+        log_dir=tmp_path / "bad",
+    )
+    with pytest.raises(RuntimeError):
+        beat.start(timeout=30)
+    beat.stop()
+    names = "redlock_rate" if where == "redlock_rate" else "task rated.scheduled: lock_rate"
+    form = '"N/s", "N/m" or "N/h"'
+    assert f"{names} must be a rate {form}" in beat.log_text(), beat.log_tail()
+    assert "beat: Starting..." not in beat.log_text()
+
+
 def _project_beats(redis_factory, env, tmp_path, beat_name: str | None = None):
     """Two projects, both ``Celery("beatapp")``, each with its own broker, one lock Redis."""
     locks, broker_a, broker_b = redis_factory(3)

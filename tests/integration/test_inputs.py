@@ -1,14 +1,17 @@
-"""Unclear task inputs are refused when the worker starts, naming the task and the input."""
+"""Unclear task inputs are refused when the worker (or a leader beat) starts, naming the task
+and the input."""
 
 from __future__ import annotations
 
 import pytest
 
 from celery_redlock import ConfigurationError, LockedTask
+from celery_redlock.beat import LeaderScheduler
 from celery_redlock.engine.names import check_key_template
 from tests.apps import configonly_custom
 from tests.apps.locked import create_app
-from tests.harness import InProcessWorker
+from tests.apps.rated import make_rated_app
+from tests.harness import InProcessWorker, close_app
 
 
 def start_fails(app) -> str:
@@ -21,6 +24,75 @@ def start_fails(app) -> str:
         worker.stop()
         app.close()
     return str(info.value)
+
+
+def beat_fails(app, tmp_path) -> str:
+    """Start a LeaderScheduler for ``app`` (as ``celery beat -S`` does); the error."""
+    try:
+        with pytest.raises(ConfigurationError) as info:
+            LeaderScheduler(app=app, schedule_filename=str(tmp_path / "schedule"))
+    finally:
+        close_app(app)
+    return str(info.value)
+
+
+#: Rates that are not "N/s", "N/m" or "N/h" with N >= 1.
+BAD_RATES = ["fast", "0/s", "-3/m", "5/fortnight", 5]
+#: The allowed form, as every refusal of a rate says it.
+RATE_FORM = '"N/s", "N/m" or "N/h"'
+
+
+def rated_app_with(url, where, rate, *, resources=1):
+    """The rated app, with ``rate`` set ``where``; the error's start for it.
+
+    ``where``: ``task`` (``lock_rate`` on a task), ``redlock_rate`` (the default of every
+    locked task), ``redlock_tasks`` (an entry's ``rate``). With ``resources=2`` the task
+    (or the entry) names two resources in its ``lock_key``.
+    """
+    key = "api:{key}" if resources == 1 else ["api:{key}", "file:{out}"]
+    if where == "redlock_tasks":
+        entry = {"rate": rate} if resources == 1 else {"rate": rate, "key": key}
+        app = make_rated_app(url, redlock_tasks={"rated.plain": entry})
+        return app, "task rated.plain: lock_rate"
+    app = make_rated_app(url, **({"redlock_rate": rate} if where == "redlock_rate" else {}))
+    if where == "task":
+
+        @app.task(
+            name="bad.rate", base=LockedTask, bind=True, shared=False, lock_rate=rate, lock_key=key
+        )
+        def bad_rate(self, key, out):
+            return key
+
+        return app, "task bad.rate: lock_rate"
+    return app, "redlock_rate"
+
+
+@pytest.mark.parametrize("starts", ["worker", "beat"])
+@pytest.mark.parametrize("where", ["task", "redlock_rate", "redlock_tasks"])
+@pytest.mark.parametrize("rate", BAD_RATES)
+def test_a_bad_rate_stops_the_worker_and_beat_naming_it(
+    celery_redis, tmp_path, starts, where, rate
+):
+    """A rate a budget cannot use never runs unlimited: the worker, and a LeaderScheduler
+    beat, refuse to start, naming the option (or setting) and the allowed form."""
+    app, names = rated_app_with(celery_redis.url, where, rate)
+    message = start_fails(app) if starts == "worker" else beat_fails(app, tmp_path)
+    assert f"{names} must be a rate {RATE_FORM}" in message, message
+    assert repr(rate) in message
+    if where == "redlock_tasks":
+        assert "(options from redlock_tasks['rated.plain'])" in message
+
+
+@pytest.mark.parametrize("starts", ["worker", "beat"])
+@pytest.mark.parametrize("where", ["task", "redlock_tasks"])
+def test_a_rate_on_a_key_of_several_resources_stops_the_worker_and_beat(
+    celery_redis, tmp_path, starts, where
+):
+    """A budget is for one key: a rate on a lock_key list is refused at start, whoever
+    sets it; the redlock_rate default does not apply to such a task."""
+    app, names = rated_app_with(celery_redis.url, where, "5/s", resources=2)
+    message = start_fails(app) if starts == "worker" else beat_fails(app, tmp_path)
+    assert f"{names}: a rate budget is for one resource; lock_key names 2" in message
 
 
 def test_args_given_as_a_string_is_refused_naming_the_task_and_the_setting(celery_redis):

@@ -16,11 +16,9 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from celery_redlock import LockedTask
 from celery_redlock.policies import DEFERRALS_HEADER
 from tests.apps.rated import make_late_app, make_rated_app
 from tests.harness import close_app, unique_nodename, wait_for
-from tests.integration.test_inputs import start_fails
 
 #: Slack for the gap between a start's admission (node clock) and the body's record of
 #: it (worker clock, a few ms later): the bound checked is N starts per (1 s - SLACK).
@@ -200,42 +198,6 @@ def test_a_plain_task_starts_at_once_during_a_backlog(app, inprocess_worker_fact
     for result in backlog:
         get(result)
     assert max(s for _, k, s, _, _ in runs_of(out) if k == "a") > start, "it was a backlog"
-
-
-@pytest.mark.parametrize("bad", ["fast", "0/s", "-3/m", "5/fortnight", 5])
-def test_a_bad_rate_stops_the_worker_naming_lock_rate(celery_redis, bad):
-    app = make_rated_app(celery_redis.url)
-
-    @app.task(name="bad.rate", base=LockedTask, bind=True, shared=False, lock_rate=bad)
-    def bad_rate(self, key):
-        return key
-
-    message = start_fails(app)
-    assert "task bad.rate: lock_rate must be a rate" in message
-    assert '"N/s", "N/m" or "N/h"' in message
-
-
-def test_a_rate_on_several_resources_stops_the_worker(celery_redis):
-    app = make_rated_app(celery_redis.url)
-
-    @app.task(
-        name="bad.several",
-        base=LockedTask,
-        bind=True,
-        shared=False,
-        lock_rate="5/s",
-        lock_key=["a:{x}", "b:{y}"],
-    )
-    def several(self, x, y):
-        return x
-
-    assert "lock_rate: a rate budget is for one resource" in start_fails(app)
-
-
-def test_a_bad_rate_in_redlock_tasks_names_the_entry(celery_redis):
-    app = make_rated_app(celery_redis.url, redlock_tasks={"rated.plain": {"rate": "10/fortnight"}})
-    message = start_fails(app)
-    assert "lock_rate must be a rate" in message and "redlock_tasks['rated.plain']" in message
 
 
 def test_windows_of_two_keys_are_apart(app, inprocess_worker_factory, tmp_path):
