@@ -56,10 +56,16 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
         raise LockKeyError(task.name, "lock_key", "lock_rate needs one resource, got several")
     keys, nodeset = lock.keys, lock.nodeset
     eager = bool(getattr(task.request, "is_eager", False))
+    # A run on the queue is seen waiting (ls: QUEUED) from its refusal to its start,
+    # both recorded by the admission's own call; an eager run waits in its caller.
+    waiting = None if eager else task.request.id
     while True:
         member = secrets.token_hex(8)
+        # A random share of one slot: runs refused together come back spread out.
+        jitter = random.uniform(0, budget.window / budget.limit)
+        call = rate_calls(keys, budget, member, task_id=waiting, jitter=jitter)
         try:
-            verdict = judge(nodeset.call([rate_calls(keys, budget, member)]), nodeset.quorum)
+            verdict = judge(nodeset.call([call]), nodeset.quorum)
             if not verdict.admitted and any(verdict.undo):
                 nodeset.call(return_calls(keys, member, verdict.undo), per_node=True)
             wait = verdict.wait_or_raise(keys.rate)
@@ -77,8 +83,7 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
             raise
         if not wait:
             return
-        # A random share of one slot: runs refused together come back spread out.
-        countdown = wait + random.uniform(0, budget.window / budget.limit)
+        countdown = wait + jitter
         if metrics.enabled:
             metrics.deferred(task.name, "rate")
         if not eager:

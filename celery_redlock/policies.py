@@ -46,8 +46,11 @@ from celery import Task, states
 from celery.exceptions import Ignore
 
 from . import abort, metrics, reaper
+from .engine.keys import keys_of
 from .engine.lock import Redlock
+from .engine.queued import note_queued
 from .exceptions import LockBusy, LockLost
+from .nodes import NodeSet
 from .options import TaskLockOptions
 
 __all__ = [
@@ -190,9 +193,25 @@ def defer(
     headers: dict[str, Any] = {DEFERRALS_HEADER: deferrals(task.request) + 1}
     # Always set: a copy deferred again by its rate must not keep an old key's wake.
     headers[WAKE_HEADER] = wake
+    if wake is not None:
+        _note_waiting(task, task_id, wake, countdown)
     put_back(task, countdown, headers=headers)
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
+
+
+def _note_waiting(task: Task, task_id: str, key: str, countdown: float) -> None:
+    """Record the copy among the runs waiting on the queue for ``key`` (``ls``: QUEUED).
+
+    A copy refused by its rate budget was recorded by its admission; one put back
+    because ``key`` was busy is recorded here, with one call to the lock nodes,
+    before it is published: its start, which removes the entry, cannot come first.
+    """
+    from .task import app_settings, lock_options  # noqa: PLC0415 (task imports this module)
+
+    urls = app_settings(task.app).node_urls()
+    nodeset = NodeSet.get(urls, timeout=lock_options(task).timing.node_timeout)
+    note_queued(nodeset, keys_of(key), task_id, countdown)
 
 
 def put_back(

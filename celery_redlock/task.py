@@ -43,6 +43,7 @@ from celery.result import EagerResult
 from . import abort, budgets, reaper, unique
 from .engine.lock import Redlock
 from .engine.names import call_lock_name, signature
+from .engine.queued import note_started
 from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
 from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, deferrals, requeues
@@ -296,6 +297,10 @@ class LockedTask(Task):
         if lock is not None and options.rate is not None:
             # Last before the body (and the claim's hand-over): the start logged is its.
             budgets.admit(self, options, settings, lock)
+        elif lock is not None and deferrals(self.request):
+            # A run put back by lock_on_busy="requeue" starts: it waits no more (ls:
+            # QUEUED). Only such runs pay this call; a rated run's admission does it.
+            note_started(lock.nodeset, lock.resources, task_id)
         unique.started(self, options, settings, task_id, args, kwargs)
 
     def apply_async(

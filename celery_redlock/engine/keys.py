@@ -33,6 +33,17 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               :class:`~celery_redlock.RateLimit` window, member ->
                               start time in ms on the node's clock; expires one
                               window after its last start (scripts/rate.lua)
+    redlock:{NAME}:budget     string ``N/WINDOW_MS``: the budget that log is kept
+                              under, written with each admission and expiring
+                              with the log (what ``celery redlock ls`` shows as
+                              used/limit)
+    redlock:{NAME}:queued     sorted set: the runs waiting on the queue for this
+                              key (put back by their budget or by
+                              ``lock_on_busy="requeue"``), task id -> when it is
+                              due, in ms on the node's clock; an entry leaves when
+                              its run starts, and is neither counted nor kept
+                              QUEUED_GRACE after it was due (a run purged or
+                              revoked on the queue); the key expires then too
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all. Redis hashes a key by the text between its first
@@ -65,6 +76,7 @@ __all__ = [
     "FENCE_HORIZON_LEASES",
     "FENCE_HORIZON_MIN",
     "MAX_NAME_LENGTH",
+    "QUEUED_GRACE",
     "SUFFIXES",
     "WRITER_MARK",
     "YIELD_MARK",
@@ -98,6 +110,12 @@ WRITER_MARK = "!writer"
 FENCE_HORIZON_LEASES = 2
 FENCE_HORIZON_MIN = 5.0
 
+#: Seconds a run's entry in ``<lock>:queued`` is still counted after it was due: a
+#: due copy may wait that long in a busy worker before it starts (and its start
+#: removes the entry); past it the run is taken for gone (purged, revoked) and its
+#: entry is dropped. The scripts get it as an argument, the readers use it too.
+QUEUED_GRACE = 60.0
+
 #: The token of a lock *reserved* for other processes: released by a process whose
 #: turn was over while another process waited (:mod:`celery_redlock.engine.handoff`),
 #: refused to that process for a moment (never a token: tokens are hex). The scripts
@@ -120,6 +138,8 @@ class LockKeys(NamedTuple):
     throttle: str
     abandoned: str
     rate: str
+    budget: str
+    queued: str
 
     @property
     def resource(self) -> tuple[str, str, str, str]:
@@ -150,6 +170,11 @@ class LockKeys(NamedTuple):
     def fence_sync(self) -> tuple[str, str, str]:
         """KEYS of ``fence_sync.lua``: the lock, its fence counter, the shares' details."""
         return (self.lock, self.fence, self.holders)
+
+    @property
+    def budget_keys(self) -> tuple[str, str, str]:
+        """KEYS of ``rate.lua`` and ``budget_read.lua``: the log, the budget, the queued runs."""
+        return (self.rate, self.budget, self.queued)
 
     @property
     def inspect(self) -> tuple[str, str]:

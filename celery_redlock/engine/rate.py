@@ -10,7 +10,11 @@
 A budget is a log of the starts of the last window in ``redlock:{NAME}:rate`` (a
 sorted set: member -> start time in ms on the node's clock), kept by one script,
 ``rate.lua``: it drops the starts older than one window, and admits a start (logging
-it) when fewer than N remain, else says how long until the oldest leaves. Exact, not
+it) when fewer than N remain, else says how long until the oldest leaves. Each
+admission also writes the budget itself beside the log (``redlock:{NAME}:budget``,
+``N/WINDOW_MS``, expiring with the log) for ``celery redlock ls`` to show used/limit,
+and a task's run refused is recorded among the runs waiting on the queue for the key
+(``redlock:{NAME}:queued``), all in the same script call. Exact, not
 a token bucket's approximation: in any window of that length (judged on the node's
 clock) at most N starts are admitted, by every process, worker and host together. The
 key expires one window after its last start.
@@ -59,7 +63,7 @@ from redis.exceptions import ResponseError
 from ..exceptions import ConfigurationError, NodeUnavailable
 from ..nodes import Call, NodeSet, Reply
 from ..nodes.aio import AsyncNodeSet
-from .keys import DEFAULT_PREFIX, LockKeys, lock_keys
+from .keys import DEFAULT_PREFIX, QUEUED_GRACE, LockKeys, lock_keys
 from .lock import DEFAULT_URL
 from .scripts import RATE, RATE_RETURN, RateStatus
 from .timing import DEFAULT_NODE_TIMEOUT, MIN_NODE_TIMEOUT, seconds
@@ -141,11 +145,26 @@ class Verdict:
         return self.wait
 
 
-def rate_calls(keys: LockKeys, budget: Budget, member: str, *, peek: bool = False) -> Call:
-    """The ``rate.lua`` call admitting (or, ``peek``, counting) one start of ``keys``."""
-    return Call(
-        RATE, (keys.rate,), (budget.limit, budget.window_ms, member, "peek" if peek else "")
-    )
+def rate_calls(
+    keys: LockKeys,
+    budget: Budget,
+    member: str,
+    *,
+    peek: bool = False,
+    task_id: str | None = None,
+    jitter: float = 0.0,
+) -> Call:
+    """The ``rate.lua`` call admitting (or, ``peek``, counting) one start of ``keys``.
+
+    It records the budget beside the log. With ``task_id`` (a run that goes back on
+    the queue when refused) a refusal also records the run in ``keys.queued``, due
+    at the end of its wait plus ``jitter`` seconds, and an admission removes it: in
+    the same call, so a run pays no round trip for being seen waiting.
+    """
+    args: tuple[object, ...] = (budget.limit, budget.window_ms, member, "peek" if peek else "")
+    if task_id:
+        args += (task_id, round(jitter * 1000), round(QUEUED_GRACE * 1000))
+    return Call(RATE, keys.budget_keys, args)
 
 
 def return_calls(keys: LockKeys, member: str, undo: Sequence[bool]) -> list[list[Call] | None]:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from celery_redlock import Redlock
+from celery_redlock import LockedTask, Redlock
 from celery_redlock.beat import LeaderScheduler
 from celery_redlock.engine.keys import FENCE_HORIZON_LEASES, FENCE_HORIZON_MIN
 from tests.apps.locked import create_app
@@ -179,3 +179,42 @@ def test_a_stopped_leader_beat_leaves_nothing(celery_redis, tmp_path):
         assert time.monotonic() - closed <= 10 * TTL + 2
     finally:
         close_app(app)
+
+
+def test_rated_and_requeued_tasks_leave_nothing(celery_redis, inprocess_worker_factory):
+    """A rate budget (its log, the budget recorded beside it) and the runs queued for a
+    key (by the budget, by lock_on_busy="requeue"): none permanent, all gone after the
+    horizon (the budget with its log, one window after the last start; a queue as its
+    last run starts)."""
+    app = make_app(
+        celery_redis.url, name="memrated", redlock_url=redis_url_with_db(celery_redis.url, 0)
+    )
+    try:
+        common = {"base": LockedTask, "shared": False, "lock_ttl": TTL}
+        rated = app.task(
+            name="memrated.rated", lock_key="r:{key}", lock_rate="2/s", lock_mode="shared", **common
+        )(_key)
+        requeued = app.task(
+            name="memrated.requeued", lock_key="q:{key}", lock_on_busy="requeue", **common
+        )(_key)
+        inprocess_worker_factory(app, pool="threads", concurrency=4)
+        client = celery_redis.client(db=0)
+        holder = Redlock("q:k", nodes=[redis_url_with_db(celery_redis.url, 0)], ttl=30)
+        assert holder.acquire(blocking=False)
+        results = [requeued.delay("k") for _ in range(4)]
+        wait_for(lambda: client.zcard("redlock:{q:k}:queued") == 4, timeout=30)
+        holder.release()
+        results += [rated.delay(f"k{n % 3}") for n in range(12)]
+        for result in results:
+            result.get(timeout=60, disable_sync_subtasks=False)
+        budgets = [client.get(f"redlock:{{r:k{n}}}:budget") for n in range(3)]
+        assert "2/1000" in budgets, "the budget of the last start, recorded"
+        ended = time.monotonic()
+        assert without_ttl(celery_redis) == []
+        assert wait_until_empty(celery_redis, ended) <= HORIZON + 2
+    finally:
+        close_app(app)
+
+
+def _key(key):
+    return key

@@ -31,11 +31,13 @@ __all__ = [
     "ACQUIRE",
     "ACQUIRE_SHARED",
     "BEAT_CLAIM",
+    "BUDGET_READ",
     "CLAIM",
     "CLAIM_START",
     "FAIR_LEAVE",
     "FENCE_SYNC",
     "INSPECT",
+    "NOTE_QUEUED",
     "RATE",
     "RATE_RETURN",
     "RELEASE",
@@ -221,5 +223,7 @@ CLAIM = Script("claim", status=ClaimStatus)
 UNCLAIM = Script("unclaim", status=UnclaimStatus)
 CLAIM_START = Script("claim_start")
 THROTTLE = Script("throttle")
-RATE = Script("rate", status=RateStatus)
+RATE = Script("rate", status=RateStatus, libraries=("queued",))
 RATE_RETURN = Script("rate_return")
+NOTE_QUEUED = Script("note_queued", libraries=("queued",))
+BUDGET_READ = Script("budget_read")

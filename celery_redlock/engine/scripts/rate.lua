@@ -2,10 +2,17 @@
 -- (lock_rate, RateLimit), judged on this node's clock. A log of the starts, exact.
 --
 -- KEYS[1]  the key's starts (sorted set: member -> start time in ms, node clock)
+-- KEYS[2]  the budget (string 'N/WINDOW_MS'); optional
+-- KEYS[3]  the runs waiting on the queue for the key (sorted set: task id -> due
+--          time in ms, node clock; the library queued.lua); optional
 -- ARGV[1]  N, the starts allowed per window (integer, 1 to 1000000)
 -- ARGV[2]  the window in milliseconds (positive integer, at most 30 days)
 -- ARGV[3]  this start's member (unique per admission: a token)
 -- ARGV[4]  '' to admit; 'peek' to only count (writes nothing but the trim)
+-- ARGV[5]  the task id of the run asking ('' or absent: none, e.g. a RateLimit)
+-- ARGV[6]  with a task id: ms after the wait when the refused run is due again
+--          (the random share of a slot it is put back with)
+-- ARGV[7]  with a task id: the grace in ms (keys.QUEUED_GRACE) of KEYS[3]'s entries
 --
 -- Returns  {1, used, 0}        admitted: the start is logged; used counts it
 --          {0, used, wait_ms}  N starts in the last window: the oldest leaves it
@@ -15,6 +22,16 @@
 -- A member logged already (the same admission sent again) is admitted again without a
 -- second entry. The key expires one window after its last start: nothing of it
 -- outlives its last use by more than one window.
+--
+-- The budget is written with each admission, in this call (no round trip of its own),
+-- so that `celery redlock ls` can show used/limit: a node keeps only the log, which
+-- does not say N or the window. It is a string key beside the log, expiring with it
+-- (the same PX, set at the same moment), rather than a reserved member of the log: a
+-- member would count in ZCARD and take a rank, so every reader of the log (this
+-- script, rate_return, an older version's rate.lua during an upgrade) would have to
+-- skip it, and one that did not would admit N - 1 or miscount the oldest start. Beside
+-- it, the log stays exactly the starts. A refused run with a task id is recorded in
+-- KEYS[3] as due at the end of its wait (plus ARGV[6]); an admitted one leaves it.
 local limit = tonumber(ARGV[1])
 if not limit or limit < 1 or limit > 1000000 or limit ~= math.floor(limit) then
     return redis.error_reply('ERR celery_redlock rate: N must be an integer from 1 to 1000000')
@@ -26,6 +43,14 @@ end
 if ARGV[3] == nil or ARGV[3] == '' then
     return redis.error_reply('ERR celery_redlock rate: empty member')
 end
+local task_id = KEYS[3] and ARGV[5] ~= '' and ARGV[5] or nil
+local jitter, grace = 0, nil
+if task_id then
+    jitter, grace = tonumber(ARGV[6]), grace_ms(ARGV[7])
+    if not jitter or jitter < 0 or jitter ~= math.floor(jitter) or not grace then
+        return redis.error_reply('ERR celery_redlock rate: a task id needs a whole jitter >= 0 and a grace > 0 in ms')
+    end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
@@ -35,6 +60,12 @@ local function wait_ms()
     local oldest = redis.call('ZRANGE', KEYS[1], used - limit, used - limit, 'WITHSCORES')
     return math.max(1, tonumber(oldest[2]) + window - now)
 end
+local function starts()
+    -- The run starts: it no longer waits on the queue.
+    if task_id then
+        redis.call('ZREM', KEYS[3], task_id)
+    end
+end
 if ARGV[4] == 'peek' then
     if used < limit then
         return {2, used, 0}
@@ -42,11 +73,20 @@ if ARGV[4] == 'peek' then
     return {2, used, wait_ms()}
 end
 if redis.call('ZSCORE', KEYS[1], ARGV[3]) then
+    starts()
     return {1, used, 0}
 end
 if used >= limit then
-    return {0, used, wait_ms()}
+    local wait = wait_ms()
+    if task_id then
+        queue_run(KEYS[3], task_id, now + wait + jitter, now, grace)
+    end
+    return {0, used, wait}
 end
 redis.call('ZADD', KEYS[1], now, ARGV[3])
 redis.call('PEXPIRE', KEYS[1], window)
+if KEYS[2] then
+    redis.call('SET', KEYS[2], string.format('%d/%d', limit, window), 'PX', window)
+end
+starts()
 return {1, used + 1, 0}

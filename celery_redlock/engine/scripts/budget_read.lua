@@ -1,0 +1,39 @@
+-- budget_read: what a key's rate budget and its queue look like now, for
+-- `celery redlock ls`, `inspect` and `doctor`. Reads only: writes nothing, not even
+-- the trim rate.lua does (entries past the window or the grace are not counted).
+--
+-- KEYS[1]  the key's starts (sorted set, see rate.lua)
+-- KEYS[2]  the budget (string 'N/WINDOW_MS', written by rate.lua)
+-- KEYS[3]  the runs waiting on the queue for the key (sorted set, see queued.lua)
+-- ARGV[1]  the grace in ms (keys.QUEUED_GRACE) after which a run due is not counted
+--
+-- Returns  {budget, used, wait_ms, queued}
+--          budget  'N/WINDOW_MS', or '' when none is recorded (no start for one
+--                  window, or logged by a version that did not record it)
+--          used    starts in the current window (without a budget: in the log)
+--          wait_ms until a start would be admitted (0: now; -1 without a budget)
+--          queued  runs waiting on the queue, due at most the grace ago
+local grace = tonumber(ARGV[1])
+if not grace or grace <= 0 then
+    return redis.error_reply('ERR celery_redlock budget_read: grace must be positive ms')
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local queued = redis.call('ZCOUNT', KEYS[3], now - grace, '+inf')
+local budget = redis.call('GET', KEYS[2])
+if not budget then
+    return {'', redis.call('ZCARD', KEYS[1]), -1, queued}
+end
+local limit, window = string.match(budget, '^(%d+)/(%d+)$')
+limit, window = tonumber(limit), tonumber(window)
+if not limit then
+    return {'', redis.call('ZCARD', KEYS[1]), -1, queued}
+end
+local since = string.format('(%d', now - window)
+local used = redis.call('ZCOUNT', KEYS[1], since, '+inf')
+local wait = 0
+if used >= limit then
+    local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], since, '+inf', 'WITHSCORES', 'LIMIT', used - limit, 1)
+    wait = math.max(1, tonumber(oldest[2]) + window - now)
+end
+return {budget, used, wait, queued}
