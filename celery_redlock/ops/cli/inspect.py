@@ -1,4 +1,4 @@
-"""``celery redlock inspect KEY``: one lock's fields, PTTL and fence counter on every node."""
+"""``celery redlock inspect KEY``: one lock's fields, PTTL, fence counter and budget."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand
 
+from ..budgets import read_budgets
 from ..inventory import read_locks
 from .base import check_quorum, common_options, lock_key, open_session
-from .output import duration, echo_json, holder
+from .output import budget_used, duration, echo_json, holder
 
 __all__ = ["inspect"]
 
@@ -24,15 +25,22 @@ def inspect(
 ) -> None:
     """Show every field of one lock on every node, its PTTL and fence counter.
 
-    KEY is the lock's key (redlock:{NAME}) or its name.
+    KEY is the lock's key (redlock:{NAME}) or its name. A key with a rate budget, or
+    with runs waiting on the queue for it, also shows the starts used in the window,
+    the next free slot and the runs queued.
     """
     session = open_session(ctx, node_timeout)
     try:
         key = lock_key(session, key)
         (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
+        (budget,), budget_errors = read_budgets(
+            session.nodeset, [key], session.prefix, timeout=node_timeout
+        )
     finally:
         session.close()
     errors = {v.node: v.error for v in lock.views if v.error is not None}
+    for node, error in budget_errors.items():
+        errors.setdefault(node, error)
     code = check_quorum(ctx, session.nodeset, errors)
     now = time.time()
     # What the nodes that did not answer hold is unknown: "not held" and "no quorum"
@@ -56,6 +64,7 @@ def inspect(
                 "quorum": quorum,
                 "quorum_size": lock.quorum_size,
                 "holder": summary,
+                "budget": budget.as_dict() if budget.seen else None,
                 "nodes": [view.as_dict() for view in lock.views],
             },
         )
@@ -76,6 +85,13 @@ def inspect(
         ctx.obj.echo(f"unknown: too few of the {len(lock.views)} node(s) answered to tell")
     else:
         ctx.obj.echo("not held on any node that answered")
+    if budget.seen and budget.budget is None:
+        ctx.obj.echo(f"no rate budget recorded, queued {budget.queued}")
+    elif budget.seen:
+        ctx.obj.echo(
+            f"budget {budget_used(budget)}, next free slot in {duration(budget.next_free)}, "
+            f"queued {budget.queued}"
+        )
     for view in lock.views:
         ctx.obj.echo("")
         ctx.obj.echo(ctx.obj.style(view.node, bold=True))

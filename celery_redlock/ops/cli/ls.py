@@ -11,12 +11,13 @@ from celery.bin.base import CeleryCommand, CeleryOption
 from celery.platforms import EX_UNAVAILABLE
 
 from ...nodes import NodeSet
+from ..budgets import BudgetView, held_budgets
 from ..claims import ClaimView, held_claims
 from ..inventory import LockView, held_locks
 from ..shares import ShareView, held_shares
 from ..workers import STALE, UNKNOWN, Workers, ask_workers, classify
 from .base import check_quorum, common_options, no_worker_error, open_session
-from .output import duration, echo_json, holder, table, warn
+from .output import budget_used, duration, echo_json, holder, table, warn
 
 __all__ = ["ls"]
 
@@ -53,15 +54,19 @@ def ls(
 
     Shares (``lock_mode="shared"``, ``lock_limit``) are listed after the exclusive
     locks, then the send-time claims of ``lock_unique`` tasks (QUEUED KEY: the copy
-    sent and not yet started, or not yet finished); ``--stale`` applies to exclusive
-    locks only (a share ends by itself within one TTL of its holder's death, a claim
-    when its copy starts or within ``lock_unique_ttl``).
+    sent and not yet started, or not yet finished), then the rate budgets and the
+    runs waiting on the queue for a key (BUDGET KEY: starts used of the budget in its
+    window, the next free slot, runs queued); ``--stale`` applies to exclusive locks
+    only (a share ends by itself within one TTL of its holder's death, a claim when
+    its copy starts or within ``lock_unique_ttl``), and budgets, which no task holds,
+    are left out with ``--task`` or ``--stale``.
     """
     session = open_session(ctx, node_timeout)
     try:
         locks, errors = held_locks(session.nodeset, session.prefix, task, timeout=node_timeout)
         shares: list[ShareView] = []
         claims: list[ClaimView] = []
+        budgets: list[BudgetView] = []
         if not stale:
             shares, share_errors = held_shares(
                 session.nodeset, session.prefix, task, timeout=node_timeout
@@ -69,7 +74,12 @@ def ls(
             claims, claim_errors = held_claims(
                 session.nodeset, session.prefix, task, timeout=node_timeout
             )
-            for node, error in {**claim_errors, **share_errors}.items():
+            budget_errors: dict[str, str] = {}
+            if task is None:
+                budgets, budget_errors = held_budgets(
+                    session.nodeset, session.prefix, timeout=node_timeout
+                )
+            for node, error in {**budget_errors, **claim_errors, **share_errors}.items():
                 errors.setdefault(node, error)
     finally:
         session.close()
@@ -102,17 +112,19 @@ def ls(
                 "locks": _lock_items(locks, now, states) if complete else None,
                 "shares": [share.as_dict(now) for share in shares] if complete else None,
                 "claims": [claim.as_dict(now) for claim in claims] if complete else None,
+                "budgets": [budget.as_dict() for budget in budgets] if complete else None,
                 "unknown": _lock_items(unknown, now, states) if stale else None,
                 "workers": None if not stale else (workers.as_dict() if workers else None),
             },
         )
-    elif locks or shares or claims:
+    elif locks or shares or claims or budgets:
         tables = [
             table(rows)
             for rows, present in (
                 (_lock_rows(locks, now, states), locks),
                 (_share_rows(shares, now), shares),
                 (_claim_rows(claims, now), claims),
+                (_budget_rows(budgets), budgets),
             )
             if present
         ]
@@ -187,6 +199,15 @@ def _claim_rows(claims: Sequence[ClaimView], now: float) -> list[list[str]]:
             duration(claim.ttl),
         ]
         rows.append(row + ([f"{claim.held_on}/{claim.nodes}"] if redlock else []))
+    return rows
+
+
+def _budget_rows(budgets: Sequence[BudgetView]) -> list[list[str]]:
+    rows = [["BUDGET KEY", "USED", "NEXT FREE", "QUEUED"]]
+    for budget in budgets:
+        rows.append(
+            [budget.key, budget_used(budget), duration(budget.next_free), str(budget.queued)]
+        )
     return rows
 
 

@@ -8,9 +8,11 @@ from typing import Any
 
 import click
 
+from ...engine.rate import UNITS
+from ..budgets import BudgetView
 from ..inventory import LockView
 
-__all__ = ["duration", "echo_json", "holder", "table", "warn"]
+__all__ = ["budget_used", "duration", "echo_json", "holder", "table", "warn"]
 
 
 def echo_json(ctx: click.Context, data: Any) -> None:
@@ -55,3 +57,12 @@ def holder(lock: LockView) -> str:
     """The holder's ``host:pid`` (``?`` for what the lock does not record)."""
     host, pid = lock.fields.get("host") or "?", lock.fields.get("pid") or "?"
     return f"{host}:{pid}"
+
+
+def budget_used(view: BudgetView) -> str:
+    """A budget's use as ``ls`` and ``inspect`` print it: ``3/5 per 1s`` (``-``: none)."""
+    budget = view.budget
+    if budget is None:
+        return "-"
+    unit = next((f"1{u}" for u, s in UNITS.items() if s == budget.window), None)
+    return f"{view.used}/{budget.limit} per {unit or duration(budget.window)}"

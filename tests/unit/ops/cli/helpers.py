@@ -1,4 +1,5 @@
-"""Helpers for the ``celery redlock`` tests: locks taken here, and the ``ls`` table parsed.
+"""Helpers for the ``celery redlock`` tests: locks and budgets taken here, the ``ls`` table
+parsed.
 
 The ``cli`` fixture that runs the commands is in ``tests/unit/conftest.py`` (the node
 tests use it too).
@@ -10,7 +11,9 @@ import os
 import socket
 from typing import Any
 
-from celery_redlock import Redlock
+from celery_redlock import RateLimit, Redlock
+from celery_redlock.engine.rate import judge, rate_calls
+from celery_redlock.nodes import NodeSet
 
 HOST = socket.gethostname()
 HOLDER = f"{HOST}:{os.getpid()}"
@@ -39,3 +42,18 @@ def rows(output: str) -> dict[str, dict[str, str]]:
         ]
         table[cells[0]] = dict(zip([n.strip() for n in names], cells, strict=True))
     return table
+
+
+def backlog_on(url: str, name: str = "api:acme", rate: str = "2/m", queued: int = 3) -> None:
+    """``name``'s budget on the server at ``url`` used up, and ``queued`` runs refused by it
+    (task ids ``run-0``...: each waits on the queue, recorded by its admission)."""
+    limit = RateLimit(name, rate=rate, nodes=[url])
+    while limit.try_acquire() == 0.0:  # until the budget is used up
+        pass
+    nodeset = NodeSet([url], timeout=1.0)
+    try:
+        for n in range(queued):
+            call = rate_calls(limit.keys, limit.budget, f"m{n}", task_id=f"run-{n}", jitter=0.1)
+            assert not judge(nodeset.call([call]), 1).admitted
+    finally:
+        nodeset.close()

@@ -55,10 +55,11 @@ def test_ls_json_has_stable_keys_and_values(redis_node, cli):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert set(data) == {
-        "nodes", "quorum", "complete", "locks", "shares", "claims", "unknown", "workers"
+        "nodes", "quorum", "complete", "locks", "shares", "claims", "budgets", "unknown",
+        "workers",
     }  # fmt: skip
     assert data["complete"] is True and data["unknown"] is None
-    assert data["shares"] == [] and data["claims"] == []
+    assert data["shares"] == [] and data["claims"] == [] and data["budgets"] == []
     assert data["nodes"] == [{"node": redis_node.url, "ok": True, "error": None}]
     assert data["quorum"] == 1
     assert data["workers"] is None
