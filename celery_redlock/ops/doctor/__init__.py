@@ -55,6 +55,13 @@ beat-leader-unknown    warn    it is held by something else than a beat of this
 beat-leader-legacy     warn    the leader lock name of older versions
                                (``beat:<main>``) is held: an older beat of this
                                project, or of another project of that name
+budget-backlog         warn    the runs waiting on the queue for a key's rate
+                               budget take longer to start (queued / N x
+                               window) than the shortest ``lock_unique_ttl`` of
+                               a rated unique task, or a copy put back waits
+                               in a worker (one window and one slot) longer
+                               than the broker's ``visibility_timeout`` (Redis,
+                               SQS)
 ====================== ======= ===============================================
 
 Exit status of the command (:func:`exit_code`): 0 without error findings; 1 with
@@ -68,11 +75,13 @@ from typing import Any
 
 from ...exceptions import ConfigurationError
 from .checks import (
+    check_backlog,
     check_beat_leader,
     check_beat_leaders,
     check_independent,
     check_node_count,
     evaluate,
+    unique_claim_limit,
 )
 from .checks_nodes import (
     check_clock,
@@ -86,8 +95,23 @@ from .checks_nodes import (
     durable,
 )
 from .checks_settings import check_settings, invalid_settings, leases
-from .collect import beat_leader, collect, probe_nodes, task_locking
-from .facts import BeatLeaderFacts, LeaderLock, LeaseInUse, NodeFacts, TaskLocking, parse_info
+from .collect import (
+    backlogs,
+    beat_leader,
+    broker_visibility,
+    collect,
+    probe_nodes,
+    task_locking,
+)
+from .facts import (
+    Backlog,
+    BeatLeaderFacts,
+    LeaderLock,
+    LeaseInUse,
+    NodeFacts,
+    TaskLocking,
+    parse_info,
+)
 from .report import ERROR, LEVELS, OK, WARN, Finding, Report, exit_code
 
 __all__ = [
@@ -95,6 +119,7 @@ __all__ = [
     "LEVELS",
     "OK",
     "WARN",
+    "Backlog",
     "BeatLeaderFacts",
     "Finding",
     "LeaderLock",
@@ -102,7 +127,10 @@ __all__ = [
     "NodeFacts",
     "Report",
     "TaskLocking",
+    "backlogs",
     "beat_leader",
+    "broker_visibility",
+    "check_backlog",
     "check_beat_leader",
     "check_beat_leaders",
     "check_clock",
@@ -126,6 +154,7 @@ __all__ = [
     "parse_info",
     "probe_nodes",
     "task_locking",
+    "unique_claim_limit",
 ]
 
 
@@ -139,4 +168,9 @@ def diagnose(app: Any, *, timeout: float = 1.0) -> Report:
     except ConfigurationError as exc:
         return Report([invalid_settings(str(exc))], [])
     beat = beat_leader(app, settings, timeout=timeout)
-    return Report(evaluate(settings, facts, tasks, unmatched, beat=beat), facts)
+    queued = backlogs(settings, timeout=timeout)
+    visibility = broker_visibility(app)
+    findings = evaluate(
+        settings, facts, tasks, unmatched, beat=beat, backlogs=queued, visibility=visibility
+    )
+    return Report(findings, facts)

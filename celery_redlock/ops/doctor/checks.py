@@ -25,15 +25,17 @@ from .checks_nodes import (
     check_uptime,
 )
 from .checks_settings import check_settings, leases
-from .facts import BeatLeaderFacts, NodeFacts, TaskLocking
+from .facts import Backlog, BeatLeaderFacts, LeaseInUse, NodeFacts, TaskLocking
 from .report import ERROR, OK, WARN, Finding
 
 __all__ = [
+    "check_backlog",
     "check_beat_leader",
     "check_beat_leaders",
     "check_independent",
     "check_node_count",
     "evaluate",
+    "unique_claim_limit",
 ]
 
 # -- message templates: problem, consequence, fix ----------------------------------
@@ -105,12 +107,15 @@ def evaluate(
     tasks: Sequence[TaskLocking] = (),
     unmatched: Sequence[str] = (),
     beat: BeatLeaderFacts | None = None,
+    backlogs: Sequence[Backlog] = (),
+    visibility: LeaseInUse | None = None,
 ) -> list[Finding]:
     """Run every check over the gathered facts.
 
     The setup's findings (node count, independence, settings) come first, then each
     node's, in the order of the configured nodes, then the beat leader's (``beat``,
-    when it was looked up).
+    when it was looked up), then the keys whose queued runs drain too slowly
+    (``backlogs``, against the tasks' claims and the broker's ``visibility``).
     """
     # The masters of one Redis Cluster are one lock node (one vote) between them.
     lock_nodes = len({n.lock_node or n.node for n in facts})
@@ -151,7 +156,68 @@ def evaluate(
         findings += [f for f in optional if f is not None]
     if beat is not None:
         findings += check_beat_leaders(beat)
+    claims = unique_claim_limit(tasks)
+    for backlog in backlogs:
+        finding = check_backlog(backlog, claims, visibility)
+        if finding is not None:
+            findings.append(finding)
     return findings
+
+
+BACKLOG_MESSAGE = "{key}: {queued} run(s) wait on the queue for a budget of {rate}. {parts}"
+#: Each limit a backlog can outlast: what is measured against it, and what follows.
+BACKLOG_PARTS = {
+    "claim": "They take {value:g}s to start at the earliest (queued / N x window), longer "
+    "than {limit}: the send-time claims of its lock_unique tasks expire before their "
+    "copies start, so a duplicate of a queued copy can be sent meanwhile. Fix: allow "
+    "more starts (lock_rate), send fewer runs of the key at once, or raise "
+    "lock_unique_ttl above the drain time.",
+    "visibility": "A worker holds each copy put back until it is due, up to one window "
+    "and one slot ({value:g}s), longer than {limit}: the broker delivers such a copy "
+    "again, to another worker, and the run may start twice. Fix: raise the "
+    "visibility_timeout above {value:g}s, or use a shorter window (N/m rather than N/h).",
+}
+
+
+def unique_claim_limit(tasks: Sequence[TaskLocking]) -> LeaseInUse | None:
+    """How long the shortest send-time claim of a rated ``lock_unique`` task lasts.
+
+    A copy of such a task waits on the queue for its budget while its claim keeps the
+    other copies out; None when no task has both (their claims are not at stake).
+    """
+    claims = [
+        LeaseInUse(f"lock_unique_ttl of task {t.name}", t.unique_ttl)
+        for t in tasks
+        if t.rate and t.unique and t.unique_ttl is not None
+    ]
+    return min(claims, key=lambda claim: claim.ttl) if claims else None
+
+
+def check_backlog(
+    backlog: Backlog, claims: LeaseInUse | None, visibility: LeaseInUse | None
+) -> Finding | None:
+    """Warn when a key's queued runs outlast a send-time claim or the broker's patience.
+
+    Two limits, two measures: ``claims`` (the shortest ``lock_unique_ttl`` of a rated
+    unique task, :func:`unique_claim_limit`) against ``backlog.drain``, the time the
+    budget takes to start every queued run, over as many deferrals as it takes; and
+    ``visibility`` (the broker's visibility timeout) against ``backlog.held``, the
+    longest one copy waits in a worker before it is due (each deferral is a new copy,
+    put back until the next free slot). None when both fit.
+    """
+    measured = {"claim": (claims, backlog.drain), "visibility": (visibility, backlog.held)}
+    parts = [
+        BACKLOG_PARTS[kind].format(value=round(value, 1), limit=f"{limit.source} ({limit.ttl:g}s)")
+        for kind, (limit, value) in measured.items()
+        if limit is not None and value > limit.ttl
+    ]
+    if not parts:
+        return None
+    rate = f"{backlog.limit} per {backlog.window:g}s"
+    message = BACKLOG_MESSAGE.format(
+        key=backlog.key, queued=backlog.queued, rate=rate, parts=" ".join(parts)
+    )
+    return Finding(WARN, "budget-backlog", message)
 
 
 PERMANENT_MESSAGE = (

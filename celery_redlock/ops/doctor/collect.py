@@ -20,11 +20,14 @@ from ...engine.keys import lock_keys
 from ...exceptions import ConfigurationError
 from ...nodes import Call, NodeSet, Server, fan_out
 from ...settings import Settings, from_conf
+from ..budgets import held_budgets
 from .facts import (
     CONFIG_PARAMETERS,
     INFO_SECTIONS,
+    Backlog,
     BeatLeaderFacts,
     LeaderLock,
+    LeaseInUse,
     NodeFacts,
     TaskLocking,
     node_facts,
@@ -33,7 +36,9 @@ from .facts import (
 
 __all__ = [
     "CLOCK_SAMPLES",
+    "backlogs",
     "beat_leader",
+    "broker_visibility",
     "collect",
     "probe_nodes",
     "task_locking",
@@ -106,6 +111,9 @@ def task_locking(app: Any, settings: Settings) -> tuple[list[TaskLocking], list[
                 time_limit=getattr(task, "time_limit", None) or conf.get("task_time_limit"),
                 soft_time_limit=getattr(task, "soft_time_limit", None)
                 or conf.get("task_soft_time_limit"),
+                rate=None if options.rate is None else str(options.rate),
+                unique=options.unique,
+                unique_ttl=options.unique_ttl,
             )
         )
     unmatched = [p for p in patterns if p not in matched]
@@ -261,3 +269,52 @@ def beat_leader(app: Any, settings: Settings, *, timeout: float) -> BeatLeaderFa
         for i, (key, found) in enumerate(zip(keys, holders, strict=True))
     )
     return BeatLeaderFacts(broker, tuple(locks))
+
+
+def backlogs(settings: Settings, *, timeout: float) -> list[Backlog]:
+    """The keys with a rate budget and runs waiting on the queue for it (SCAN, never KEYS).
+
+    A node that does not answer adds nothing: its ``node-unreachable`` finding says so.
+    """
+    nodeset = NodeSet(settings.node_urls(), timeout=timeout)
+    try:
+        views, _ = held_budgets(nodeset, settings.key_prefix, timeout=timeout)
+    finally:
+        nodeset.close()
+    return [
+        Backlog(view.key, view.queued, budget.limit, budget.window)
+        for view in views
+        if (budget := view.budget) is not None and view.queued
+    ]
+
+
+#: Seconds kombu's transports give a delivered message before another consumer gets it
+#: (``visibility_timeout``), for the brokers that have one, by transport alias.
+VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "sqs": 1800.0}
+
+
+def broker_visibility(app: Any) -> LeaseInUse | None:
+    """How long the broker lets a worker hold a message unacknowledged (None: no limit).
+
+    A worker holds a copy put back with a countdown until it is due; past the
+    broker's visibility timeout (Redis and SQS transports) the broker delivers it again.
+    """
+    conf = app.conf
+    # Read from the URL, as kombu picks the transport: building a connection would
+    # import the transport (SQS needs boto3, which doctor's host may lack).
+    url = conf.get("broker_write_url") or conf.get("broker_url") or ""
+    first = (url if isinstance(url, str) else next(iter(url), "")).split(";")[0]
+    scheme = first.split("://")[0] if "://" in first else conf.get("broker_transport")
+    transport = str(scheme or "amqp").split("+")[0].lower()
+    default = VISIBILITY_DEFAULTS.get(transport)
+    if default is None:
+        return None
+    options = conf.get("broker_transport_options") or {}
+    given = options.get("visibility_timeout") if isinstance(options, dict) else None
+    try:
+        seconds = float(given) if given is not None else default
+    except (TypeError, ValueError):
+        return None
+    if given is None:
+        return LeaseInUse(f"the {transport} broker's default visibility_timeout", seconds)
+    return LeaseInUse("broker_transport_options['visibility_timeout']", seconds)

@@ -16,6 +16,7 @@ from ...nodes import Reply
 __all__ = [
     "CONFIG_PARAMETERS",
     "INFO_SECTIONS",
+    "Backlog",
     "BeatLeaderFacts",
     "LeaderLock",
     "LeaseInUse",
@@ -118,6 +119,37 @@ class TaskLocking:
     time_limit: float | None = None
     soft_time_limit: float | None = None
     error: str | None = None
+    rate: str | None = None  #: ``lock_rate``, as written (``"5/s"``)
+    unique: str | None = None
+    unique_ttl: float | None = None
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Runs waiting on the queue for a key with a rate budget, and that budget.
+
+    ``queued`` runs at ``limit`` starts per ``window`` seconds take ``drain`` seconds
+    to start, at the earliest; each copy put back waits at most ``held`` seconds.
+    """
+
+    key: str
+    queued: int
+    limit: int
+    window: float
+
+    @property
+    def drain(self) -> float:
+        """Seconds until the budget has started every queued run."""
+        return self.queued / self.limit * self.window
+
+    @property
+    def held(self) -> float:
+        """Longest one copy put back waits until it is due: one window and one slot.
+
+        A refused run goes back until the oldest start of the window leaves it (at
+        most one window), plus a random share of one slot (window / N).
+        """
+        return self.window + self.window / self.limit
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,22 @@ from __future__ import annotations
 import pytest
 
 from celery_redlock.ops.doctor.checks import (
+    check_backlog,
     check_beat_leader,
     check_beat_leaders,
     check_independent,
     check_node_count,
     evaluate,
+    unique_claim_limit,
 )
-from celery_redlock.ops.doctor.facts import BeatLeaderFacts, LeaderLock, NodeFacts
+from celery_redlock.ops.doctor.facts import (
+    Backlog,
+    BeatLeaderFacts,
+    LeaderLock,
+    LeaseInUse,
+    NodeFacts,
+    TaskLocking,
+)
 from celery_redlock.ops.doctor.report import ERROR, OK, WARN, exit_code
 from tests.unit.ops.doctor.crafted import NODE, codes, healthy, settings
 
@@ -110,3 +119,72 @@ def test_beat_leader_facts_are_checked_last_and_an_unread_broker_warns():
     (unread,) = check_beat_leaders(BeatLeaderFacts(error="cannot read the broker URL"))
     assert (unread.level, unread.code) == (WARN, "beat-leader-unknown")
     assert unread.message == "beat leader lock not checked: cannot read the broker URL"
+
+
+# -- backlogs of rate budgets --------------------------------------------------------
+
+
+def test_a_backlog_that_outlasts_a_claim_or_the_broker_warns_naming_each():
+    """300 runs at 5 per minute take 3600 s to start: past a 600 s claim (a duplicate
+    can be sent), while each copy waits at most 72 s in a worker (one window and one
+    slot), within the broker's 1800 s. An hourly budget holds a copy up to 3960 s:
+    past the broker's timeout whatever the backlog. The warning names the key, the
+    backlog, the time measured, the limit and the fix; 10 runs a minute fit both."""
+    claims = LeaseInUse("lock_unique_ttl of task proj.sync", 600.0)
+    visibility = LeaseInUse("broker_transport_options['visibility_timeout']", 1800.0)
+    slow = Backlog("redlock:{api:acme}", queued=300, limit=5, window=60.0)
+
+    finding = check_backlog(slow, claims, visibility)
+
+    assert finding is not None and (finding.level, finding.code) == (WARN, "budget-backlog")
+    message = finding.message
+    for part in (
+        "redlock:{api:acme}: 300 run(s) wait on the queue for a budget of 5 per 60s",
+        "They take 3600s to start",
+        "lock_unique_ttl of task proj.sync (600s)",
+        "a duplicate of a queued copy can be sent",
+        "raise lock_unique_ttl above the drain time",
+    ):
+        assert part in message, part
+    assert "visibility" not in message, "72 s in a worker is within 1800 s"
+    assert check_backlog(slow, None, visibility) is None
+
+    hourly = Backlog("redlock:{api:acme}", queued=2, limit=10, window=3600.0)
+    finding = check_backlog(hourly, claims, LeaseInUse("the redis broker's default", 3600.0))
+    assert finding is not None
+    for part in (
+        "They take 720s",
+        "up to one window and one slot (3960s), longer than the redis broker's default (3600s)",
+        "the run may start twice",
+        "raise the visibility_timeout above 3960s",
+    ):
+        assert part in finding.message, part
+    fast = Backlog("redlock:{api:acme}", queued=10, limit=5, window=60.0)
+    assert check_backlog(fast, claims, visibility) is None
+    assert check_backlog(slow, None, None) is None
+
+
+def test_the_claim_at_stake_is_the_shortest_of_a_rated_unique_task():
+    """Only a task with both lock_rate and lock_unique waits on the queue with a claim."""
+    tasks = [
+        TaskLocking("proj.a", "task proj.a", rate="5/s", unique="until_started", unique_ttl=900),
+        TaskLocking("proj.b", "task proj.b", rate="5/s", unique="until_finished", unique_ttl=300),
+        TaskLocking("proj.c", "task proj.c", unique="until_started", unique_ttl=10),
+        TaskLocking("proj.d", "task proj.d", rate="5/s", unique_ttl=5),
+    ]
+    assert unique_claim_limit(tasks) == LeaseInUse("lock_unique_ttl of task proj.b", 300)
+    assert unique_claim_limit(tasks[2:]) is None
+
+
+def test_evaluate_reports_each_slow_backlog_after_the_rest():
+    tasks = [
+        TaskLocking("proj.a", "task proj.a", rate="1/s", unique="until_started", unique_ttl=60)
+    ]
+    backlogs = [
+        Backlog("redlock:{a}", queued=100, limit=1, window=1.0),
+        Backlog("redlock:{b}", queued=10, limit=1, window=1.0),
+    ]
+    findings = evaluate(settings(), [healthy(NODE, "r1")], tasks, backlogs=backlogs)
+    assert findings[-1].code == "budget-backlog" and "redlock:{a}" in findings[-1].message
+    assert [f.code for f in findings].count("budget-backlog") == 1
+    assert exit_code(findings) == 0, "a warning"

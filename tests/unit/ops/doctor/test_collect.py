@@ -9,12 +9,22 @@ import celery
 import pytest
 
 from celery_redlock import ConfigurationError, LockedTask
+from celery_redlock.engine.keys import lock_keys
+from celery_redlock.engine.queued import note_queued
+from celery_redlock.nodes import NodeSet
 from celery_redlock.ops.doctor.checks import check_permanent_keys
 from celery_redlock.ops.doctor.checks_nodes import check_clock
 from celery_redlock.ops.doctor.checks_settings import check_settings
-from celery_redlock.ops.doctor.collect import probe_nodes, task_locking
+from celery_redlock.ops.doctor.collect import (
+    backlogs,
+    broker_visibility,
+    probe_nodes,
+    task_locking,
+)
+from celery_redlock.ops.doctor.facts import Backlog
 from celery_redlock.ops.doctor.report import ERROR, WARN
 from celery_redlock.settings import from_conf
+from tests.unit.ops.cli.helpers import backlog_on
 from tests.unit.ops.doctor.crafted import NODE, codes
 
 # -- tasks -------------------------------------------------------------------------
@@ -146,3 +156,60 @@ def test_doctor_finds_the_keys_of_the_prefix_that_never_expire(redis_node):
     client.delete("redlock:{old:1}:fence", "redlock:{old:2}:fence")
     (facts,) = probe_nodes([redis_node.url], timeout=2.0, prefix="redlock:")
     assert facts.permanent_count == 0 and check_permanent_keys(facts, "redlock:") is None
+
+
+# -- budgets -----------------------------------------------------------------------
+
+
+def test_doctor_collects_rated_unique_tasks_and_the_backlogs_of_budgets(redis_node):
+    """The tasks' lock_rate and lock_unique (with the claim's ttl) are read; a key with
+    a budget and runs queued is a backlog (N and window from the node), a key with runs
+    queued and no budget is not (its drain cannot be told)."""
+    app = celery.Celery("doctor-rated", set_as_current=False)
+    app.conf.update(redlock_url=redis_node.url, redlock_unique_ttl=900)
+
+    @app.task(
+        name="proj.rated",
+        base=LockedTask,
+        lock_rate="2/m",
+        lock_unique="until_started",
+        shared=False,
+    )
+    def rated():
+        pass
+
+    conf = from_conf(app.conf)
+    (task,), _ = task_locking(app, conf)
+    assert (task.rate, task.unique, task.unique_ttl) == ("2/m", "until_started", 900)
+
+    backlog_on(redis_node.url)
+    nodeset = NodeSet([redis_node.url], timeout=1.0)
+    note_queued(nodeset, lock_keys("export:7"), "busy-1", 30.0)
+    nodeset.close()
+    assert backlogs(conf, timeout=1.0) == [Backlog("redlock:{api:acme}", 3, 2, 60.0)]
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("broker", "options", "expected"),
+    [
+        ("redis://127.0.0.1:1/1", None, ("the redis broker's default visibility_timeout", 3600)),
+        (
+            "rediss://127.0.0.1:1/1",
+            {"visibility_timeout": 120},
+            ("broker_transport_options['visibility_timeout']", 120),
+        ),
+        ("sqs://", None, ("the sqs broker's default visibility_timeout", 1800)),
+        ("amqp://127.0.0.1:1//", {"visibility_timeout": 120}, None),
+        ("memory://", None, None),
+    ],
+)
+def test_the_broker_visibility_timeout_is_that_of_redis_and_sqs_only(broker, options, expected):
+    """A broker without one (AMQP, memory) lets a worker hold a message as long as it
+    is connected: no limit to compare a backlog with."""
+    app = celery.Celery("doctor-broker", set_as_current=False, broker=broker)
+    if options is not None:
+        app.conf.broker_transport_options = options
+    found = broker_visibility(app)
+    assert (found and (found.source, found.ttl)) == expected
+    app.close()

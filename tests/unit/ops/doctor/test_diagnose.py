@@ -13,6 +13,7 @@ from click.testing import Result
 from celery_redlock import Redlock
 from celery_redlock.ops.doctor import ERROR, diagnose
 from tests.harness import wait_for
+from tests.unit.ops.cli.helpers import backlog_on
 
 
 def test_invalid_settings_are_one_error_and_no_node_is_asked():
@@ -171,3 +172,30 @@ def test_doctor_reports_a_leader_lock_held_by_a_beat_of_another_project(redis_fa
     assert (finding["level"], finding["code"]) == ("error", "beat-leader-foreign")
     assert "redlock:{beat:shared}" in finding["message"] and "web-2:41" in finding["message"]
     lock.release()
+
+
+# -- budgets -----------------------------------------------------------------------
+
+
+def test_doctor_warns_when_a_budgets_backlog_outlasts_the_visibility_timeout(
+    redis_factory, doctor_cli
+):
+    """A copy put back for 2 starts a minute waits up to 90 s in a worker (one window
+    and one slot): past a 60 s visibility timeout of the Redis broker (a warning: exit
+    0), within the default hour."""
+    (server,) = redis_factory(1)
+    backlog_on(server.url)
+    visibility = {"broker_transport_options": {"visibility_timeout": 60}}
+
+    result = doctor_cli(server.url, "--json", conf=visibility)
+
+    assert result.exit_code == 0, result.output
+    (finding,) = [f for f in findings_of(result) if f["code"] == "budget-backlog"]
+    assert finding["level"] == "warn"
+    assert "redlock:{api:acme}: 3 run(s)" in finding["message"]
+    assert "one window and one slot (90s)" in finding["message"]
+    assert "broker_transport_options['visibility_timeout'] (60s)" in finding["message"]
+    text = doctor_cli(server.url, conf=visibility)
+    assert "budget-backlog" in text.stdout
+    default = findings_of(doctor_cli(server.url, "--json"))
+    assert "budget-backlog" not in {f["code"] for f in default}
