@@ -213,3 +213,41 @@ def test_windows_of_two_keys_are_apart(app, inprocess_worker_factory, tmp_path):
     for starts in by_key.values():
         assert len(starts) == 5 and max(starts) - min(starts) < 1.0
     assert not any(b - a < 0 for a, b in itertools.pairwise(sorted(by_key["x"])))
+
+
+def test_three_lock_nodes_bound_a_backlog_and_one_node_down_keeps_it_running(
+    celery_redis, redis_factory, inprocess_worker_factory, tmp_path
+):
+    """Redlock at task level: ``redlock_nodes`` names three masters; 5/s, 20 calls of a key
+    raced by 4 threads, then a node stopped and 15 calls of another key.
+
+    What holds. Each node admits at most N = 5 starts of a key per window, and a start
+    runs only when a majority (q = 2 of n = 3) admitted it, so at most floor(n·N/q) = 7
+    start in any second with every node up: more than N when racing starts reach the
+    nodes in different orders, each admitted by another pair (README, "Rate limits and
+    budgets"). With one node down a start needs both nodes that answer, each admitting
+    at most N: at most N = 5 start in any second, and every run still starts (a
+    majority answers)."""
+    nodes = redis_factory(3)
+    app = make_rated_app(celery_redis.url, redlock_nodes=[n.url for n in nodes])
+    inprocess_worker_factory(app, pool="threads", concurrency=4)
+    out = tmp_path / "runs"
+    task = app.tasks["rated.call"]
+
+    def backlog(key, calls):
+        results = [task.delay(key, str(out)) for _ in range(calls)]
+        assert [get(r) for r in results] == [key] * calls, "every run starts"
+        runs = [r for r in runs_of(out) if r[1] == key]
+        assert sorted(i for i, *_ in runs) == sorted(r.id for r in results), "each ran once"
+        return sorted(s for _, _, s, _, _ in runs)
+
+    starts = backlog("a", 20)
+    assert busiest_window(starts) <= 7, starts  # floor(3 * 5 / 2)
+    logged = [n.client().zcard("redlock:{api:a}:rate") for n in nodes]
+    assert all(count <= 5 for count in logged), f"each node logs at most N: {logged}"
+
+    nodes[0].stop()
+    starts = backlog("b", 15)
+    assert busiest_window(starts) <= 5, starts
+    assert starts[-1] - starts[0] >= 2.0 - SLACK, "15 starts at 5/s span 2 s at least"
+    assert nodes[1].client().zcard("redlock:{api:b}:rate") <= 5
