@@ -10,9 +10,19 @@ The admission is the last step before the body, after the execution lock (or sha
 slot) is taken: the start logged is the body's. A run that comes early holds nothing
 while it waits: it goes back on the queue (:func:`celery_redlock.policies.defer`: same
 task id, arguments and options, not a retry, published before this delivery is
-acknowledged) with a countdown of when its key's oldest start leaves the window, plus
-a random share of one slot (window / N), so that the runs refused together do not all
-come back at the same instant; its lock is released as the delivery ends.
+acknowledged) with a countdown to its place in line: the node serves the runs waiting
+for the key in the order they were refused, N per window (``rate.lua``), so a backlog
+of B runs comes back about B times, not B²/2N, and never all at the same instant; its
+lock is released as the delivery ends. A small random margin (at most
+:data:`MAX_MARGIN`, and a tenth of a slot) keeps a run from arriving a hair before its
+slot.
+
+A worker holds a copy with a countdown in memory, unacknowledged, until it is due;
+the Redis and SQS brokers give a message held longer than their ``visibility_timeout``
+to another worker, and the run would start twice. So no countdown is longer than
+half that timeout (:func:`broker_visibility`, :data:`MAX_HOLD` for a broker without
+one): a run whose place is further away comes back, is refused, and goes back keeping
+its place.
 
 An eager run (``apply()``) has no queue: it sleeps until its slot, in its caller.
 Redis unreachable: as for the lock (the task fails with ``NodeUnavailable``, retries
@@ -25,6 +35,7 @@ import logging
 import random
 import secrets
 import time
+from typing import Any
 
 from celery import Task
 
@@ -36,7 +47,19 @@ from .options import TaskLockOptions
 from .policies import defer
 from .settings import Settings
 
-__all__ = ["admit"]
+__all__ = ["admit", "broker_visibility", "longest_hold"]
+
+#: Longest random margin after its slot a run is put back with, in seconds.
+MAX_MARGIN = 0.02
+
+#: Longest countdown of a run put back, for a broker without a visibility timeout
+#: (RabbitMQ closes a channel whose delivery stays unacknowledged past its
+#: ``consumer_timeout``, 30 minutes by default).
+MAX_HOLD = 600.0
+
+#: Seconds kombu's transports give a delivered message before another consumer gets it
+#: (``visibility_timeout``), for the brokers that have one, by transport alias.
+VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "sqs": 1800.0}
 
 logger = logging.getLogger("celery_redlock.task")
 
@@ -61,8 +84,8 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
     waiting = None if eager else task.request.id
     while True:
         member = secrets.token_hex(8)
-        # A random share of one slot: runs refused together come back spread out.
-        jitter = random.uniform(0, budget.window / budget.limit)
+        # Arrive just after the slot frees, not a hair before it (clocks, rounding).
+        jitter = random.uniform(0, min(MAX_MARGIN, budget.window / budget.limit / 10))
         call = rate_calls(keys, budget, member, task_id=waiting, jitter=jitter)
         try:
             verdict = judge(nodeset.call([call]), nodeset.quorum)
@@ -83,10 +106,47 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
             raise
         if not wait:
             return
-        countdown = wait + jitter
+        countdown = min(wait + jitter, longest_hold(task.app))
         if metrics.enabled:
             metrics.deferred(task.name, "rate")
         if not eager:
             why = f"waits for its slot in {budget} of {lock.name}"
             defer(task, task.request.id, countdown, why)
         time.sleep(countdown)
+
+
+def longest_hold(app: Any) -> float:
+    """The longest countdown a run may be put back with on ``app``'s broker.
+
+    Half the broker's visibility timeout (so a worker never holds the copy long enough
+    for the broker to deliver it again), or :data:`MAX_HOLD` without one.
+    """
+    visibility = broker_visibility(app)
+    return MAX_HOLD if visibility is None else visibility[1] / 2
+
+
+def broker_visibility(app: Any) -> tuple[str, float] | None:
+    """How long the broker lets a worker hold a message unacknowledged, and the setting.
+
+    ``(source, seconds)`` for the Redis and SQS transports (``broker_transport_options
+    ['visibility_timeout']`` or the transport's default); None for a broker without
+    one (AMQP, memory). Read from the URL, as kombu picks the transport: building a
+    connection would import the transport (SQS needs boto3).
+    """
+    conf = app.conf
+    url = conf.get("broker_write_url") or conf.get("broker_url") or ""
+    first = (url if isinstance(url, str) else next(iter(url), "")).split(";")[0]
+    scheme = first.split("://")[0] if "://" in first else conf.get("broker_transport")
+    transport = str(scheme or "amqp").split("+")[0].lower()
+    default = VISIBILITY_DEFAULTS.get(transport)
+    if default is None:
+        return None
+    options = conf.get("broker_transport_options") or {}
+    given = options.get("visibility_timeout") if isinstance(options, dict) else None
+    try:
+        seconds = float(given) if given is not None else default
+    except (TypeError, ValueError):
+        return None
+    if given is None:
+        return f"the {transport} broker's default visibility_timeout", seconds
+    return "broker_transport_options['visibility_timeout']", seconds

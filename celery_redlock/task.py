@@ -428,8 +428,16 @@ def acquire_for(
     # only what apply() returns, so it runs even where an earlier run of its task id
     # stored a final result (a frozen canvas applied again, a test reusing an id).
     eager = bool(getattr(task.request, "is_eager", False))
+    # A message the broker delivered again (acks_late: its worker died after the body
+    # stored a result, before the ack) may be a finished run's, as may any copy that
+    # waited or came back.
+    redelivered = bool((getattr(task.request, "delivery_info", None) or {}).get("redelivered"))
     maybe_duplicate = not eager and (
-        waited or task.request.retries or requeues(task.request) or deferrals(task.request)
+        waited
+        or redelivered
+        or task.request.retries
+        or requeues(task.request)
+        or deferrals(task.request)
     )
     if maybe_duplicate and already_done(task, task_id):
         # Another delivery of this task id finished while this one waited: behind the

@@ -15,6 +15,7 @@ import time
 from collections import Counter, defaultdict
 
 import pytest
+from celery.worker import state as worker_state
 
 from celery_redlock.policies import DEFERRALS_HEADER
 from tests.apps.rated import make_late_app, make_rated_app
@@ -251,3 +252,49 @@ def test_three_lock_nodes_bound_a_backlog_and_one_node_down_keeps_it_running(
     assert busiest_window(starts) <= 5, starts
     assert starts[-1] - starts[0] >= 2.0 - SLACK, "15 starts at 5/s span 2 s at least"
     assert nodes[1].client().zcard("redlock:{api:b}:rate") <= 5
+
+
+def test_a_message_delivered_again_after_its_run_finished_does_not_run_again(
+    celery_redis, inprocess_worker_factory, tmp_path
+):
+    """acks_late: a worker killed after the body stored SUCCESS and before the ack has
+    its message delivered again by the broker (kombu marks it ``redelivered``, as
+    pushed back here): the task id's final result is found and the body does not run a
+    second time. Before: it ran twice (found by the SIGKILL test above)."""
+    app = make_late_app(celery_redis.url)
+    out = tmp_path / "runs"
+    broker = celery_redis.client(db=1)
+    result = app.tasks["rated.exclusive"].delay("k", str(out))
+    (raw,) = broker.lrange("celery", 0, -1)  # the message as the broker holds it
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    assert get(result) == "k"
+    message = json.loads(raw)  # what kombu's restore of a dead worker's message sends
+    message["headers"]["redelivered"] = True
+    message["properties"]["delivery_info"]["redelivered"] = True
+    # Accepted twice by this (in-process) worker, and nothing running any more.
+    accepted = worker_state.total_count.get("rated.exclusive", 0)
+    broker.lpush("celery", json.dumps(message))
+    wait_for(
+        lambda: worker_state.total_count.get("rated.exclusive", 0) > accepted
+        and not worker_state.active_requests,
+        timeout=20,
+    )
+    assert [i for i, *_ in runs_of(out)] == [result.id]
+
+
+def test_a_backlog_comes_back_about_once_per_run(app, inprocess_worker_factory, tmp_path):
+    """25 runs of a 5/s key sent at once: 5 start, and each of the 20 others is put back
+    to its own place in line (5 per second), so it comes back once, not every second
+    until it wins a slot (before: about 25 + 20 + 15 + 10 + 5 = 75 deliveries, B²/2N).
+    Counted as the deliveries this (in-process) worker accepted; the budget is still
+    used (the last start about 4 s after the first)."""
+    inprocess_worker_factory(app, pool="threads", concurrency=4)
+    out = tmp_path / "runs"
+    before = worker_state.total_count.get("rated.call", 0)
+    results = [app.tasks["rated.call"].delay("a", str(out)) for _ in range(25)]
+    assert [get(r) for r in results] == ["a"] * 25
+    deliveries = worker_state.total_count.get("rated.call", 0) - before
+    starts = sorted(s for _, _, s, _, _ in runs_of(out))
+    assert busiest_window(starts) <= 5
+    assert starts[-1] - starts[0] <= 1.5 * 4.0, starts
+    assert deliveries <= 25 + 20 + 5, f"{deliveries} deliveries for 25 runs"

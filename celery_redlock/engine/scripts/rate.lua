@@ -10,8 +10,8 @@
 -- ARGV[3]  this start's member (unique per admission: a token)
 -- ARGV[4]  '' to admit; 'peek' to only count (writes nothing but the trim)
 -- ARGV[5]  the task id of the run asking ('' or absent: none, e.g. a RateLimit)
--- ARGV[6]  with a task id: ms after the wait when the refused run is due again
---          (the random share of a slot it is put back with)
+-- ARGV[6]  with a task id: ms after its slot when the refused run is due again
+--          (a small random margin it is put back with)
 -- ARGV[7]  with a task id: the grace in ms (keys.QUEUED_GRACE) of KEYS[3]'s entries
 --
 -- Returns  {1, used, 0}        admitted: the start is logged; used counts it
@@ -22,6 +22,19 @@
 -- A member logged already (the same admission sent again) is admitted again without a
 -- second entry. The key expires one window after its last start: nothing of it
 -- outlives its last use by more than one window.
+--
+-- Starts are logged in ms with the node clock's microseconds as decimals, and a start
+-- leaves the window when it is window ms old or older: two starts of a "1/s" budget are
+-- never less than 1 s apart on the node's clock (whole ms lost up to 1 ms: measured
+-- 999.4 ms, issue 26).
+--
+-- A refused run with a task id gets a place in line, not only the next slot: the
+-- runs already waiting for the key (KEYS[3], due earlier than this run's own earlier
+-- entry, if any) are served first, slot after slot, so the k-th waiting run is due
+-- when the ((k mod N)+1)-th of the last N starts leaves the window, floor(k/N) windows
+-- later. Without it, every refused run came back at the next slot and all but N were
+-- refused again: a backlog of B runs cost about B^2/(2N) deliveries instead of B.
+-- A run that comes back early (its countdown was capped) keeps its place.
 --
 -- The budget is written with each admission, in this call (no round trip of its own),
 -- so that `celery redlock ls` can show used/limit: a node keeps only the log, which
@@ -52,13 +65,39 @@ if task_id then
     end
 end
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now = math.floor(now_us / 1000)
+local function ms_text(us)
+    return string.format('%.3f', us / 1000)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms_text(now_us - window * 1000))
 local used = redis.call('ZCARD', KEYS[1])
-local function wait_ms()
-    -- The start that must leave the window before one more fits: the (used-N+1)th oldest.
-    local oldest = redis.call('ZRANGE', KEYS[1], used - limit, used - limit, 'WITHSCORES')
-    return math.max(1, tonumber(oldest[2]) + window - now)
+local function wait_ms(ahead)
+    -- Served after `ahead` waiting runs: the slot of the ((ahead mod N)+1)-th of the
+    -- last N starts, floor(ahead/N) windows later (ahead 0: the next slot).
+    local rank = used - limit + ahead % limit
+    local oldest = redis.call('ZRANGE', KEYS[1], rank, rank, 'WITHSCORES')
+    local leaves_us = math.floor(tonumber(oldest[2]) * 1000 + 0.5) + window * 1000
+    local windows = math.floor(ahead / limit)
+    -- Each window ahead, the runs before this one start a little after their slots (a
+    -- delivery's lag), and their own slots free that much later: allow for it, or this
+    -- run comes back a hair early and is put back once more (measured: 34 deferrals
+    -- for 20 early runs of 25 at 5/s without, issue 26).
+    local lag = windows * math.min(30, window / limit / 5)
+    local wait = math.ceil((leaves_us - now_us) / 1000 + lag) + windows * window
+    return math.max(1, wait)
+end
+local function waiting_ahead()
+    -- The runs that wait for the key and are served before this one.
+    if not task_id then
+        return 0
+    end
+    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', string.format('(%d', now - grace))
+    local mine = redis.call('ZSCORE', KEYS[3], task_id)
+    if mine then
+        return redis.call('ZCOUNT', KEYS[3], '-inf', '(' .. mine)
+    end
+    return redis.call('ZCARD', KEYS[3])
 end
 local function starts()
     -- The run starts: it no longer waits on the queue.
@@ -70,20 +109,20 @@ if ARGV[4] == 'peek' then
     if used < limit then
         return {2, used, 0}
     end
-    return {2, used, wait_ms()}
+    return {2, used, wait_ms(0)}
 end
 if redis.call('ZSCORE', KEYS[1], ARGV[3]) then
     starts()
     return {1, used, 0}
 end
 if used >= limit then
-    local wait = wait_ms()
+    local wait = wait_ms(waiting_ahead())
     if task_id then
         queue_run(KEYS[3], task_id, now + wait + jitter, now, grace)
     end
     return {0, used, wait}
 end
-redis.call('ZADD', KEYS[1], now, ARGV[3])
+redis.call('ZADD', KEYS[1], ms_text(now_us), ARGV[3])
 redis.call('PEXPIRE', KEYS[1], window)
 if KEYS[2] then
     redis.call('SET', KEYS[2], string.format('%d/%d', limit, window), 'PX', window)

@@ -58,10 +58,7 @@ beat-leader-legacy     warn    the leader lock name of older versions
 budget-backlog         warn    the runs waiting on the queue for a key's rate
                                budget take longer to start (queued / N x
                                window) than the shortest ``lock_unique_ttl`` of
-                               a rated unique task, or a copy put back waits
-                               in a worker (one window and one slot) longer
-                               than the broker's ``visibility_timeout`` (Redis,
-                               SQS)
+                               a rated unique task
 ====================== ======= ===============================================
 
 Exit status of the command (:func:`exit_code`): 0 without error findings; 1 with
@@ -98,7 +95,6 @@ from .checks_settings import check_settings, invalid_settings, leases
 from .collect import (
     backlogs,
     beat_leader,
-    broker_visibility,
     collect,
     probe_nodes,
     task_locking,
@@ -129,7 +125,6 @@ __all__ = [
     "TaskLocking",
     "backlogs",
     "beat_leader",
-    "broker_visibility",
     "check_backlog",
     "check_beat_leader",
     "check_beat_leaders",
@@ -169,8 +164,5 @@ def diagnose(app: Any, *, timeout: float = 1.0) -> Report:
         return Report([invalid_settings(str(exc))], [])
     beat = beat_leader(app, settings, timeout=timeout)
     queued = backlogs(settings, timeout=timeout)
-    visibility = broker_visibility(app)
-    findings = evaluate(
-        settings, facts, tasks, unmatched, beat=beat, backlogs=queued, visibility=visibility
-    )
+    findings = evaluate(settings, facts, tasks, unmatched, beat=beat, backlogs=queued)
     return Report(findings, facts)

@@ -108,14 +108,13 @@ def evaluate(
     unmatched: Sequence[str] = (),
     beat: BeatLeaderFacts | None = None,
     backlogs: Sequence[Backlog] = (),
-    visibility: LeaseInUse | None = None,
 ) -> list[Finding]:
     """Run every check over the gathered facts.
 
     The setup's findings (node count, independence, settings) come first, then each
     node's, in the order of the configured nodes, then the beat leader's (``beat``,
     when it was looked up), then the keys whose queued runs drain too slowly
-    (``backlogs``, against the tasks' claims and the broker's ``visibility``).
+    (``backlogs``, against the tasks' claims).
     """
     # The masters of one Redis Cluster are one lock node (one vote) between them.
     lock_nodes = len({n.lock_node or n.node for n in facts})
@@ -158,7 +157,7 @@ def evaluate(
         findings += check_beat_leaders(beat)
     claims = unique_claim_limit(tasks)
     for backlog in backlogs:
-        finding = check_backlog(backlog, claims, visibility)
+        finding = check_backlog(backlog, claims)
         if finding is not None:
             findings.append(finding)
     return findings
@@ -172,10 +171,6 @@ BACKLOG_PARTS = {
     "copies start, so a duplicate of a queued copy can be sent meanwhile. Fix: allow "
     "more starts (lock_rate), send fewer runs of the key at once, or raise "
     "lock_unique_ttl above the drain time.",
-    "visibility": "A worker holds each copy put back until it is due, up to one window "
-    "and one slot ({value:g}s), longer than {limit}: the broker delivers such a copy "
-    "again, to another worker, and the run may start twice. Fix: raise the "
-    "visibility_timeout above {value:g}s, or use a shorter window (N/m rather than N/h).",
 }
 
 
@@ -193,19 +188,16 @@ def unique_claim_limit(tasks: Sequence[TaskLocking]) -> LeaseInUse | None:
     return min(claims, key=lambda claim: claim.ttl) if claims else None
 
 
-def check_backlog(
-    backlog: Backlog, claims: LeaseInUse | None, visibility: LeaseInUse | None
-) -> Finding | None:
-    """Warn when a key's queued runs outlast a send-time claim or the broker's patience.
+def check_backlog(backlog: Backlog, claims: LeaseInUse | None) -> Finding | None:
+    """Warn when a key's queued runs outlast a send-time claim.
 
-    Two limits, two measures: ``claims`` (the shortest ``lock_unique_ttl`` of a rated
-    unique task, :func:`unique_claim_limit`) against ``backlog.drain``, the time the
-    budget takes to start every queued run, over as many deferrals as it takes; and
-    ``visibility`` (the broker's visibility timeout) against ``backlog.held``, the
-    longest one copy waits in a worker before it is due (each deferral is a new copy,
-    put back until the next free slot). None when both fit.
+    ``claims`` (the shortest ``lock_unique_ttl`` of a rated unique task,
+    :func:`unique_claim_limit`) against ``backlog.drain``, the time the budget takes
+    to start every queued run. None when it fits. (The broker's visibility timeout is
+    not at stake: a run is never put back for longer than half of it,
+    :func:`celery_redlock.budgets.longest_hold`.)
     """
-    measured = {"claim": (claims, backlog.drain), "visibility": (visibility, backlog.held)}
+    measured = {"claim": (claims, backlog.drain)}
     parts = [
         BACKLOG_PARTS[kind].format(value=round(value, 1), limit=f"{limit.source} ({limit.ttl:g}s)")
         for kind, (limit, value) in measured.items()

@@ -27,7 +27,6 @@ from .facts import (
     Backlog,
     BeatLeaderFacts,
     LeaderLock,
-    LeaseInUse,
     NodeFacts,
     TaskLocking,
     node_facts,
@@ -38,7 +37,6 @@ __all__ = [
     "CLOCK_SAMPLES",
     "backlogs",
     "beat_leader",
-    "broker_visibility",
     "collect",
     "probe_nodes",
     "task_locking",
@@ -286,35 +284,3 @@ def backlogs(settings: Settings, *, timeout: float) -> list[Backlog]:
         for view in views
         if (budget := view.budget) is not None and view.queued
     ]
-
-
-#: Seconds kombu's transports give a delivered message before another consumer gets it
-#: (``visibility_timeout``), for the brokers that have one, by transport alias.
-VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "sqs": 1800.0}
-
-
-def broker_visibility(app: Any) -> LeaseInUse | None:
-    """How long the broker lets a worker hold a message unacknowledged (None: no limit).
-
-    A worker holds a copy put back with a countdown until it is due; past the
-    broker's visibility timeout (Redis and SQS transports) the broker delivers it again.
-    """
-    conf = app.conf
-    # Read from the URL, as kombu picks the transport: building a connection would
-    # import the transport (SQS needs boto3, which doctor's host may lack).
-    url = conf.get("broker_write_url") or conf.get("broker_url") or ""
-    first = (url if isinstance(url, str) else next(iter(url), "")).split(";")[0]
-    scheme = first.split("://")[0] if "://" in first else conf.get("broker_transport")
-    transport = str(scheme or "amqp").split("+")[0].lower()
-    default = VISIBILITY_DEFAULTS.get(transport)
-    if default is None:
-        return None
-    options = conf.get("broker_transport_options") or {}
-    given = options.get("visibility_timeout") if isinstance(options, dict) else None
-    try:
-        seconds = float(given) if given is not None else default
-    except (TypeError, ValueError):
-        return None
-    if given is None:
-        return LeaseInUse(f"the {transport} broker's default visibility_timeout", seconds)
-    return LeaseInUse("broker_transport_options['visibility_timeout']", seconds)

@@ -129,7 +129,7 @@ class Backlog:
     """Runs waiting on the queue for a key with a rate budget, and that budget.
 
     ``queued`` runs at ``limit`` starts per ``window`` seconds take ``drain`` seconds
-    to start, at the earliest; each copy put back waits at most ``held`` seconds.
+    to start, at the earliest.
     """
 
     key: str
@@ -141,15 +141,6 @@ class Backlog:
     def drain(self) -> float:
         """Seconds until the budget has started every queued run."""
         return self.queued / self.limit * self.window
-
-    @property
-    def held(self) -> float:
-        """Longest one copy put back waits until it is due: one window and one slot.
-
-        A refused run goes back until the oldest start of the window leaves it (at
-        most one window), plus a random share of one slot (window / N).
-        """
-        return self.window + self.window / self.limit
 
 
 @dataclass(frozen=True)

@@ -216,3 +216,59 @@ def test_too_few_nodes_answering_raises_node_unavailable(redis_factory, fault_pr
     with pytest.raises(NodeUnavailable):
         limit.try_acquire()
     assert servers[2].client().zcard(limit.key) == 0, "the one node that admitted gave it back"
+
+
+def _refuse(client, task_id, limit=2, window=1000):
+    """A refusal of ``task_id`` (rate_calls' arguments: no margin, 60 s grace)."""
+    keys = (KEYS.rate, KEYS.budget, KEYS.queued)
+    member = f"m-{task_id}"
+    return client.eval(RATE.source, 3, *keys, limit, window, member, "", task_id, 0, 60_000)
+
+
+def test_refused_runs_get_places_in_line_n_per_window(redis_node):
+    """2 per second, used up at once: six runs refused in turn are due two by two, one
+    window apart (the k-th when the (k mod N)+1-th start leaves, k div N windows later,
+    plus a small allowance per window for the starts' delivery lag), not all at the next
+    slot; one refused again keeps its place; one that is admitted
+    leaves the line. Before, all six were due at the next slot (B²/2N deliveries)."""
+    with redis_node.client() as c:
+        _places_in_line(c)
+
+
+def _places_in_line(c):
+    assert [rate(c, m, limit=2, window=1000)[0] for m in "ab"] == [1, 1]
+    waits = [_refuse(c, f"run-{k}")[2] for k in range(6)]
+    first = waits[0]
+    assert 900 < first <= 1000
+    for k, wait in enumerate(waits):
+        # A window later per two ahead, and 30 ms for the lag of each window's starts.
+        assert wait == pytest.approx(first + (k // 2) * 1030, abs=20), (k, waits)
+    again = _refuse(c, "run-3")[2]
+    assert again == pytest.approx(first + 1030, abs=20), "run-3 keeps its place"
+    assert c.zcard(KEYS.queued) == 6, "one entry per run, however often refused"
+
+
+def test_two_starts_of_a_one_per_second_budget_are_a_full_second_apart(redis_node):
+    """On the node's clock, to the microsecond: the log once kept whole ms, so a start
+    could be admitted up to 1 ms less than a window after the previous one (measured
+    999.4-999.55 ms, 4 of 4). Measured from before the first admission's call to after
+    the second's, so the span bounds the gap from above."""
+    with redis_node.client() as c:
+        _full_seconds_apart(c, redis_node.url)
+
+
+def _full_seconds_apart(c, url):
+    def micros():
+        seconds, us = c.time()
+        return seconds * 1_000_000 + us
+
+    limit = RateLimit("api:stripe", rate="1/s", nodes=[url])
+    for attempt in range(4):
+        c.delete(KEYS.rate)
+        # Start late in a millisecond: the whole-ms log lost most there.
+        wait_for(lambda: 650 <= micros() % 1000 < 700, timeout=5, interval=0)
+        before_first = micros()
+        assert limit.try_acquire() == 0.0
+        wait_for(lambda: limit.try_acquire() == 0.0, timeout=3, interval=0)
+        after_second = micros()
+        assert after_second - before_first >= 1_000_000, (attempt, after_second - before_first)

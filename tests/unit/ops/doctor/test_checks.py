@@ -124,17 +124,14 @@ def test_beat_leader_facts_are_checked_last_and_an_unread_broker_warns():
 # -- backlogs of rate budgets --------------------------------------------------------
 
 
-def test_a_backlog_that_outlasts_a_claim_or_the_broker_warns_naming_each():
+def test_a_backlog_that_outlasts_a_claim_warns_naming_it():
     """300 runs at 5 per minute take 3600 s to start: past a 600 s claim (a duplicate
-    can be sent), while each copy waits at most 72 s in a worker (one window and one
-    slot), within the broker's 1800 s. An hourly budget holds a copy up to 3960 s:
-    past the broker's timeout whatever the backlog. The warning names the key, the
-    backlog, the time measured, the limit and the fix; 10 runs a minute fit both."""
+    can be sent). The warning names the key, the backlog, the time measured, the limit
+    and the fix; 10 runs at 5 a minute fit."""
     claims = LeaseInUse("lock_unique_ttl of task proj.sync", 600.0)
-    visibility = LeaseInUse("broker_transport_options['visibility_timeout']", 1800.0)
     slow = Backlog("redlock:{api:acme}", queued=300, limit=5, window=60.0)
 
-    finding = check_backlog(slow, claims, visibility)
+    finding = check_backlog(slow, claims)
 
     assert finding is not None and (finding.level, finding.code) == (WARN, "budget-backlog")
     message = finding.message
@@ -146,22 +143,9 @@ def test_a_backlog_that_outlasts_a_claim_or_the_broker_warns_naming_each():
         "raise lock_unique_ttl above the drain time",
     ):
         assert part in message, part
-    assert "visibility" not in message, "72 s in a worker is within 1800 s"
-    assert check_backlog(slow, None, visibility) is None
-
-    hourly = Backlog("redlock:{api:acme}", queued=2, limit=10, window=3600.0)
-    finding = check_backlog(hourly, claims, LeaseInUse("the redis broker's default", 3600.0))
-    assert finding is not None
-    for part in (
-        "They take 720s",
-        "up to one window and one slot (3960s), longer than the redis broker's default (3600s)",
-        "the run may start twice",
-        "raise the visibility_timeout above 3960s",
-    ):
-        assert part in finding.message, part
     fast = Backlog("redlock:{api:acme}", queued=10, limit=5, window=60.0)
-    assert check_backlog(fast, claims, visibility) is None
-    assert check_backlog(slow, None, None) is None
+    assert check_backlog(fast, claims) is None
+    assert check_backlog(slow, None) is None
 
 
 def test_the_claim_at_stake_is_the_shortest_of_a_rated_unique_task():

@@ -17,7 +17,6 @@ from celery_redlock.ops.doctor.checks_nodes import check_clock
 from celery_redlock.ops.doctor.checks_settings import check_settings
 from celery_redlock.ops.doctor.collect import (
     backlogs,
-    broker_visibility,
     probe_nodes,
     task_locking,
 )
@@ -187,29 +186,4 @@ def test_doctor_collects_rated_unique_tasks_and_the_backlogs_of_budgets(redis_no
     note_queued(nodeset, lock_keys("export:7"), "busy-1", 30.0)
     nodeset.close()
     assert backlogs(conf, timeout=1.0) == [Backlog("redlock:{api:acme}", 3, 2, 60.0)]
-    app.close()
-
-
-@pytest.mark.parametrize(
-    ("broker", "options", "expected"),
-    [
-        ("redis://127.0.0.1:1/1", None, ("the redis broker's default visibility_timeout", 3600)),
-        (
-            "rediss://127.0.0.1:1/1",
-            {"visibility_timeout": 120},
-            ("broker_transport_options['visibility_timeout']", 120),
-        ),
-        ("sqs://", None, ("the sqs broker's default visibility_timeout", 1800)),
-        ("amqp://127.0.0.1:1//", {"visibility_timeout": 120}, None),
-        ("memory://", None, None),
-    ],
-)
-def test_the_broker_visibility_timeout_is_that_of_redis_and_sqs_only(broker, options, expected):
-    """A broker without one (AMQP, memory) lets a worker hold a message as long as it
-    is connected: no limit to compare a backlog with."""
-    app = celery.Celery("doctor-broker", set_as_current=False, broker=broker)
-    if options is not None:
-        app.conf.broker_transport_options = options
-    found = broker_visibility(app)
-    assert (found and (found.source, found.ttl)) == expected
     app.close()

@@ -177,25 +177,24 @@ def test_doctor_reports_a_leader_lock_held_by_a_beat_of_another_project(redis_fa
 # -- budgets -----------------------------------------------------------------------
 
 
-def test_doctor_warns_when_a_budgets_backlog_outlasts_the_visibility_timeout(
-    redis_factory, doctor_cli
-):
-    """A copy put back for 2 starts a minute waits up to 90 s in a worker (one window
-    and one slot): past a 60 s visibility timeout of the Redis broker (a warning: exit
-    0), within the default hour."""
+def test_doctor_warns_when_a_budgets_backlog_outlasts_a_unique_claim(redis_factory, doctor_cli):
+    """3 runs queued for 2 starts a minute take 90 s to start: past the 30 s send-time
+    claim of a task with both lock_rate and lock_unique (a warning: exit 0); without
+    such a task there is no claim at stake and no finding."""
     (server,) = redis_factory(1)
     backlog_on(server.url)
-    visibility = {"broker_transport_options": {"visibility_timeout": 60}}
+    entry = {"key": "api:acme", "rate": "2/m", "unique": "until_started", "unique_ttl": 30}
+    claims = {"redlock_tasks": {"*.hold": entry}}
 
-    result = doctor_cli(server.url, "--json", conf=visibility)
+    result = doctor_cli(server.url, "--json", conf=claims)
 
     assert result.exit_code == 0, result.output
     (finding,) = [f for f in findings_of(result) if f["code"] == "budget-backlog"]
     assert finding["level"] == "warn"
     assert "redlock:{api:acme}: 3 run(s)" in finding["message"]
-    assert "one window and one slot (90s)" in finding["message"]
-    assert "broker_transport_options['visibility_timeout'] (60s)" in finding["message"]
-    text = doctor_cli(server.url, conf=visibility)
+    assert "They take 90s to start" in finding["message"]
+    assert "lock_unique_ttl of task tests.apps.locked.hold (30s)" in finding["message"]
+    text = doctor_cli(server.url, conf=claims)
     assert "budget-backlog" in text.stdout
     default = findings_of(doctor_cli(server.url, "--json"))
     assert "budget-backlog" not in {f["code"] for f in default}
