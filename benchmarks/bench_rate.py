@@ -17,7 +17,9 @@ Both parts run on the same two workers, in one run.
    each worker's main process) and ours, ``LockedTask`` with ``lock_rate="5/s"``,
    ``lock_mode="shared"``, every call on one key (one budget in Redis: an early run goes
    back on the queue for its slot). Reported per run: the most starts in any sliding
-   1 s window (half-open, on the bodies' clock); the shortest time spanned by 6
+   window of 1 s less :data:`RECORD_SLACK` (half-open, on the bodies' clock, which
+   record a start a few ms after the node admitted it: the admission itself is exact
+   on the node's clock, tests/unit/engine/test_rate.py); the shortest time spanned by 6
    consecutive starts (at least 1 s when every window holds 5 or fewer); when the last
    run started after the queue was opened against the earliest any schedule within the
    limit can start it, ``floor((N - 1) / 5)`` s; and the starts per second over the run,
@@ -113,6 +115,11 @@ def drain(
         app.control.cancel_consumer(queue, destination=nodes)
 
 
+#: Seconds between the node's admission of a start and the body's record of it, at
+#: most (the admission's reply, Celery's trace): windows are counted that much shorter.
+RECORD_SLACK = 0.005
+
+
 def pace(starts: list[float], opened: float, budget: Budget) -> dict[str, Any]:
     """How ``starts`` (wall clock) kept to ``budget``; times from ``opened``."""
     starts = sorted(starts)
@@ -123,8 +130,10 @@ def pace(starts: list[float], opened: float, budget: Budget) -> dict[str, Any]:
     per_s = calls / (span + window)
     return {
         "starts": calls,
+        # Windows of RECORD_SLACK less than the rate's: a body records its start a few
+        # ms after the node admitted it, later in one process than in another.
         "most_starts_in_any_window": max(
-            bisect.bisect_left(starts, s + window) - i for i, s in enumerate(starts)
+            bisect.bisect_left(starts, s + window - RECORD_SLACK) - i for i, s in enumerate(starts)
         ),
         f"shortest_span_of_{limit + 1}_starts_s": round(
             min((starts[i + limit] - s for i, s in enumerate(starts[:-limit])), default=0.0), 4
@@ -375,8 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "gossip, heartbeat); one redis-server for the broker and counters, one for locks",
             "accuracy: N calls on one key queued first, then both workers consume the queue; "
             "each body records time.time() first; peers run one after the other, alternating",
-            "most_starts_in_any_window: starts in [t, t + 1 s) at most, on the bodies' clock "
-            "(ours are admitted on the lock server's clock, a few ms earlier)",
+            "most_starts_in_any_window: starts in [t, t + 1 s - RECORD_SLACK) at most, on "
+            "the bodies' clock (ours are admitted on the lock server's clock, a few ms "
+            f"earlier; RECORD_SLACK = {RECORD_SLACK} s)",
             "ideal_last_start_s: floor((N - 1) / limit) windows, the earliest the N-th start "
             "can come within the limit; last_start_s from the moment the queue was opened",
             "utilization: N / (last start - first start + 1 window) / the rate; at most 1.0 "

@@ -25,8 +25,11 @@ from it, and the worker does not start.
 ``task_received``             a busy run's copy waiting in this worker's timer:
                               start it when its key is released (``wakeups``)
 ``task_revoked``              free a revoked or expired copy's send-time claim
-``beat_init``                 lock the ``redlock_tasks`` of configuration-only setups
-                              in beat too, so that what it sends is deduplicated
+``beat_init``                 validate as a worker does (any scheduler; a bad option
+                              stops beat: ``SystemExit``, as Celery swallows a
+                              receiver's exceptions) and lock the ``redlock_tasks``
+                              of configuration-only setups, so that what beat sends
+                              is deduplicated
 ============================  ==================================================
 """
 
@@ -39,7 +42,9 @@ from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
 from . import abort, config_only, metrics, reaper, unique, wakeups
+from .beat import check_configuration
 from .engine.renewal import get_renewer
+from .exceptions import ConfigurationError
 from .nodes import NodeSet, safe_url
 from .options import TASK_OPTIONS
 from .reaper import Reaper
@@ -142,8 +147,14 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
 
 @signals.beat_init.connect(dispatch_uid="celery_redlock.beat_init")
 def _on_beat_init(sender: Any = None, **kwargs: Any) -> None:
-    app = sender.app
-    config_only.apply(app, app_settings(app))
+    try:
+        check_configuration(sender.app)
+    except ConfigurationError as exc:
+        # Any beat, Celery's own scheduler too: it would send tasks no worker runs.
+        # Celery logs and swallows a receiver's exceptions; SystemExit stops beat
+        # before its first tick.
+        logger.critical("celery_redlock: beat cannot start: %s", exc)
+        raise SystemExit(f"celery_redlock: {exc}") from exc
 
 
 @signals.worker_process_init.connect(dispatch_uid="celery_redlock.worker_process_init")
