@@ -169,12 +169,25 @@ def test_an_early_run_is_requeued_with_its_options_not_retried(
     assert meta["status"] == "SUCCESS" and meta.get("retries", 0) == 0
 
 
+def start_workers(pool, app, inprocess_worker_factory, worker_process_factory, slots):
+    """``slots`` pool slots: one in-process worker (threads), or two prefork ``celery
+    worker`` processes sharing them (where a copy waiting in a timer could only hold a
+    pool process by blocking the child)."""
+    if pool == "prefork":
+        for _ in range(2):
+            worker_process_factory("tests.apps.rated", pool="prefork", concurrency=slots // 2)
+    else:
+        inprocess_worker_factory(app, pool="threads", concurrency=slots)
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_requeue_under_a_limit_keeps_three_at_once_and_loses_none(
-    app, inprocess_worker_factory, tmp_path
+    pool, app, inprocess_worker_factory, worker_process_factory, tmp_path
 ):
-    """lock_limit=3 with lock_on_busy="requeue": 30 runs of one key on 6 threads never
-    run more than 3 bodies at once; every run happens once and succeeds."""
-    inprocess_worker_factory(app, pool="threads", concurrency=6)
+    """lock_limit=3 with lock_on_busy="requeue": 30 runs of one key on 6 pool slots (one
+    worker's threads, or two prefork workers of 3 processes) never run more than 3
+    bodies at once; every run happens once and succeeds."""
+    start_workers(pool, app, inprocess_worker_factory, worker_process_factory, 6)
     out = tmp_path / "runs"
     task = app.tasks["rated.limited"]
     results = [task.delay("t", str(out), 0.1) for _ in range(30)]
@@ -184,10 +197,14 @@ def test_requeue_under_a_limit_keeps_three_at_once_and_loses_none(
     assert most_at_once(runs) <= 3
 
 
-def test_a_plain_task_starts_at_once_during_a_backlog(app, inprocess_worker_factory, tmp_path):
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_plain_task_starts_at_once_during_a_backlog(
+    pool, app, inprocess_worker_factory, worker_process_factory, tmp_path
+):
     """20 runs of a 5/s key wait on the queue for 3 s; a task without a budget sent after
-    them starts at once: the early runs hold no worker while they wait."""
-    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    them starts at once: the early runs hold no pool slot while they wait (2 slots: one
+    worker's threads, or two prefork workers of one process each)."""
+    start_workers(pool, app, inprocess_worker_factory, worker_process_factory, 2)
     out = tmp_path / "runs"
     backlog = [app.tasks["rated.call"].delay("a", str(out)) for _ in range(20)]
     wait_for(lambda: len(runs_of(out)) >= 5, timeout=30)
