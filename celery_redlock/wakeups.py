@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import forksafe
+from .engine.keys import keys_of
 from .engine.waiting import Subscription
 from .nodes import NodeSet
 from .policies import WAKE_HEADER
@@ -49,9 +50,6 @@ logger = logging.getLogger("celery_redlock.worker")
 
 #: Seconds between two looks at the waiting copies (on the consumer's timer).
 TICK = 0.05
-
-#: Suffix of a lock's release channel (``LockKeys.channel``).
-CHANNEL_SUFFIX = ":released"
 
 
 @dataclass(eq=False)
@@ -85,7 +83,7 @@ def on_task_received(consumer: Any, request: Any) -> None:
         nodeset = NodeSet.get(settings.node_urls(), timeout=settings.timing.node_timeout)
         # No confirmation wait: the consumer must not block. A release before the
         # subscription is confirmed leaves this copy its countdown.
-        subscription = Subscription(nodeset.nodes, key + CHANNEL_SUFFIX, confirm_timeout=None)
+        subscription = Subscription(nodeset.nodes, keys_of(key).channel, confirm_timeout=None)
     except Exception:  # the countdown still starts it
         logger.debug("celery_redlock: cannot listen for %s's release", key, exc_info=True)
         return
