@@ -3,7 +3,7 @@ for in-process and prefork workers: :mod:`tests.integration.test_requeue_wake`.
 
 The lease is long (30 s) so that the busy run's backoff, capped at the holder's lease,
 is not cut short by it: what starts a waiting copy promptly is its key's release.
-Bodies record ``<task id> <key> <start> <end> <pid>`` as :mod:`tests.apps.rated` does.
+Bodies record their runs as :mod:`tests.apps.rated` does (its ``record``).
 """
 
 from __future__ import annotations
