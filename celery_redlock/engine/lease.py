@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from redis.exceptions import ResponseError
@@ -259,6 +259,12 @@ def lease_verdict(reply: Reply | None, offset: int, count: int) -> tuple[int | N
     if reply.error is not None:
         return None, reply.describe_error()
     chunk = offset // CHUNK
+    if count == 1:  # a lease on one resource: most of a tick's leases, kept cheap
+        value = reply.values[chunk]
+        code = value if isinstance(value, ResponseError) else value[offset % CHUNK]
+        if isinstance(code, ResponseError):
+            return None, f"{reply.node.safe_url}: {code}"
+        return (RenewStatus.RENEWED if code == _RENEWED else _verdict((code,))), ""
     for value in reply.values[chunk : (offset + count - 1) // CHUNK + 1]:
         if isinstance(value, ResponseError):
             return None, f"{reply.node.safe_url}: {value}"
@@ -269,12 +275,18 @@ def lease_verdict(reply: Reply | None, offset: int, count: int) -> tuple[int | N
     return _verdict(codes), ""
 
 
-def _verdict(codes: list[int]) -> int:
+#: The codes renew_many.lua returns, as plain ints (an IntEnum look-up per code cost
+#: the renewer a tenth of its time with 100,000 locks).
+_CODES = frozenset(int(status) for status in RenewStatus)
+_RENEWED = int(RenewStatus.RENEWED)
+
+
+def _verdict(codes: Sequence[int]) -> int:
     """A lease is renewed on a node when every entry is; lost there when any is not."""
     for code in codes:
-        if code not in tuple(RenewStatus):
+        if code not in _CODES:
             raise ValueError(f"renew_many returned unknown code {code!r}")
-    if all(code == RenewStatus.RENEWED for code in codes):
+    if all(code == _RENEWED for code in codes):
         return RenewStatus.RENEWED
     return RenewStatus.TAKEN if RenewStatus.TAKEN in codes else RenewStatus.GONE
 

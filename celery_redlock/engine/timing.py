@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ..exceptions import ConfigurationError
@@ -95,17 +96,19 @@ class Timing:
     node_timeout: float
     drift_factor: float
 
-    @property
+    # Cached: the renewer reads these for every lease it renews (100,000 locks: 10,000
+    # times a second), and a Timing never changes.
+    @cached_property
     def ttl_ms(self) -> int:
         """The lease as the scripts take it: whole milliseconds, at least 1."""
         return max(1, round(self.ttl * 1000))
 
-    @property
+    @cached_property
     def drift(self) -> float:
         """Seconds subtracted from every lease for clock drift (Redlock's formula)."""
         return drift_allowance(self.ttl, self.drift_factor)
 
-    @property
+    @cached_property
     def margin(self) -> float:
         """How long before the local lease deadline an unconfirmed lease counts as lost.
 
