@@ -100,6 +100,13 @@ def on_task_received(consumer: Any, request: Any) -> None:
 
 def _tick(consumer: Any) -> None:
     """Start the copies whose key was released; forget those the timer started."""
+    try:
+        _start_released(consumer)
+    except Exception:  # the countdowns still start them; never break the timer
+        logger.exception("celery_redlock: starting released copies failed")
+
+
+def _start_released(consumer: Any) -> None:
     global _tick_entry  # noqa: PLW0603
     with _mutex:
         sleepers = list(_sleepers.values())
