@@ -52,6 +52,7 @@ from . import metrics
 from .engine.keys import keys_of
 from .engine.scripts import RELEASE_IF, ReleaseIfStatus
 from .nodes import Call, NodeSet
+from .poll import readable
 
 __all__ = ["DRAIN_INTERVAL", "Reaper", "announce", "encode", "flush", "forget", "in_pool_child"]
 
@@ -209,7 +210,7 @@ class Reaper:
         while True:
             watched: dict[int, int | None] = {self._wake_r: None, self.hello_r: None}
             watched.update({fd: pid for pid, fd in self._pidfds.items()})
-            ready, _, _ = select.select(list(watched), [], [], DRAIN_INTERVAL)
+            ready = readable(watched, DRAIN_INTERVAL)
             if self._wake_r in ready:
                 return
             if self.hello_r in ready:

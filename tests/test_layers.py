@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "celery_redlock"
 #: Lowest first. A module may import its own layer and the ones before it. A layer is a
 #: subpackage or a set of top-level modules.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"exceptions", "forksafe", "metrics"}),
+    ("base", {"exceptions", "forksafe", "metrics", "poll"}),
     ("nodes", {"nodes"}),
     ("engine", {"engine"}),
     (

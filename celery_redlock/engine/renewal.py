@@ -34,12 +34,12 @@ import heapq
 import itertools
 import logging
 import os
-import select
 import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
 from .. import forksafe, metrics
+from ..poll import readable
 from .lease import CHUNK, Lease, clock, renew_entries
 from .threads import START_GRACE, start_daemon
 
@@ -191,7 +191,7 @@ class Renewer:
         self._wakes_at = clock() + timeout
         try:
             if not self._inbox and not self._releases:
-                select.select([self._wake_r], [], [], timeout)
+                readable([self._wake_r], timeout)
         finally:
             self._wakes_at = 0.0
         with contextlib.suppress(BlockingIOError, OSError):

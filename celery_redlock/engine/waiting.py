@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import select
 import socket
 import threading
 import time
@@ -36,6 +35,7 @@ from redis.exceptions import RedisError
 
 from .. import forksafe
 from ..nodes import LockNode
+from ..poll import readable
 from .threads import START_GRACE, start_daemon
 
 __all__ = ["LoopWakeup", "Subscription", "Wakeup", "get_listener"]
@@ -269,7 +269,7 @@ class _Listener:
             backoff = min(backoff * 2, MAX_BACKOFF)
 
     def _wait_wake(self, timeout: float) -> None:
-        select.select([self._wake_r], [], [], timeout)
+        readable([self._wake_r], timeout)
         self._drain_wake()
 
     def _drain_wake(self) -> None:
@@ -287,8 +287,7 @@ class _Listener:
             self._sync(conn)
             while conn.can_read(0):
                 self._dispatch(conn.read_response())
-            readable: list[Any] = [conn._sock, self._wake_r]
-            ready, _, _ = select.select(readable, [], [], SYNC_INTERVAL)
+            ready = readable([conn._sock, self._wake_r], SYNC_INTERVAL)
             if self._wake_r in ready:
                 self._drain_wake()
 

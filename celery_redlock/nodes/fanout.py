@@ -17,7 +17,6 @@ replies are merged back into one :class:`~celery_redlock.nodes.calls.Reply` per 
 from __future__ import annotations
 
 import contextlib
-import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from redis.connection import AbstractConnection
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..poll import readable
 from .calls import Call, Leg, LockNode, Reply, Script, Server
 
 __all__ = ["fan_out", "pack"]
@@ -368,4 +368,4 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
             socks: list[Any] = [flight.conn._sock for flight in state.inflight]
             # A socket closed under us shows up as an error on the next read.
             with contextlib.suppress(OSError, ValueError):
-                select.select(socks, [], [], remaining)
+                readable(socks, remaining)

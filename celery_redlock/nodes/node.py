@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from redis.sentinel import SentinelConnectionPool
 
 from .. import forksafe
 from ..exceptions import ConfigurationError
+from ..poll import readable
 from .calls import Call, Leg, Script
 from .sentinel import (
     MASTER_RECHECK,
@@ -326,7 +326,7 @@ def _closed_by_peer(conn: AbstractConnection) -> bool:
     if sock is None:
         return False
     try:
-        return bool(select.select([sock], [], [], 0)[0])
+        return bool(readable([sock], 0))
     except (OSError, ValueError):
         return True
 
