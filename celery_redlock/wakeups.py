@@ -65,8 +65,9 @@ class _Sleeper:
 
 _sleepers: dict[str, _Sleeper] = {}
 _mutex = threading.Lock()
-#: The consumer timer's repeating entry while copies wait (None: none wait).
-_tick_entry: Any = None
+#: Each consumer timer's repeating entry, while copies received by its consumer wait
+#: (a consumer restarted, or a second worker in the process, has a timer of its own).
+_tick_entries: dict[Any, Any] = {}
 
 
 def on_task_received(consumer: Any, request: Any) -> None:
@@ -87,13 +88,12 @@ def on_task_received(consumer: Any, request: Any) -> None:
     except Exception:  # the countdown still starts it
         logger.debug("celery_redlock: cannot listen for %s's release", key, exc_info=True)
         return
-    global _tick_entry  # noqa: PLW0603
     with _mutex:
         old = _sleepers.pop(request.id, None)
         _sleepers[request.id] = _Sleeper(request, consumer, subscription)
-        start_ticking = _tick_entry is None
-        if start_ticking:
-            _tick_entry = consumer.timer.call_repeatedly(TICK, _tick, (consumer,))
+        timer = consumer.timer
+        if timer not in _tick_entries:
+            _tick_entries[timer] = timer.call_repeatedly(TICK, _tick, (consumer,))
     if old is not None:
         old.subscription.close()
 
@@ -107,9 +107,8 @@ def _tick(consumer: Any) -> None:
 
 
 def _start_released(consumer: Any) -> None:
-    global _tick_entry  # noqa: PLW0603
     with _mutex:
-        sleepers = list(_sleepers.values())
+        sleepers = [s for s in _sleepers.values() if s.consumer is consumer]
     pending = _pending_entries(consumer.timer) if sleepers else {}
     for sleeper in sleepers:
         entry = sleeper.entry or getattr(sleeper.request, "_eta_timer_entry", None)
@@ -131,9 +130,10 @@ def _start_released(consumer: Any) -> None:
             consumer.apply_eta_task(sleeper.request)
         _forget(sleeper)
     with _mutex:
-        if not _sleepers and _tick_entry is not None:
-            _tick_entry.cancel()
-            _tick_entry = None
+        if not any(s.consumer is consumer for s in _sleepers.values()):
+            entry = _tick_entries.pop(consumer.timer, None)
+            if entry is not None:
+                entry.cancel()
 
 
 def _pending_entries(timer: Any) -> dict[int, Any]:
@@ -164,11 +164,13 @@ def _wake_key(request: Any) -> str | None:
 
 def stop() -> None:
     """Stop listening for every waiting copy (the worker stops; its timer is gone)."""
-    global _tick_entry  # noqa: PLW0603
     with _mutex:
         sleepers = list(_sleepers.values())
         _sleepers.clear()
-        _tick_entry = None
+        entries = list(_tick_entries.values())
+        _tick_entries.clear()
+    for entry in entries:
+        entry.cancel()
     for sleeper in sleepers:
         sleeper.subscription.close()
 
@@ -176,7 +178,7 @@ def stop() -> None:
 @forksafe.at_fork_in_child
 def _after_fork_in_child() -> None:
     # A pool child starts no copies (its parent's consumer does): it drops the parent's.
-    global _mutex, _tick_entry  # noqa: PLW0603
+    global _mutex  # noqa: PLW0603
     _mutex = threading.Lock()
     _sleepers.clear()
-    _tick_entry = None
+    _tick_entries.clear()

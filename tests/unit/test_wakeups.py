@@ -75,6 +75,7 @@ def consumer(monkeypatch):
         ),
     )
     monkeypatch.setattr(wakeups.NodeSet, "get", lambda urls, timeout: SimpleNamespace(nodes=()))
+    wakeups.stop()  # nothing left by the in-process workers of other tests
     yield Consumer()
     wakeups.stop()
 
@@ -132,3 +133,18 @@ def test_messages_without_a_busy_key_or_a_countdown_are_not_watched(consumer):
     for request in (plain, due):
         wakeups.on_task_received(consumer, request)
     assert not wakeups._sleepers
+
+
+def test_each_consumer_looks_at_its_own_copies_on_its_own_timer(consumer):
+    """A consumer restarted (or a second worker in the process) has a timer of its own:
+    its copies are watched there, even while another timer's entry is still on."""
+    receive(consumer, "t-1")
+    other = Consumer()
+    receive(other, "t-2")
+    assert other.timer.repeating is not consumer.timer.repeating
+    wakeups._sleepers["t-2"].subscription.event.set()
+    wakeups._tick(consumer)
+    assert other.applied == [] and consumer.applied == [], "not this consumer's copy"
+    wakeups._tick(other)
+    assert other.applied == ["t-2"] and other.timer.repeating.canceled
+    assert not consumer.timer.repeating.canceled, "t-1 still waits there"

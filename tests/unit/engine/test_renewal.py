@@ -8,7 +8,6 @@ import math
 import multiprocessing
 import threading
 import time
-import types
 
 import pytest
 
@@ -240,7 +239,7 @@ def test_a_lease_queued_at_any_moment_of_the_renewers_sleep_is_seen(
 ):
     """Whichever way a task thread's queueing interleaves with the renewer going to
     sleep, a lease due before the wake-up time is in the inbox before the thread
-    sleeps, or the pipe is readable when it calls select."""
+    sleeps, or the pipe is readable when it polls it."""
     renewer = Renewer()
     lease = object()
 
@@ -250,17 +249,17 @@ def test_a_lease_queued_at_any_moment_of_the_renewers_sleep_is_seen(
     slept = []
     me = threading.get_ident()
 
-    def fake_select(readers, writers, errors, timeout):
+    def fake_readable(readers, timeout):
         if threading.get_ident() != me:  # the process's own renewer, started by other tests
-            return real_select.select(readers, writers, errors, timeout)
+            return real_readable(readers, timeout)
         if moment == "after_looking":
             queue()
-        ready = real_select.select(readers, writers, errors, 0)[0]
+        ready = real_readable(readers, 0)
         slept.append(not ready)
-        return ready, [], []
+        return ready
 
-    real_select = renewal.select
-    monkeypatch.setattr(renewal, "select", types.SimpleNamespace(select=fake_select))
+    real_readable = renewal.readable
+    monkeypatch.setattr(renewal, "readable", fake_readable)
     renewer._inbox = _HookedInbox(queue if moment == "before_looking" else None)
     if moment == "before_sleeping":
         queue()
