@@ -38,6 +38,7 @@ def _gaps(runs):
     return [later[2] - earlier[3] for earlier, later in itertools.pairwise(runs)]
 
 
+@pytest.mark.smoke  # it reads Celery's ETA timer entries: checked on the lowest and newest
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_a_busy_runs_copy_starts_when_the_key_is_released(
     pool, app, inprocess_worker_factory, worker_process_factory, tmp_path
