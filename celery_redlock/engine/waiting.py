@@ -28,6 +28,11 @@ release says ``''`` only when nobody is recorded; the listener then wakes the pr
 longest waiter (one per process), as do a share's release and a lock of several
 resources, whose waiters are not recorded.
 
+With Redlock each node names its own oldest waiter (arrivals are stamped by the
+waiter, so the nodes agree), and a waiter tries once a quorum of nodes announced the
+release to it (:meth:`Subscription.wait`); a split vote's undo keeps its place
+(:meth:`.kinds.Kind.undo_call`).
+
 A lock that *expires* publishes nothing, and a notification can be lost with a
 dropped connection; waiters therefore never wait longer than the holder's
 remaining lease (the "TTL fallback") before trying again, and a recorded waiter no

@@ -16,14 +16,9 @@ if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock fair_leave: empty owner token')
 end
 local how = ARGV[2] or 'fair'
-local reserve = 0
-if how == 'wake' then
-    reserve = tonumber(ARGV[3])
-    if not reserve or reserve < 0 or reserve > 2592000000 or reserve ~= math.floor(reserve) then
-        return redis.error_reply('ERR celery_redlock fair_leave: a reservation must be a non-negative integer of ms')
-    end
-elseif how ~= 'fair' then
-    return redis.error_reply("ERR celery_redlock fair_leave: ARGV[2] must be 'fair' or 'wake'")
+local reserve, wrong = naming_args(how, ARGV[3])
+if not reserve then
+    return redis.error_reply('ERR celery_redlock fair_leave: ' .. wrong)
 end
 local lock, record = KEYS[1], {KEYS[2], KEYS[3], KEYS[4]}
 local left = redis.call('ZREM', KEYS[2], ARGV[1])
@@ -36,9 +31,7 @@ if passed_on then
     reserve = math.min(reserve, tonumber(held[4]) or 0)
 end
 if passed_on or not held[1] then
-    local t = redis.call('TIME')
-    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    local named = name_next(lock, KEYS[5], record, how, reserve, false, now, held[3] or '0')
+    local named = name_next(lock, KEYS[5], record, how, reserve, false, node_ms(), held[3] or '0')
     if not named and passed_on then
         redis.call('PUBLISH', KEYS[5], '')
     end

@@ -34,14 +34,12 @@ if ARGV[1] == YIELD_MARK then
 end
 local token = ARGV[1]
 local how = ARGV[2] or ''
-local reserve = 0
-if how == 'wake' then
-    reserve = tonumber(ARGV[3])
-    if not reserve or reserve < 0 or reserve > 2592000000 or reserve ~= math.floor(reserve) then
-        return redis.error_reply('ERR celery_redlock release: a reservation must be a non-negative integer of ms')
-    end
-elseif how ~= 'fair' and how ~= '' then
-    return redis.error_reply("ERR celery_redlock release: ARGV[2] must be '', 'fair' or 'wake'")
+local reserve, wrong = 0, nil
+if how ~= '' then
+    reserve, wrong = naming_args(how, ARGV[3])
+end
+if not reserve then
+    return redis.error_reply('ERR celery_redlock release: ' .. wrong)
 end
 local record = how ~= ''
 if record and #KEYS ~= 5 then
@@ -54,10 +52,8 @@ local function name_after(lock, held, cap, skip)
     if not record then
         return nil
     end
-    local t = redis.call('TIME')
-    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     return name_next(lock, KEYS[2], {KEYS[3], KEYS[4], KEYS[5]}, how,
-                     math.min(reserve, cap), skip, now, held.fence or '0')
+                     math.min(reserve, cap), skip, node_ms(), held.fence or '0')
 end
 
 if record and ARGV[5] ~= 'keep' and redis.call('ZREM', KEYS[4], token) == 1 then

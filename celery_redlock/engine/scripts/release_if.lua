@@ -22,8 +22,8 @@
 if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock release_if: empty task id')
 end
-local reserve = tonumber(ARGV[3] or '0')
-if not reserve or reserve < 0 or reserve > 2592000000 or reserve ~= math.floor(reserve) then
+local reserve = ms_arg(ARGV[3] or '0')
+if not reserve then
     return redis.error_reply('ERR celery_redlock release_if: a reservation must be a non-negative integer of ms')
 end
 local holder = redis.call('HMGET', KEYS[1], 'task_id', 'pid', 'fence', 'ttl')
@@ -34,11 +34,9 @@ if holder[1] ~= false then
     redis.call('DEL', KEYS[1])
     local named
     if #KEYS >= 7 then
-        local t = redis.call('TIME')
-        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
         local lease_third = math.floor((tonumber(holder[4]) or 0) / 3)
         named = name_next(KEYS[1], KEYS[2], {KEYS[5], KEYS[6], KEYS[7]}, 'wake',
-                          math.min(reserve, lease_third), false, now, holder[3] or '0')
+                          math.min(reserve, lease_third), false, node_ms(), holder[3] or '0')
     end
     if not named then
         redis.call('PUBLISH', KEYS[2], '')

@@ -6,6 +6,12 @@
 -- token -> deadline, node ms: the place lapses unless refreshed) and wake (hash token ->
 -- the waiter's process channel, where a release names it).
 --
+-- ms_arg(value)  a reservation argument: a non-negative integer of ms (at most 30
+--          days), or nil (the caller answers with its own error).
+-- naming_args(how, reserve)  how a script names waiters ('fair' or 'wake') and, with
+--          'wake', the reservation: the reservation in ms (0 for 'fair'), or nil and
+--          what is wrong.
+-- node_ms()  the node's clock, in ms.
 -- drop_lapsed(queue, waiting, wake, now)  forget the waiters whose place lapsed.
 -- first_waiter(queue, wake, skip)  the oldest recorded token whose process channel is
 --          not `skip` (false: any), and its channel (false if it recorded none).
@@ -25,6 +31,29 @@
 --          'waited' is set when a waiter of another process is still recorded: the
 --          named waiter's process then has a bounded turn (handoff.TURN). Returns the
 --          named token, or nil when nobody is recorded (the caller publishes then).
+local function ms_arg(value)
+    local ms = tonumber(value)
+    if not ms or ms < 0 or ms > 2592000000 or ms ~= math.floor(ms) then
+        return nil
+    end
+    return ms
+end
+local function naming_args(how, reserve)
+    if how == 'fair' then
+        return 0
+    elseif how ~= 'wake' then
+        return nil, "ARGV[2] must be 'fair' or 'wake'"
+    end
+    local ms = ms_arg(reserve)
+    if not ms then
+        return nil, 'a reservation must be a non-negative integer of ms'
+    end
+    return ms
+end
+local function node_ms()
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local function drop_lapsed(queue, waiting, wake, now)
     local gone = redis.call('ZRANGEBYSCORE', waiting, '-inf', now)
     if #gone > 0 then

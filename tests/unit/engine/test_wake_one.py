@@ -31,6 +31,7 @@ from celery_redlock import Redlock
 from celery_redlock.engine.keys import YIELD_MARK, lock_keys, release_keys
 from celery_redlock.engine.scripts import ACQUIRE, FAIR_LEAVE, RELEASE, RELEASE_IF
 from tests.harness import wait_for
+from tests.harness.waits import count_waiting
 
 # -- the scripts: who is named, on which channel, and the reservation ---------------------
 
@@ -168,42 +169,9 @@ PROCESSES, WARMUP, SECONDS = 8, 0.5, 1.5
 AT_MOST = 1.3
 
 
-def _count_waiting(counts: collections.Counter[str]) -> None:
-    """Count, in this process, acquisition tries, deliveries and wake-ups into ``counts``."""
-    from celery_redlock.engine import lock as lock_module
-    from celery_redlock.engine import waiting
-
-    try_once, dispatch, wait = (
-        lock_module.Redlock._attempt,
-        waiting._Listener._dispatch,
-        waiting.Subscription.wait,
-    )
-
-    def counted_attempt(self: Any, waiter: Any) -> Any:
-        result = try_once(self, waiter)
-        counts["attempts"] += 1
-        counts["refused"] += result is not None
-        return result
-
-    def counted_dispatch(self: Any, message: Any) -> None:
-        if isinstance(message, list) and message and message[0] == "message":
-            counts["deliveries"] += 1  # a release announcement reached this process
-        dispatch(self, message)
-
-    def counted_wait(self: Any, timeout: float) -> bool:
-        woken = wait(self, timeout)
-        counts["woken" if woken else "timed_out"] += 1
-        return woken
-
-    lock_module.Redlock._attempt = counted_attempt  # type: ignore[method-assign]
-    waiting._Listener._dispatch = counted_dispatch  # type: ignore[method-assign]
-    waiting.Subscription.wait = counted_wait  # type: ignore[method-assign]
-
-
 def _contender(urls: list[str], ready: Any, go: Any, times: Any, results: Any) -> None:
     """Acquire and release one lock (hold 0) until the end; report the counted window."""
-    counts: collections.Counter[str] = collections.Counter()
-    _count_waiting(counts)
+    counts = count_waiting()
     lock = Redlock("counted", nodes=urls, ttl=30)
     ready.put(os.getpid())
     go.wait(60)
@@ -248,7 +216,11 @@ def contend(urls: list[str], processes: int) -> dict[str, float]:
                 proc.kill()
     acquired = totals["acquired"]
     assert acquired >= 100, dict(totals)
-    per = {k: round(totals[k] / acquired, 2) for k in ("deliveries", "woken", "refused")}
+    per = {
+        "deliveries": round(totals["deliveries"] / acquired, 2),
+        "woken": round(totals["woken"] / acquired, 2),
+        "refused": round(totals["failed_attempts"] / acquired, 2),
+    }
     return {**per, "attempts": totals["attempts"], "acquired": acquired}
 
 
@@ -283,8 +255,7 @@ RENEW_INTERVAL = TTL / 3  # the default
 
 def _waiter(url: str, name: str, results: Any) -> None:
     """Wait for ``name``; report when it was acquired and what this process received."""
-    counts: collections.Counter[str] = collections.Counter()
-    _count_waiting(counts)
+    counts = count_waiting()
     lock = Redlock(name, nodes=[url], ttl=TTL)
     assert lock.acquire(timeout=60)
     acquired_at = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
