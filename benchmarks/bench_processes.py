@@ -51,6 +51,7 @@ from benchmarks.bench_contention import FAIR, ProcessPool, client_loop
 from benchmarks.common import environment, server_label, write_report
 from celery_redlock import Redlock
 from tests.harness import RedisServer
+from tests.harness.waits import COUNTS, count_waiting
 
 OURS, PRL, REDIS_PY = "celery_redlock", "python-redis-lock", "redis-py Lock"
 P8_KINDS = (OURS, FAIR, PRL, REDIS_PY)
@@ -153,51 +154,13 @@ def run_once(url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-_COUNTS: collections.Counter[str] = collections.Counter()
-
-
-def _count_ours() -> None:
-    """Wrap (in this process, once) what a waiter of ours does, counting each step."""
-    from celery_redlock.engine import lock as lock_module
-    from celery_redlock.engine import waiting
-
-    if getattr(waiting, "_p8_counted", False):
-        return
-    waiting._p8_counted = True  # type: ignore[attr-defined]
-    attempt, dispatch, wait = (
-        lock_module.Redlock._attempt,
-        waiting._Listener._dispatch,
-        waiting.Subscription.wait,
-    )
-
-    def counted_attempt(self: Any, waiter: Any) -> Any:
-        result = attempt(self, waiter)
-        _COUNTS["attempts"] += 1
-        _COUNTS["failed_attempts"] += result is not None
-        return result
-
-    def counted_dispatch(self: Any, message: Any) -> None:
-        if isinstance(message, list) and message and message[0] in ("message", b"message"):
-            _COUNTS["deliveries"] += 1  # a release announcement reached this process
-        dispatch(self, message)
-
-    def counted_wait(self: Any, timeout: float) -> bool:
-        woken = wait(self, timeout)
-        _COUNTS["woken" if woken else "wait_timeouts"] += 1
-        return woken
-
-    lock_module.Redlock._attempt = counted_attempt  # type: ignore[method-assign]
-    waiting._Listener._dispatch = counted_dispatch  # type: ignore[method-assign]
-    waiting.Subscription.wait = counted_wait  # type: ignore[method-assign]
-
-
 def counted_loop(*job: Any) -> tuple[int, list[float], dict[str, int]]:
     """:func:`client_loop`, and what this process's waiting did meanwhile (ours only)."""
     if job[0] in (OURS, FAIR):
-        _count_ours()
-    _COUNTS.clear()
+        count_waiting()
+    COUNTS.clear()
     count, waits = client_loop(*job)
-    return count, waits, dict(_COUNTS)
+    return count, waits, dict(COUNTS)
 
 
 def server_counters(client: redis.Redis) -> dict[str, float]:

@@ -51,6 +51,7 @@ from typing import cast
 from . import metrics
 from .engine.keys import keys_of
 from .engine.scripts import RELEASE_IF, ReleaseIfStatus
+from .engine.waiting import named_reserve_ms
 from .nodes import Call, NodeSet
 from .poll import readable
 
@@ -281,7 +282,9 @@ class Reaper:
             self._release(pid, task_id, key)
 
     def _release(self, pid: int, task_id: str, key: str) -> None:
-        replies = self.nodeset.call([Call(RELEASE_IF, keys_of(key).release_if, (task_id, pid))])
+        # Named and kept for the oldest recorded waiter, as a release by its holder would.
+        call = Call(RELEASE_IF, keys_of(key).release_if, (task_id, pid, named_reserve_ms()))
+        replies = self.nodeset.call([call])
         codes = [r.values[0] for r in replies if r is not None and r.ok]
         if ReleaseIfStatus.RELEASED in codes:
             self.released += 1

@@ -21,6 +21,10 @@ What stays as it was:
   a fair lock (its release names the next waiter) keep their countdown.
 * A lock that expires publishes nothing, and a notification can be lost with a
   dropped connection: the countdown is the fallback, as for any waiter.
+* A release that names a recorded waiter (a blocked ``acquire()`` of the key,
+  :mod:`celery_redlock.engine.waiting`) announces itself to that waiter's process
+  only, and keeps the key for it: a copy starts at the next release that names nobody,
+  or at its countdown.
 
 The check runs on the consumer's timer every :data:`TICK` seconds while copies wait
 (only then), so a copy starts within :data:`TICK` of its key's release announcement.

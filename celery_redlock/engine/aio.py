@@ -205,7 +205,7 @@ class AsyncRedlock:
             self.nodeset.nodes,
             self.keys.channel,
             confirm_timeout=None,
-            token=self.kind.wake_token(waiter),
+            named=self.kind.wake_token(waiter),
             event=wakeup,
         )
         deadline = time.monotonic() + self.timing.node_timeout
@@ -267,7 +267,8 @@ class AsyncRedlock:
         if not attempt.all_busy():
             if not await settle(inflight, self.timing.node_timeout):
                 waiter.in_doubt = True  # the unlock below may overtake those
-            await self._unlock(token)  # everywhere: a silent node may have granted it
+            # Everywhere: a silent node may have granted it. The waiter keeps its place.
+            await self.nodeset.call([self.kind.undo_call(token)])
         if len(attempt.granted) >= quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt

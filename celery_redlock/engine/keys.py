@@ -8,15 +8,21 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               FENCE_HORIZON_LEASES leases (at least FENCE_HORIZON_MIN
                               seconds) after it, and the next fence then starts from
                               the node's clock in microseconds (scripts/fence.lua)
-    redlock:{NAME}:released   pub/sub channel: one message per release
+    redlock:{NAME}:released   pub/sub channel: a release that names no waiter
+    redlock:{NAME}:released:HOST:PID
+                              pub/sub channel of one process: a release names one of
+                              its waiters here (:func:`process_channel`)
     redlock:{NAME}:state      hash of per-entry last run times (beat leader locks only)
     redlock:{NAME}:shared     sorted set: shared holders (read locks, ``limit`` slots),
                               token -> lease deadline in ms on the node's clock; the
                               member :data:`WRITER_MARK` marks a writer waiting for them
     redlock:{NAME}:holders    hash: shared holder token -> JSON object with fence,
                               task_id, host, pid, acquired_at, task_name, ttl
-    redlock:{NAME}:queue      sorted set: fair waiters, token -> arrival order
-    redlock:{NAME}:waiting    sorted set: fair waiters, token -> deadline in ms
+    redlock:{NAME}:queue      sorted set: the record of blocked waiters (an exclusive
+                              lock on one resource, fair or not), token -> arrival order
+    redlock:{NAME}:waiting    sorted set: the same waiters, token -> deadline in ms
+                              (the place lapses unless refreshed)
+    redlock:{NAME}:wake       hash: the same waiters, token -> their process channel
     redlock:{NAME}:claim:TAG  hash: task_id, task_name, claimed_at (with debounce, due
                               and args); the send-time claim of a task with
                               ``lock_unique`` (one queued copy per task and name).
@@ -87,6 +93,7 @@ __all__ = [
     "lock_keys",
     "lock_name_of",
     "parse_key",
+    "process_channel",
     "release_keys",
     "validate_prefix",
 ]
@@ -116,10 +123,11 @@ FENCE_HORIZON_MIN = 5.0
 #: entry is dropped. The scripts get it as an argument, the readers use it too.
 QUEUED_GRACE = 60.0
 
-#: The token of a lock *reserved* for other processes: released by a process whose
-#: turn was over while another process waited (:mod:`celery_redlock.engine.handoff`),
-#: refused to that process for a moment (never a token: tokens are hex). The scripts
-#: get it as the Lua constant ``YIELD_MARK``.
+#: The token of a lock *reserved* for a moment (never a token: tokens are hex): for
+#: other processes, released by a process whose turn was over while another process
+#: waited (:mod:`celery_redlock.engine.handoff`), and refused to that process; or, with
+#: a field ``for``, for the one waiter a release named (:mod:`celery_redlock.engine.waiting`),
+#: refused to everyone else. The scripts get it as the Lua constant ``YIELD_MARK``.
 YIELD_MARK = "!yield"
 
 
@@ -140,6 +148,7 @@ class LockKeys(NamedTuple):
     rate: str
     budget: str
     queued: str
+    wake: str
 
     @property
     def resource(self) -> tuple[str, str, str, str]:
@@ -147,9 +156,9 @@ class LockKeys(NamedTuple):
         return (self.lock, self.fence, self.shared, self.holders)
 
     @property
-    def fair(self) -> tuple[str, str]:
-        """The fair waiting queue and its waiters' deadlines."""
-        return (self.queue, self.waiting)
+    def record(self) -> tuple[str, str, str]:
+        """The record of blocked waiters: queue (arrival), deadlines, process channels."""
+        return (self.queue, self.waiting, self.wake)
 
     @property
     def release_shared(self) -> tuple[str, str, str]:
@@ -157,14 +166,14 @@ class LockKeys(NamedTuple):
         return (self.channel, self.shared, self.holders)
 
     @property
-    def fair_leave(self) -> tuple[str, str, str, str]:
-        """KEYS of ``fair_leave.lua``: the lock, the queue, its deadlines, the channel."""
-        return (self.lock, self.queue, self.waiting, self.channel)
+    def fair_leave(self) -> tuple[str, str, str, str, str]:
+        """KEYS of ``fair_leave.lua``: the lock, the record of waiters, the channel."""
+        return (self.lock, *self.record, self.channel)
 
     @property
-    def release_if(self) -> tuple[str, str, str, str]:
-        """KEYS of ``release_if.lua``: the lock and channel, then the shares."""
-        return (self.lock, self.channel, self.shared, self.holders)
+    def release_if(self) -> tuple[str, ...]:
+        """KEYS of ``release_if.lua``: the lock and channel, the shares, the waiters."""
+        return (self.lock, self.channel, self.shared, self.holders, *self.record)
 
     @property
     def fence_sync(self) -> tuple[str, str, str]:
@@ -189,10 +198,21 @@ SUFFIXES: dict[str, str] = {
 }
 
 
-def release_keys(resources: Sequence[LockKeys], *, fair: bool = False) -> tuple[str, ...]:
-    """KEYS of ``release.lua``: each lock with its channel (then the fair queue's keys)."""
+def release_keys(resources: Sequence[LockKeys], *, record: bool = False) -> tuple[str, ...]:
+    """KEYS of ``release.lua``: each lock with its channel (then the record of waiters)."""
     keys = tuple(key for resource in resources for key in (resource.lock, resource.channel))
-    return keys + resources[0].fair if fair else keys
+    return keys + resources[0].record if record else keys
+
+
+def process_channel(channel: str, host: str, pid: int) -> str:
+    """The channel on which a release names a waiter of the process ``host``/``pid``.
+
+    ``<lock channel>:<host>:<pid>``: one process's listener subscribes to it, so an
+    announcement meant for one waiter reaches one process, not every subscribed one.
+    It keeps the lock's hash tag (pub/sub is not sharded by it; the ACL's channel
+    pattern covers it).
+    """
+    return f"{channel}:{host}:{pid}"
 
 
 def validate_prefix(prefix: str, setting: str = "redlock_key_prefix") -> str:

@@ -5,9 +5,12 @@ A :class:`~celery_redlock.Redlock` is of one kind, picked once from its argument
 
 * :class:`Exclusive`: one holder at a time, on one resource or on several taken
   together (every exclusive script takes a list of resources; one resource is a list
-  of one, so several resources need no kind of their own);
+  of one, so several resources need no kind of their own). On one resource, the
+  nodes keep a record of the blocked waiters, and a release names one of them on its
+  process's channel (:mod:`.waiting`);
 * :class:`Fair`: exclusive on one resource, and blocking waiters are served in
-  arrival order through a queue on the nodes;
+  arrival order through the same record, read as a queue: only its head may take the
+  lock;
 * :class:`Shared`: any number of holders, or at most ``limit``, never beside an
   exclusive holder (``mode="shared"``, or ``limit=``).
 
@@ -40,6 +43,7 @@ from .scripts import (
     RELEASE_SHARED,
 )
 from .timing import check_kind
+from .waiting import Named, named_reserve_ms, process_channel
 
 __all__ = ["Exclusive", "Fair", "Holder", "Kind", "Shared", "Waiter", "kind_of", "majority"]
 
@@ -116,8 +120,8 @@ class Kind(abc.ABC):
         """The identity of one acquire call on ``nodes`` nodes."""
         return Waiter(blocking)
 
-    def wake_token(self, waiter: Waiter) -> str | None:
-        """The token a release announcement names to wake ``waiter`` (None: any waiter)."""
+    def wake_token(self, waiter: Waiter) -> Named | None:
+        """What a release announcement names to wake ``waiter`` (None: it names nobody)."""
         return None
 
     def leave_call(self, token: str) -> Call | None:
@@ -152,6 +156,14 @@ class Kind(abc.ABC):
         object (the lock could then never be garbage-collected).
         """
 
+    def undo_call(self, token: str) -> Call:
+        """The call that frees what an attempt of ``token`` that lost the vote was granted.
+
+        The waiter tries again in a moment, so it keeps its place among the recorded
+        waiters (an exclusive lock on one resource).
+        """
+        return self.release_call(token)
+
     @abc.abstractmethod
     def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
         """Store ``fences`` (one per resource) back on a granting node."""
@@ -178,35 +190,99 @@ class Kind(abc.ABC):
 
 
 class Exclusive(Kind):
-    """One holder at a time, on one resource or on several taken together (all or none)."""
+    """One holder at a time, on one resource or on several taken together (all or none).
+
+    On one resource, a refused blocking waiter is recorded on the nodes (refreshed
+    with its place while it waits), and a release names the oldest recorded one on its
+    process channel and keeps the lock for it a moment (:mod:`.waiting`). A lock on
+    several resources keeps no record: its release wakes one waiter per process.
+    """
 
     mode = "exclusive"
-    # A blocking writer kept out by shared holders marks itself waiting on the nodes.
+    # A blocking writer kept out by shared holders marks itself waiting on the nodes,
+    # and a recorded waiter's place lapses unless refreshed.
     refreshes_while_waiting = True
     hands_over = True
+    #: How the record names waiters (``acquire.lua`` ARGV[11]): any may take a free
+    #: lock, but the one a release named is kept a reservation.
+    naming: ClassVar[str] = "wake"
+
+    def __init__(self, resources: Sequence[LockKeys]) -> None:
+        super().__init__(resources)
+        #: The nodes keep a record of the blocked waiters (one resource only).
+        self.records = len(self.resources) == 1
+
+    def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
+        """A waiter with its arrival stamped, when several nodes must agree on the order.
+
+        One node numbers arrivals itself; several cannot, so the waiter stamps its
+        arrival (clocks of different hosts order it roughly): each node names its own
+        oldest waiter, and with one order they name the same one.
+        """
+        stamped = self.records and nodes > 1
+        return Waiter(blocking, f"{time.time() * 1000:.3f}" if stamped else "")
 
     def acquire_call(
         self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""
     ) -> Call:
         """``acquire.lua`` on every resource at once."""
         keys = tuple(key for resource in self.resources for key in resource.resource)
+        if self.records:
+            keys += self.keys.record
+            # A blocking waiter keeps its place one lease unless refreshed (it comes
+            # back every renewal interval); a try is never recorded.
+            record = (
+                str(ttl_ms if waiter.blocking else 0),
+                waiter.arrival,
+                self.naming,
+                process_channel(self.keys.channel),
+            )
+        else:
+            record = ("", waiter.arrival, "", "")
         return Call(
             ACQUIRE,
-            (*keys, *self._queue_keys(), self.keys.abandoned),
-            (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "",
-             self._queue_arg(waiter, ttl_ms), waiter.arrival,
+            (*keys, self.keys.abandoned),
+            (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "", *record,
              *((predecessor, *handoff.TURN) if predecessor else ())),
         )  # fmt: skip
 
-    def _queue_keys(self) -> tuple[str, ...]:
-        return ()
-
-    def _queue_arg(self, waiter: Waiter, ttl_ms: int) -> str:
-        return ""  # no fair waiting
-
     def release_call(self, token: str) -> Call:
-        """``release.lua`` on every resource."""
-        return Call(RELEASE, release_keys(self.resources), (token,))
+        """``release.lua`` on every resource; on one, it names a recorded waiter.
+
+        ``token`` also leaves the record: a Redlock holder stays recorded on a node that
+        refused it (still held there by its predecessor) while the others granted it.
+        """
+        if not self.records:
+            return Call(RELEASE, release_keys(self.resources), (token,))
+        return Call(
+            RELEASE,
+            release_keys(self.resources, record=True),
+            (token, self.naming, named_reserve_ms(), process_channel(self.keys.channel)),
+        )
+
+    def undo_call(self, token: str) -> Call:
+        """As :meth:`release_call`, but ``token`` keeps its place: it tries again.
+
+        A split vote's loser dropping out of the record on every node would leave the
+        nodes nobody to name for a moment, and each would wake one waiter per process
+        (measured with 6 processes on 3 nodes: the split votes then fed themselves).
+        """
+        call = self.release_call(token)
+        return Call(call.script, call.keys, (*call.args, "keep")) if self.records else call
+
+    def wake_token(self, waiter: Waiter) -> Named | None:
+        """A recorded waiter is woken by the release that names it (or by ``''``)."""
+        return waiter if self.records else None
+
+    def leave_call(self, token: str) -> Call | None:
+        """A recorded waiter that gives up leaves the record, passing on a reservation.
+
+        Else a fair waiter would hold the queue up for a ttl, and a named one keep the
+        lock idle for its reservation.
+        """
+        if not self.records:
+            return None
+        return Call(FAIR_LEAVE, self.keys.fair_leave, (token, self.naming, named_reserve_ms()))
 
     def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
         """One ``fence_sync.lua`` call per resource."""
@@ -240,8 +316,8 @@ class Fair(Exclusive):
     """Exclusive on one resource; blocking waiters queue on the nodes in arrival order.
 
     A waiter refreshes its place while it waits, so one that dies leaves the queue
-    within one ttl; a release names the head of the queue, and only that waiter is
-    woken.
+    within one ttl; a release names the head of the queue (which keeps its place until
+    it gets in), and only that waiter is woken, on its process channel.
     """
 
     fair = True
@@ -249,36 +325,10 @@ class Fair(Exclusive):
     # local waiter that is: takeovers offered to the others were refused, each at the
     # cost of a round trip (measured: fair throughput with 8 threads fell by a third).
     hands_over = False
+    naming = "fair"
 
     def __init__(self, keys: LockKeys) -> None:
         super().__init__((keys,))
-
-    def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
-        """A waiter with its arrival stamped, when several nodes must agree on the order.
-
-        One node numbers arrivals itself; several cannot, so the waiter stamps its
-        arrival (clocks of different hosts order it roughly).
-        """
-        return Waiter(blocking, f"{time.time() * 1000:.3f}" if nodes > 1 else "")
-
-    def wake_token(self, waiter: Waiter) -> str | None:
-        """A fair waiter is woken only by the release that names it."""
-        return waiter.token
-
-    def _queue_keys(self) -> tuple[str, ...]:
-        return self.keys.fair
-
-    def _queue_arg(self, waiter: Waiter, ttl_ms: int) -> str:
-        # The place lasts one lease unless refreshed; a non-blocking try does not queue.
-        return str(ttl_ms if waiter.blocking else 0)
-
-    def release_call(self, token: str) -> Call:
-        """The release also hands the lock's turn to the head of the queue."""
-        return Call(RELEASE, release_keys(self.resources, fair=True), (token, "fair"))
-
-    def leave_call(self, token: str) -> Call | None:
-        """A waiter that gives up leaves the queue (else it would hold it up for a ttl)."""
-        return Call(FAIR_LEAVE, self.keys.fair_leave, (token,))
 
 
 class Shared(Kind):

@@ -68,7 +68,6 @@ import enum
 import logging
 import os
 import random
-import socket
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -90,7 +89,7 @@ from .renewal import get_renewer
 from .scripts import INSPECT, ReleaseStatus
 from .timing import Timing
 from .vote import Attempt, budget, sync_fences, vote
-from .waiting import Subscription, subscribed
+from .waiting import HOST, Subscription, subscribed
 
 __all__ = ["DEFAULT_URL", "Redlock", "Step"]
 
@@ -106,7 +105,7 @@ RETRY_DELAY = 0.2
 SPLIT_BACKOFF = 0.002
 
 
-_HOST = socket.gethostname()
+_HOST = HOST  # the host the scripts record for a holder and a waiter
 
 
 class Step(enum.Enum):
@@ -297,7 +296,7 @@ class Redlock:
                     if step is Step.SPLIT:
                         time.sleep(pause)
                         if subscription is not None:
-                            subscription.event.clear()
+                            subscription.clear()
                     elif step is Step.WAIT:
                         if subscription is None:
                             subscription = self._subscribe(waiter)
@@ -334,12 +333,18 @@ class Redlock:
             raise
 
     def _subscribe(self, waiter: Waiter) -> Subscription:
-        """Listen for this lock's release announcements (those naming ``waiter``, if fair)."""
+        """Listen for this lock's release announcements (and those naming ``waiter``).
+
+        A named waiter of a Redlock tries once a quorum of nodes announced a release
+        to it (:meth:`.waiting.Subscription.wait`).
+        """
+        named = self.kind.wake_token(waiter)
         return Subscription(
             self.nodeset.nodes,
             self.keys.channel,
             confirm_timeout=self.timing.node_timeout,
-            token=self.kind.wake_token(waiter),
+            named=named,
+            quorum=1 if named is None else self.quorum,
         )
 
     @staticmethod
@@ -494,7 +499,7 @@ class Redlock:
             # The undo is queued behind the acquisition on the same connection of each
             # node, so it cannot overtake it; wait for every node that may be reachable
             # (the failure path may thus cost one more budget), not for failed ones.
-            self._unlock(token, wait_for=attempt.reachable())
+            self._unlock(token, wait_for=attempt.reachable(), undo=True)
         if len(attempt.granted) >= self.quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
@@ -566,16 +571,20 @@ class Redlock:
         )
         return True
 
-    def _unlock(self, token: str, wait_for: Sequence[int] | None = None) -> list[Reply | None]:
-        """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all)."""
+    def _unlock(
+        self, token: str, wait_for: Sequence[int] | None = None, *, undo: bool = False
+    ) -> list[Reply | None]:
+        """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all).
+
+        ``undo``: what an attempt that lost the vote was granted (it tries again, so it
+        keeps its place among the recorded waiters).
+        """
 
         def decided(replies: list[Reply | None]) -> bool:
             return all(replies[i] is not None for i in wait_for)  # type: ignore[union-attr]
 
-        return self.nodeset.call(
-            [self.kind.release_call(token)],
-            decided=None if wait_for is None else decided,
-        )
+        call = self.kind.undo_call(token) if undo else self.kind.release_call(token)
+        return self.nodeset.call([call], decided=None if wait_for is None else decided)
 
     # -- holding -----------------------------------------------------------------
 

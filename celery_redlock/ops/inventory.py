@@ -23,8 +23,9 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from ..engine.keys import SUFFIXES, keys_of, lock_keys, lock_name_of, parse_key, release_keys
-from ..engine.scripts import INSPECT, RELEASE, ReleaseStatus
+from ..engine.keys import SUFFIXES, keys_of, lock_keys, lock_name_of, parse_key
+from ..engine.kinds import Exclusive
+from ..engine.scripts import INSPECT, ReleaseStatus
 from ..nodes import Call, NodeSet, Server, fan_out
 
 __all__ = [
@@ -371,9 +372,10 @@ def release_lock(
     """
     if lock.token is None:
         return []
-    replies = nodeset.call(
-        [Call(RELEASE, release_keys([keys_of(lock.key)]), (lock.token,))], timeout=timeout
-    )
+    # As the holder's own release: the oldest recorded waiter is named (and the lock kept
+    # for it a moment), else one waiter per process is woken.
+    release = Exclusive((keys_of(lock.key),)).release_call(lock.token)
+    replies = nodeset.call([release], timeout=timeout)
     results: list[dict[str, str | None]] = []
     for node, reply in zip(nodeset.nodes, replies, strict=True):
         error = reply_error(reply)

@@ -208,15 +208,15 @@ class Script:
         return f"<Script {self.name} {self.sha[:8]}>"
 
 
-ACQUIRE = Script("acquire", status=AcquireStatus, libraries=("fence",))
+ACQUIRE = Script("acquire", status=AcquireStatus, libraries=("fence", "wake"))
 ABANDON = Script("abandon")
 FENCE_SYNC = Script("fence_sync", status=FenceSyncStatus, libraries=("fence",))
 RENEW_MANY = Script("renew_many", status=RenewStatus, per_key_args=3)
-RELEASE = Script("release", status=ReleaseStatus)
+RELEASE = Script("release", status=ReleaseStatus, libraries=("wake",))
 ACQUIRE_SHARED = Script("acquire_shared", status=AcquireStatus, libraries=("fence",))
 RELEASE_SHARED = Script("release_shared", status=ReleaseSharedStatus)
-FAIR_LEAVE = Script("fair_leave", status=FairLeaveStatus)
-RELEASE_IF = Script("release_if", status=ReleaseIfStatus)
+FAIR_LEAVE = Script("fair_leave", status=FairLeaveStatus, libraries=("wake",))
+RELEASE_IF = Script("release_if", status=ReleaseIfStatus, libraries=("wake",))
 INSPECT = Script("inspect")
 BEAT_CLAIM = Script("beat_claim", status=BeatClaimStatus)
 CLAIM = Script("claim", status=ClaimStatus)

@@ -7,8 +7,9 @@
 --             and the counter expires a horizon after the last one)
 -- KEYS[4i-1]  shared holders (sorted set token -> lease deadline, node clock, ms)
 -- KEYS[4i]    shared holders' details (hash token -> json)
--- With fair waiting (one resource only) two more keys:
+-- With a record of blocked waiters (one resource only, see wake.lua) three more keys:
 -- KEYS[5]     queue (sorted set token -> arrival)   KEYS[6]  waiter deadlines
+-- KEYS[7]     wake (hash token -> the waiter's process channel)
 -- Then, optional (the library always sends it): the lock's abandoned tokens
 -- (abandon.lua), whose requests are refused
 --
@@ -20,48 +21,58 @@
 -- ARGV[7]  holder task name ('' when the holder is not a task)
 -- ARGV[8]  '1': a blocking writer; if shared holders keep it out, mark it waiting
 --          (WRITER_MARK in the shared set) so that no new shared holder gets in
--- ARGV[9]  fair waiting: '' off; else the waiter's lease in ms ('0': a try that
---          does not queue). Only the head of the queue may take a free lock.
+-- ARGV[9]  '' : no record of waiters (and no record keys); else how long, in ms, a
+--          refused blocking requester keeps its place unless it refreshes it ('0': a
+--          try, which is never recorded)
 -- ARGV[10] arrival order for the queue ('' : this node numbers arrivals)
--- ARGV[11..14] optional, all four: a handoff. ARGV[11] the token of the holder that
+-- ARGV[11] with a record: 'fair', only the head of the queue may take a free lock;
+--          'wake', anyone may, but a lock that a release reserved for the waiter it
+--          named (wake.lua) is refused to everyone else
+-- ARGV[12] the requester's process channel, recorded with its place ('' : none)
+-- ARGV[13..16] optional, all four: a handoff. ARGV[13] the token of the holder that
 --          hands its locks over (a release in the same process); a lock it holds
 --          counts as free, and is taken over in place (a new fence, the new holder's
 --          fields), so it is never free in between for a third party to take.
---          ARGV[12], ARGV[13], ARGV[14]: the process's turn (non-negative integers).
+--          ARGV[14], ARGV[15], ARGV[16]: the process's turn (non-negative integers).
 --          Once a blocking attempt of another process (host, pid) was refused, the
---          holder's process may hand the lock over ARGV[12] more times, for at most
---          ARGV[13] ms; then a takeover is refused, and the lock's release reserves
---          it for ARGV[14] ms against that process (see release.lua).
+--          holder's process may hand the lock over ARGV[14] more times, for at most
+--          ARGV[15] ms; then a takeover is refused, and the lock's release reserves
+--          it for ARGV[16] ms against that process (see release.lua).
 --
 -- Fields a turn keeps in the lock hash (a takeover keeps them, a release drops them):
 --   waited    node ms when a blocking attempt of another process was first refused
+--             (or, with a record, when the lock was granted while a waiter of another
+--             process was recorded: it waits without asking again)
 --   handoffs  takeovers since then
 --   yield     set when a takeover was refused: the reservation's length, in ms
--- A reservation is a lock hash with token YIELD_MARK and the yielding process's host
--- and pid: that process is refused (a blocking attempt of it marks 'waited', which the
--- next holder's turn inherits), anyone else takes it as free.
+-- A reservation is a lock hash with token YIELD_MARK: with field 'for' (wake.lua), the
+-- lock is kept for that token alone (its process channel in field 'wake'); without,
+-- the yielding process's host and pid: that process is refused (a blocking attempt of
+-- it marks 'waited', which the next holder's turn inherits), anyone else takes it as
+-- free.
 --
 -- Returns  {1, fence_1, ..., fence_n}   acquired; fences are the new counter values
 --          {2, fence_1, ..., fence_n}   this token held them already; leases refreshed
---          {0, wait_ms, holder_task}    kept out by another holder (or, fair, by the
---                                       queue); wait_ms: when that may change
+--          {0, wait_ms, holder_task}    kept out by another holder (or a reservation,
+--                                       or, fair, by the queue); wait_ms: when that
+--                                       may change
 --          {3}                          refused: this token's acquisition was
 --                                       abandoned (nothing written)
-if #ARGV ~= 10 and #ARGV ~= 14 then
-    return redis.error_reply('ERR celery_redlock acquire: expected 10 or 14 arguments, got ' .. #ARGV)
+if #ARGV ~= 12 and #ARGV ~= 16 then
+    return redis.error_reply('ERR celery_redlock acquire: expected 12 or 16 arguments, got ' .. #ARGV)
 end
-local predecessor = ARGV[11]
+local predecessor = ARGV[13]
 if predecessor == '' or predecessor == ARGV[1] then
     predecessor = nil
 end
 local turn = {}
-if #ARGV == 14 then
-    for j = 12, 14 do
+if #ARGV == 16 then
+    for j = 14, 16 do
         local value = tonumber(ARGV[j])
         if not value or value < 0 or value > 2592000000 or value ~= math.floor(value) then
             return redis.error_reply('ERR celery_redlock acquire: a turn bound must be a non-negative integer')
         end
-        turn[j - 11] = value
+        turn[j - 13] = value
     end
 end
 -- Leases are capped at 30 days (settings.MAX_SECONDS): Lua hands a number of 1e14 or
@@ -71,11 +82,15 @@ local ttl = tonumber(ARGV[2])
 if not ttl or ttl <= 0 or ttl > MAX_LEASE or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire: lease must be a positive integer of ms, at most 30 days')
 end
-if ARGV[9] ~= nil and ARGV[9] ~= '' then
+local record = ARGV[9] ~= ''
+if record then
     local waiter_lease = tonumber(ARGV[9])
     if not waiter_lease or waiter_lease < 0 or waiter_lease > MAX_LEASE
             or waiter_lease ~= math.floor(waiter_lease) then
-        return redis.error_reply('ERR celery_redlock acquire: fair waiter lease must be an integer of ms, 0 to 30 days')
+        return redis.error_reply('ERR celery_redlock acquire: the place of a waiter must last an integer of ms, 0 to 30 days')
+    end
+    if ARGV[11] ~= 'fair' and ARGV[11] ~= 'wake' then
+        return redis.error_reply("ERR celery_redlock acquire: with a record of waiters, ARGV[11] must be 'fair' or 'wake'")
     end
 end
 if ARGV[10] ~= nil and ARGV[10] ~= '' then
@@ -91,18 +106,19 @@ end
 if ARGV[1] == YIELD_MARK then
     return redis.error_reply('ERR celery_redlock acquire: the owner token is the reservation mark')
 end
-local fair = ARGV[9] ~= nil and ARGV[9] ~= ''
-local rest = #KEYS - (fair and 2 or 0)
+local fair = record and ARGV[11] == 'fair'
+local rest = #KEYS - (record and 3 or 0)
 local abandoned
 if rest % 4 == 1 then
     abandoned = KEYS[#KEYS]
     rest = rest - 1
 end
 local n = rest / 4
-if n < 1 or n ~= math.floor(n) or (fair and n ~= 1) then
+if n < 1 or n ~= math.floor(n) or (record and n ~= 1) then
     return redis.error_reply('ERR celery_redlock acquire: expected 4 keys per resource '
-        .. '(and 2 queue keys with fair waiting, one resource only), then 1 optional')
+        .. '(and 3 record keys with a record of waiters, one resource only), then 1 optional')
 end
+local channel = ARGV[12]
 local token = ARGV[1]
 -- A request that arrives after its acquisition was abandoned (abandon.lua) grants
 -- nothing and queues nowhere: nobody would hold or release it.
@@ -153,14 +169,22 @@ for i = 1, n do
     if current == token then
         owned = owned + 1
         mine[i] = true
-    elseif current == YIELD_MARK and not same_process(lock) then
-        reserved[i] = true  -- reserved for anyone but the process that yielded it
     elseif current == YIELD_MARK then
-        if ARGV[8] == '1' then
-            redis.call('HSETNX', lock, 'waited', clock())  -- the next holder's turn is bounded
+        local named = redis.call('HGET', lock, 'for')
+        if named == token or (not named and not same_process(lock)) then
+            -- Kept for this waiter by the release that named it, or yielded by another
+            -- process to anyone but itself.
+            reserved[i] = named or true
+        else
+            -- Refused: kept for the named waiter, or against the yielding process. A
+            -- blocking attempt of another process than the next holder's bounds that
+            -- holder's turn.
+            if ARGV[8] == '1' and not (named and redis.call('HGET', lock, 'wake') == channel) then
+                redis.call('HSETNX', lock, 'waited', clock())
+            end
+            blocked = {0, redis.call('PTTL', lock), ''}
+            break
         end
-        blocked = {0, redis.call('PTTL', lock), ''}
-        break
     elseif current and current ~= predecessor then
         if ARGV[8] == '1' and not fair and not same_process(lock) then
             redis.call('HSETNX', lock, 'waited', clock())
@@ -193,14 +217,21 @@ for i = 1, n do
     end
 end
 
-if fair then
-    local queue, waiting = KEYS[5], KEYS[6]
-    local gone = redis.call('ZRANGEBYSCORE', waiting, '-inf', clock())
-    if #gone > 0 then
-        redis.call('ZREMRANGEBYSCORE', waiting, '-inf', clock())
-        redis.call('ZREM', queue, unpack(gone))
+-- The record of waiters: a refused blocking requester keeps (or takes) its place, with
+-- its process channel; one that gets in leaves it.
+local queue, waiting, wake = KEYS[5], KEYS[6], KEYS[7]
+local named_here = false  -- taking a reservation made for this token
+for i = 1, n do
+    if reserved[i] and reserved[i] ~= true then
+        named_here = true
     end
-    if not blocked and owned < n then
+end
+local others_waited = false
+if record then
+    if fair or blocked then
+        drop_lapsed(queue, waiting, wake, clock())
+    end
+    if fair and not blocked and owned < n and not named_here then
         local head = redis.call('ZRANGE', queue, 0, 0)[1]
         if head and head ~= token then
             local deadline = redis.call('ZSCORE', waiting, head)
@@ -218,14 +249,26 @@ if fair then
             redis.call('ZADD', queue, arrival, token)
         end
         redis.call('ZADD', waiting, clock() + waiter_ttl, token)
-        for _, key in ipairs({queue, waiting}) do
+        local keys = {queue, waiting}
+        if channel ~= '' then
+            redis.call('HSET', wake, token, channel)
+            keys[3] = wake
+        end
+        for _, key in ipairs(keys) do
             if redis.call('PTTL', key) < waiter_ttl then
                 redis.call('PEXPIRE', key, waiter_ttl)
             end
         end
     elseif not blocked then
-        redis.call('ZREM', queue, token)
-        redis.call('ZREM', waiting, token)
+        if redis.call('ZREM', waiting, token) == 1 then
+            redis.call('ZREM', queue, token)
+            redis.call('HDEL', wake, token)
+        end
+        -- Granted (or taken over) while a waiter of another process is recorded: it
+        -- waits to be named, without asking again, so this holder's turn is bounded
+        -- from now (a reservation carries the mark its release set).
+        others_waited = not fair and owned < n and not named_here
+            and other_process_waits(queue, wake, channel)
     end
 end
 
@@ -253,6 +296,9 @@ for i = 1, n do
         redis.call('HSET', lock, 'token', token, 'fence', fence_text(fence), 'task_id', ARGV[3],
                    'task_name', ARGV[7] or '', 'host', ARGV[4], 'pid', ARGV[5],
                    'acquired_at', ARGV[6], 'ttl', ttl)
+        if others_waited then
+            redis.call('HSETNX', lock, 'waited', clock())
+        end
         redis.call('ZREM', KEYS[4 * i - 1], WRITER_MARK)
     end
     redis.call('PEXPIRE', lock, ttl)

@@ -1,15 +1,28 @@
--- release: delete the locks this token holds, and wake the waiters.
+-- release: delete the locks this token holds, and announce each release.
 --
 -- KEYS[2i-1]  lock hash of resource i (i = 1..n)   KEYS[2i]  its release channel
--- With fair waiting (ARGV[2] = 'fair', one resource): KEYS[3] queue, KEYS[4] waiter
---             deadlines; the announcement then names the head of the queue.
+-- With a record of waiters (ARGV[2] 'fair' or 'wake', one resource, see wake.lua):
+--             KEYS[3] queue, KEYS[4] waiter deadlines, KEYS[5] wake (process channels)
 -- ARGV[1]     owner token
+-- ARGV[2]     '' (or absent): publish '' on each KEYS[2i] (one waiter per subscribed
+--             process wakes). 'fair': name the head of the queue, which keeps its
+--             place. 'wake': name the oldest recorded waiter, which leaves the record,
+--             and reserve the lock for it (wake.lua). A named waiter hears it on its
+--             process channel alone; '' goes to KEYS[2] only when nobody is recorded.
+-- ARGV[3]     ('wake') the reservation, in ms (non-negative integer); at most a third
+--             of the released lease (the default renewal interval) is used
+-- ARGV[4]     ('wake') the releasing process's channel: when this release yields the
+--             process's turn (below), its own recorded waiters are passed over
+-- ARGV[5]     optional: 'keep', the undo of an attempt that lost the vote: the token
+--             keeps its place in the record (it tries again)
 --
--- Publishes on KEYS[2i] for each lock it deletes: '' (wake one waiter
--- per process), or the token of the waiter whose turn it is (fair waiting).
--- A lock whose turn is over (field 'yield', see acquire.lua) is not deleted but
--- reserved: for 'yield' ms it is refused to the releasing process (its host and pid)
--- and free for any other, so that another process's woken waiter gets it.
+-- With a record, the token also leaves it, unless 'keep' (a Redlock holder this node
+-- refused stays recorded here), and a reservation made for it here (named by this
+-- node while it won on others) is passed on to the next waiter, as fair_leave.lua does.
+-- A lock whose turn is over (field 'yield', see acquire.lua) is reserved for the oldest
+-- recorded waiter of another process; with none recorded, it is reserved for 'yield' ms
+-- against the releasing process (its host and pid) and free for any other, so that
+-- another process's woken waiter gets it.
 -- Returns  1  released (every lock was held by this token)
 --          0  gone already (expired or released), wholly or in part
 --         -1  a lock is held by another token: that one is left alone
@@ -19,28 +32,61 @@ end
 if ARGV[1] == YIELD_MARK then
     return redis.error_reply('ERR celery_redlock release: the owner token is the reservation mark')
 end
-local fair = ARGV[2] == 'fair'
-local n = fair and 1 or #KEYS / 2
+local token = ARGV[1]
+local how = ARGV[2] or ''
+local reserve, wrong = 0, nil
+if how ~= '' then
+    reserve, wrong = naming_args(how, ARGV[3])
+end
+if not reserve then
+    return redis.error_reply('ERR celery_redlock release: ' .. wrong)
+end
+local record = how ~= ''
+if record and #KEYS ~= 5 then
+    return redis.error_reply('ERR celery_redlock release: a record of waiters takes 5 keys')
+end
+
+-- Name the next waiter of a freed lock (with a record), keeping the lock for it at most
+-- `cap` ms; nil when nobody is recorded.
+local function name_after(lock, held, cap, skip)
+    if not record then
+        return nil
+    end
+    return name_next(lock, KEYS[2], {KEYS[3], KEYS[4], KEYS[5]}, how,
+                     math.min(reserve, cap), skip, node_ms(), held.fence or '0')
+end
+
+if record and ARGV[5] ~= 'keep' and redis.call('ZREM', KEYS[4], token) == 1 then
+    redis.call('ZREM', KEYS[3], token)
+    redis.call('HDEL', KEYS[5], token)
+end
+local n = record and 1 or #KEYS / 2
 local released, taken = 0, false
 for i = 1, n do
-    local current = redis.call('HGET', KEYS[2 * i - 1], 'token')
-    if current == ARGV[1] then
-        local lock = KEYS[2 * i - 1]
-        local held = redis.call('HMGET', lock, 'yield', 'host', 'pid', 'fence')
-        local reserve = tonumber(held[1])
+    local lock = KEYS[2 * i - 1]
+    local fields = redis.call('HMGET', lock, 'token', 'yield', 'host', 'pid', 'fence', 'ttl', 'for')
+    local held = {yield = tonumber(fields[2]), host = fields[3], pid = fields[4],
+                  fence = fields[5], ttl = fields[6]}
+    if fields[1] == token then
         redis.call('DEL', lock)
-        if reserve and held[2] and held[3] then
-            redis.call('HSET', lock, 'token', YIELD_MARK, 'host', held[2], 'pid', held[3],
-                       'fence', held[4] or '0', 'ttl', reserve)
-            redis.call('PEXPIRE', lock, reserve)
+        local skip = held.yield and ARGV[4] ~= nil and ARGV[4] ~= '' and ARGV[4]
+        local named = name_after(lock, held, math.floor((tonumber(held.ttl) or 0) / 3), skip)
+        if held.yield and held.host and held.pid and redis.call('EXISTS', lock) == 0 then
+            redis.call('HSET', lock, 'token', YIELD_MARK, 'host', held.host, 'pid', held.pid,
+                       'fence', held.fence or '0', 'ttl', held.yield)
+            redis.call('PEXPIRE', lock, held.yield)
         end
-        local message = ''
-        if fair then
-            message = redis.call('ZRANGE', KEYS[3], 0, 0)[1] or ''
+        if not named then
+            redis.call('PUBLISH', KEYS[2 * i], '')
         end
-        redis.call('PUBLISH', KEYS[2 * i], message)
         released = released + 1
-    elseif current then
+    elseif fields[1] == YIELD_MARK and record and fields[7] == token then
+        -- Kept here for this token, which no longer wants it: pass it on.
+        redis.call('DEL', lock)
+        if not name_after(lock, held, tonumber(held.ttl) or 0, false) then
+            redis.call('PUBLISH', KEYS[2 * i], '')
+        end
+    elseif fields[1] then
         taken = true
     end
 end

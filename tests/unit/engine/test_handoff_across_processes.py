@@ -29,10 +29,11 @@ OTHER_PID = os.getpid() + 100_000  # a pid no process of this host has
 
 
 def other_process_attempt(client, lock: Redlock, token: str, blocking: bool = True):
-    """``acquire.lua`` as a thread of another process (same host, another pid) sends it."""
+    """``acquire.lua`` as a thread of another process (same host, another pid) sends it,
+    without a record of waiters (as a lock on several resources does)."""
     return client.eval(
         ACQUIRE.source, 4, *lock.keys.resource, token, 30_000, "", _HOST, OTHER_PID, 0, "",
-        "1" if blocking else "", "", "",
+        "1" if blocking else "", "", "", "", "",
     )  # fmt: skip
 
 

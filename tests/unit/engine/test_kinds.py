@@ -28,6 +28,7 @@ from celery_redlock.engine.scripts import (
     RELEASE,
     RELEASE_SHARED,
 )
+from celery_redlock.engine.waiting import named_reserve_ms, process_channel
 from celery_redlock.nodes import Call
 from tests.harness import wait_for
 
@@ -88,7 +89,8 @@ def test_an_exclusive_lock_on_two_resources_takes_and_frees_both_in_one_call():
     waiter = kind.new_waiter(True, 3)
     call = kind.acquire_call(waiter, 5000, HOLDER)
     assert call.script is ACQUIRE and call.keys == (*a.resource, *b.resource, a.abandoned)
-    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "")
+    # No record of waiters (several resources): no waiter's place, arrival, naming, channel.
+    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "", "", "")
     assert kind.release_call("tok") == Call(
         RELEASE, (a.lock, a.channel, b.lock, b.channel), ("tok",)
     )
@@ -109,14 +111,17 @@ def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
     several = kind.new_waiter(True, 3)
     assert one_node.arrival == "" and float(several.arrival) > 0
     call = kind.acquire_call(several, 5000, HOLDER)
-    assert call.keys == (*keys.resource, *keys.fair, keys.abandoned)
-    assert call.args[-3:] == ("1", "5000", several.arrival)
-    assert kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER).args[-3:] == ("", "0", "")
-    assert kind.release_call("tok").args == ("tok", "fair")
-    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.fair)
+    assert call.keys == (*keys.resource, *keys.record, keys.abandoned)
+    channel = process_channel(keys.channel)
+    assert call.args[-5:] == ("1", "5000", several.arrival, "fair", channel)
+    try_call = kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER)
+    assert try_call.args[-5:] == ("", "0", "", "fair", channel)
+    assert kind.release_call("tok").args == ("tok", "fair", named_reserve_ms(), channel)
+    assert kind.undo_call("tok").args[-1] == "keep", "a split vote's loser keeps its place"
+    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.record)
     leave = kind.leave_call("tok")
     assert leave is not None and (leave.script, leave.keys) == (FAIR_LEAVE, keys.fair_leave)
-    assert kind.wake_token(several) == several.token
+    assert kind.wake_token(several) is several
 
 
 def test_a_share_is_its_own_set_entry_and_a_full_limit_reads_as_locked():

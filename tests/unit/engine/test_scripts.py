@@ -34,10 +34,10 @@ def acquire(client, token, ttl=10_000, task_id="t1", pid=100, keys=KEYS, writer=
     resources = [keys] if isinstance(keys, LockKeys) else keys
     names = [key for resource in resources for key in resource.resource]
     if fair:
-        names += [resources[0].queue, resources[0].waiting]
+        names += resources[0].record
     return client.eval(
         ACQUIRE.source, len(names), *names, token, ttl, task_id, "h", pid, 0, "task",
-        writer, fair, "",
+        writer, fair, "", "fair" if fair else "", "",
     )  # fmt: skip
 
 
@@ -127,7 +127,7 @@ def test_a_lease_pexpire_cannot_take_is_refused_before_anything_is_written(redis
         else:
             acquire(c, "a", ttl=lease)
     assert "celery_redlock" in str(info.value), str(info.value)
-    keys = [KEYS.lock, KEYS.shared, KEYS.holders, KEYS.queue, KEYS.waiting]
+    keys = [KEYS.lock, KEYS.shared, KEYS.holders, *KEYS.record]
     assert [k for k in keys if c.pttl(k) == -1] == [], "a key with no TTL was left"
 
 
@@ -402,8 +402,8 @@ def test_release_if_frees_a_dead_childs_share(redis_node):
     c = redis_node.client()
     share(c, "r1", task_id="t1")
     keys = KEYS.release_if
-    assert c.eval(RELEASE_IF.source, 4, *keys, "t1", 8) == 0, "another pid"
-    assert c.eval(RELEASE_IF.source, 4, *keys, "t1", 7) == 1
+    assert c.eval(RELEASE_IF.source, len(keys), *keys, "t1", 8) == 0, "another pid"
+    assert c.eval(RELEASE_IF.source, len(keys), *keys, "t1", 7) == 1
     assert c.zcard(KEYS.shared) == 0
 
 
@@ -418,16 +418,16 @@ def test_fair_queue_serves_arrival_order(redis_node):
     pubsub = c.pubsub()
     pubsub.subscribe(KEYS.channel)
     pubsub.get_message(timeout=1)
-    fair_keys = release_keys([KEYS], fair=True)
-    assert c.eval(RELEASE.source, 4, *fair_keys, "holder", "fair") == 1
+    fair_keys = release_keys([KEYS], record=True)
+    assert c.eval(RELEASE.source, 5, *fair_keys, "holder", "fair") == 1
     assert pubsub.get_message(timeout=1)["data"] == "w1", "the release names the head"
     assert acquire(c, "w2", fair="10000")[0] == 0, "not w2's turn"
     assert acquire(c, "try", fair="0")[0] == 0
     assert acquire(c, "w1", fair="10000")[0] == 1
     assert c.zrange(KEYS.queue, 0, -1) == ["w2"]
-    c.eval(RELEASE.source, 4, *fair_keys, "w1", "fair")
+    c.eval(RELEASE.source, 5, *fair_keys, "w1", "fair")
     assert pubsub.get_message(timeout=1)["data"] == "w2"
-    assert c.eval(FAIR_LEAVE.source, 4, *KEYS.fair_leave, "w2") == 1
+    assert c.eval(FAIR_LEAVE.source, 5, *KEYS.fair_leave, "w2") == 1
     assert acquire(c, "try", fair="0")[0] == 1, "an empty queue lets a try in"
     pubsub.close()
 
@@ -438,6 +438,6 @@ def test_a_dead_fair_waiter_leaves_the_queue(redis_node):
     acquire(c, "holder", fair="10000")
     acquire(c, "dead", fair="10000")
     c.zadd(KEYS.waiting, {"dead": 0})  # its deadline passes
-    c.eval(RELEASE.source, 4, *release_keys([KEYS], fair=True), "holder", "fair")
+    c.eval(RELEASE.source, 5, *release_keys([KEYS], record=True), "holder", "fair")
     assert acquire(c, "next", fair="10000")[0] == 1
     assert c.zcard(KEYS.queue) == 0

@@ -99,10 +99,18 @@ def test_a_release_wakes_one_waiter_not_all(redis_node):
     for thread in threads:
         thread.start()
     client = redis_node.client()
+    from celery_redlock.engine.waiting import get_listener
+
+    listener = get_listener(waiters[0].nodeset.nodes[0])
+    channel = waiters[0].keys.channel
+    # Each waiter has tried and is registered (the first also retried once subscribed;
+    # the others, finding the channel subscribed, registered before their first try).
     wait_for(
-        lambda: client.pubsub_numsub("redlock:{herd}:released")[0][1] >= 1 and len(attempts) >= 16,
+        lambda: client.pubsub_numsub(channel)[0][1] >= 1
+        and len(attempts) >= 8
+        and len(listener._waiters.get(channel, {})) == 8,
         timeout=10,
-    )  # each waiter: first try + once subscribed
+    )
     before = len(attempts)
     let_go.set()
     holder.join(20)

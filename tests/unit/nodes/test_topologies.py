@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from celery_redlock import NodeUnavailable, Redlock
-from celery_redlock.engine.keys import lock_keys
-from celery_redlock.engine.scripts import ACQUIRE
+from celery_redlock.engine.keys import lock_keys, release_keys
+from celery_redlock.engine.scripts import ACQUIRE, RELEASE
 from tests.harness import free_port
 from tests.harness.fences import assert_clock_fence
 
@@ -126,19 +126,27 @@ def test_acl_user_runs_the_turn_of_a_process_another_process_waits_for(redis_fac
     client = redis.Redis.from_url(acl_user(server, MINIMAL_ACL), decode_responses=True)
     sha = client.script_load(ACQUIRE.source)
     keys = lock_keys("topology")
+    record = (*keys.resource, *keys.record)
 
     def acquire(token, pid, writer="", handoff=()):
         return client.evalsha(
-            sha, 4, *keys.resource, token, 10_000, "t", "h", pid, 0, "task", writer, "", "",
-            *handoff,
+            sha, len(record), *record, token, 10_000, "t", "h", pid, 0, "task", writer,
+            "10000" if writer else "0", "", "wake", f"{keys.channel}:h:{pid}", *handoff,
         )  # fmt: skip
 
     try:
         assert acquire("a", 100)[0] == 1
-        assert acquire("b", 200, writer="1")[0] == 0, "another process waits"
+        assert acquire("b", 200, writer="1")[0] == 0, "another process waits (recorded)"
         assert server.client().hget(keys.lock, "waited") is not None
         assert acquire("a2", 100, handoff=("a", 8, 60_000, 1_000))[0] == 1, "a takeover"
         assert server.client().hget(keys.lock, "handoffs") == "1"
+        # The release names the recorded waiter on its process channel and keeps the lock.
+        release = release_keys([keys], record=True)
+        args = ("a2", "wake", 500, f"{keys.channel}:h:100")
+        assert (
+            client.evalsha(client.script_load(RELEASE.source), len(release), *release, *args) == 1
+        )
+        assert server.client().hget(keys.lock, "for") == "b"
     finally:
         client.close()
 
