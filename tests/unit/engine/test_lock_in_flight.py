@@ -88,6 +88,13 @@ def _arm(exceptions: int) -> Callable[[], None]:
 @pytest.mark.parametrize("exceptions", [1, 2])
 @pytest.mark.parametrize("count", [1, 3])
 @pytest.mark.timeout(120)
+# An injected exception landing inside redis-py's connect() leaves its half-made socket
+# to the collector (redis-py closes it only on OSError): a warning, not an orphan. Seen
+# once in a full run under load (an unconnected socket, laddr 0.0.0.0:0).
+@pytest.mark.filterwarnings("ignore:unclosed <socket:ResourceWarning")
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
+)
 def test_an_interrupted_acquire_or_release_leaves_no_orphan(
     redis_factory, fault_proxy, count, exceptions
 ):
