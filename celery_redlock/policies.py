@@ -84,8 +84,17 @@ DEFERRALS_HEADER = "redlock_deferrals"
 WAKE_HEADER = "redlock_wake"
 
 
-def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOptions) -> None:
-    """Apply ``lock_on_busy``; always raises."""
+def apply_on_busy(
+    task: Task,
+    task_id: str,
+    busy: LockBusy,
+    options: TaskLockOptions,
+    nodeset: NodeSet | None = None,
+) -> None:
+    """Apply ``lock_on_busy``; always raises.
+
+    ``nodeset``: the busy lock's nodes, where a run put back is recorded as waiting.
+    """
     if busy.holder == task_id:
         requeue_duplicate(task, task_id, busy, "is held by an earlier delivery of itself")
     follows = options.unique == "until_started" or options.debounce or options.throttle
@@ -106,7 +115,8 @@ def apply_on_busy(task: Task, task_id: str, busy: LockBusy, options: TaskLockOpt
         countdown = min(busy.ttl or 1.0, backoff)
         # The worker holding the copy in its timer starts it early when the key is
         # released (celery_redlock.wakeups); the countdown is the fallback.
-        defer(task, task_id, countdown, f"waits for its key: {busy}", wake=busy.key)
+        why = f"waits for its key: {busy}"
+        defer(task, task_id, countdown, why, wake=busy.key, nodeset=nodeset)
     if policy == "retry":
         logger.info(
             "Task %s[%s] retries in %ss: %s", task.name, task_id, options.retry_countdown, busy
@@ -176,7 +186,13 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
 
 
 def defer(
-    task: Task, task_id: str, countdown: float, why: str, *, wake: str | None = None
+    task: Task,
+    task_id: str,
+    countdown: float,
+    why: str,
+    *,
+    wake: str | None = None,
+    nodeset: NodeSet | None = None,
 ) -> NoReturn:
     """Put this run back on the queue for ``countdown`` seconds, and end this delivery.
 
@@ -185,7 +201,10 @@ def defer(
     so before an ``acks_late`` message is acknowledged; it waits in the broker and the
     worker's timer, holding no pool process. Counted in :data:`DEFERRALS_HEADER`.
     ``wake``: the lock key whose release may start the copy before its countdown
-    (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.wakeups` in the worker).
+    (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.wakeups` in the worker); the
+    copy is recorded on ``nodeset`` among the runs waiting for it (``ls``: QUEUED), with
+    one call, before it is published: its start, which removes the entry, cannot come
+    first. (A copy refused by its rate budget was recorded by its admission.)
 
     Raises:
         Requeued: always; the body must not run.
@@ -193,25 +212,11 @@ def defer(
     headers: dict[str, Any] = {DEFERRALS_HEADER: deferrals(task.request) + 1}
     # Always set: a copy deferred again by its rate must not keep an old key's wake.
     headers[WAKE_HEADER] = wake
-    if wake is not None:
-        _note_waiting(task, task_id, wake, countdown)
+    if wake is not None and nodeset is not None:
+        note_queued(nodeset, keys_of(wake), task_id, countdown)
     put_back(task, countdown, headers=headers)
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
-
-
-def _note_waiting(task: Task, task_id: str, key: str, countdown: float) -> None:
-    """Record the copy among the runs waiting on the queue for ``key`` (``ls``: QUEUED).
-
-    A copy refused by its rate budget was recorded by its admission; one put back
-    because ``key`` was busy is recorded here, with one call to the lock nodes,
-    before it is published: its start, which removes the entry, cannot come first.
-    """
-    from .task import app_settings, lock_options  # noqa: PLC0415 (task imports this module)
-
-    urls = app_settings(task.app).node_urls()
-    nodeset = NodeSet.get(urls, timeout=lock_options(task).timing.node_timeout)
-    note_queued(nodeset, keys_of(key), task_id, countdown)
 
 
 def put_back(

@@ -423,7 +423,7 @@ def acquire_for(
         raise
     except LockBusy as busy:
         announce_lock(reaper.forget, lock, task_id)
-        apply_on_busy(task, task_id, busy, options)
+        apply_on_busy(task, task_id, busy, options, lock.nodeset)
     # An eager run (apply(), task_always_eager) is nobody's redelivery: its caller gets
     # only what apply() returns, so it runs even where an earlier run of its task id
     # stored a final result (a frozen canvas applied again, a test reusing an id).

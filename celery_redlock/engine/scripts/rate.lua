@@ -92,12 +92,13 @@ local function waiting_ahead()
     if not task_id then
         return 0
     end
-    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', string.format('(%d', now - grace))
+    -- Entries due more than the grace ago are not counted (queue_run trims them next).
+    local since = now - grace
     local mine = redis.call('ZSCORE', KEYS[3], task_id)
     if mine then
-        return redis.call('ZCOUNT', KEYS[3], '-inf', '(' .. mine)
+        return redis.call('ZCOUNT', KEYS[3], since, '(' .. mine)
     end
-    return redis.call('ZCARD', KEYS[3])
+    return redis.call('ZCOUNT', KEYS[3], since, '+inf')
 end
 local function starts()
     -- The run starts: it no longer waits on the queue.
