@@ -159,6 +159,7 @@ class AsyncRedlock:
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
         waiter = self.kind.new_waiter(blocking, len(self.nodeset))
+        waiter.grants = waiter.grants and self._sync.takes_grants
         subscription: Subscription | None = None
         wakeup = LoopWakeup(asyncio.get_running_loop())
         inflight: list[asyncio.Future[Any]] = []
@@ -242,6 +243,13 @@ class AsyncRedlock:
         for them, so that it cannot overtake what it undoes.
         """
         sync, token, quorum = self._sync, waiter.token, self.quorum
+        granted = sync._granted(waiter)
+        if granted is not None:  # a release granted it the lock in place
+            if sync._won(token, granted.fences, granted.sent_at, 1, self._loss_reporter()):
+                return None
+            await self.nodeset.call([self.kind.undo_call(token)])
+            granted.attempt.errors.append("lease spent while waking up")
+            return granted.attempt
         holder = Holder("", _HOST, os.getpid(), f"{time.time():.3f}", self.task_name or "")
         calls = vote_calls(
             self.kind.acquire_call(waiter, self.timing.ttl_ms, holder),
@@ -249,7 +257,7 @@ class AsyncRedlock:
             self.timing.node_timeout,
         )
         waiter.sent = True
-        sent_at = clock()
+        sent_at = waiter.sent_at = clock()
         replies = await self.nodeset.call(
             calls, timeout=budget(self.timing.node_timeout, sync.min_replicas), inflight=inflight
         )

@@ -61,12 +61,19 @@ class Holder(NamedTuple):
 class Waiter:
     """One acquire call's identity across its attempts (a fair waiter keeps its place)."""
 
-    __slots__ = ("arrival", "blocking", "in_doubt", "sent", "token")
+    __slots__ = ("arrival", "blocking", "granted", "grants", "in_doubt", "sent", "sent_at", "token")
 
-    def __init__(self, blocking: bool, arrival: str = "") -> None:
+    def __init__(self, blocking: bool, arrival: str = "", grants: bool = False) -> None:
         self.token = secrets.token_hex(16)
         self.blocking = blocking
         self.sent = False  # a request with this token went out
+        #: When the last request with this token was sent (:func:`.lease.clock`).
+        self.sent_at = 0.0
+        #: A release may grant this waiter the lock in place (one node; the lock's
+        #: ``acquire`` turns it off where it cannot take such a grant).
+        self.grants = grants
+        #: Set by the listener when a release granted the lock: (token, fence).
+        self.granted: tuple[str, int] | None = None
         #: A request with this token got no reply (a node failed or timed out): it may
         #: still be on its way, and may reach its node after any undo sent since.
         self.in_doubt = False
@@ -220,7 +227,9 @@ class Exclusive(Kind):
         oldest waiter, and with one order they name the same one.
         """
         stamped = self.records and nodes > 1
-        return Waiter(blocking, f"{time.time() * 1000:.3f}" if stamped else "")
+        arrival = f"{time.time() * 1000:.3f}" if stamped else ""
+        # A grant comes from one node: with several, a quorum would have to grant alike.
+        return Waiter(blocking, arrival, grants=blocking and self.records and nodes == 1)
 
     def acquire_call(
         self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""
@@ -234,7 +243,7 @@ class Exclusive(Kind):
             record = (
                 str(ttl_ms if waiter.blocking else 0),
                 waiter.arrival,
-                self.naming,
+                f"{self.naming} grant" if waiter.grants else self.naming,
                 process_channel(self.keys.channel),
             )
         else:

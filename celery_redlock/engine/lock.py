@@ -201,6 +201,13 @@ class Redlock:
                 "cannot take keys in several slots; use independent nodes, or one resource"
             )
         self.quorum = self.kind.quorum(len(self.nodeset))
+        #: A release may grant a blocked waiter the lock in place (:meth:`_granted`):
+        #: not where replicas must acknowledge an acquisition first (a release cannot
+        #: wait for them), nor on Redis Cluster (a script's PUBLISH counts only the
+        #: subscribers of its own shard, so a grant cannot tell a live waiter).
+        self.takes_grants = not min_replicas and not any(
+            is_cluster_url(n.url) for n in self.nodeset.nodes
+        )
         #: This lock as :mod:`.handoff` finds it among the process's holds and waiters.
         self.local_key = (
             tuple(node.url for node in self.nodeset.nodes),
@@ -241,6 +248,7 @@ class Redlock:
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
         waiter = self.kind.new_waiter(blocking, len(self.nodeset))
+        waiter.grants = waiter.grants and self.takes_grants
         subscription: Subscription | None = None
         offer: handoff.Offer | None = None
         handed: Grant | Attempt | None = None
@@ -272,9 +280,12 @@ class Redlock:
                         handed = offer.withdraw(self._patience())
                         offer = None
                     if handed is None:
+                        handed = self._granted(waiter)
+                    if handed is None:
                         attempt = self._attempt(waiter)
                     elif isinstance(handed, Grant):
-                        attempt = self._record(handed)  # handed over by a releasing thread
+                        # Handed over by a releasing thread, or granted by a release.
+                        attempt = self._record(handed)
                     else:
                         attempt = handed
                     if attempt is None:
@@ -331,6 +342,22 @@ class Redlock:
                 # exception landed before the undo above was done. End it here.
                 self._abandon(waiter)
             raise
+
+    def _granted(self, waiter: Waiter) -> Grant | None:
+        """The lock a release granted ``waiter`` in place, if one did (issue 27, change C).
+
+        The release wrote the lock for the waiter's token with a new fence and the
+        lease the waiter asked for, on the node's clock at the grant; the waiter's lease
+        is counted from when it sent its last request, which is earlier, so it ends
+        before the node's (invariant 4). Only one node grants (:attr:`takes_grants`).
+        """
+        granted, waiter.granted = waiter.granted, None
+        if granted is None or granted[0] != waiter.token:
+            return None
+        attempt = Attempt([None] * len(self.nodeset), clock() - waiter.sent_at)
+        attempt.granted.append(0)
+        attempt.fences.append((granted[1],))
+        return Grant(waiter.token, (granted[1],), waiter.sent_at, attempt)
 
     def _subscribe(self, waiter: Waiter) -> Subscription:
         """Listen for this lock's release announcements (and those naming ``waiter``).
@@ -479,6 +506,7 @@ class Redlock:
         attempt, sent_at = vote(
             self.nodeset, acquire, quorum, self.min_replicas, self.timing.node_timeout, wait_all
         )
+        waiter.sent_at = sent_at
         if attempt.failed():
             # Those connections are closed: an undo goes out on others, and may
             # arrive first. (A reply not waited for is read, and an undo sent, on the

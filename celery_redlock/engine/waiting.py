@@ -131,10 +131,12 @@ class Named(Protocol):
     """A waiter a release can name, by its token.
 
     The token is read when an announcement arrives: an acquisition may change it
-    (:meth:`.handoff.Offer.withdraw`).
+    (:meth:`.handoff.Offer.withdraw`). A release that granted it the lock in place
+    says so with the fence: the listener sets ``granted`` before waking it.
     """
 
     token: str
+    granted: tuple[str, int] | None
 
 
 class Wakeup:
@@ -447,15 +449,19 @@ class _Listener:
             lock_channel = self._lock_of.get(channel) or str(channel)
             if kind == "message":
                 waiters = self._waiters.get(lock_channel, {})
-                token = message[2] if len(message) > 2 else ""
-                if not token:
+                text = message[2] if len(message) > 2 else ""
+                if not text:
                     self._wake_one(waiters, self.node.url)
                     return
-                # The release named the waiter whose turn it is.
+                # The release named the waiter whose turn it is ("TOKEN"), or granted
+                # it the lock ("TOKEN FENCE").
+                token, _, fence = str(text).partition(" ")
                 for ref, entry in waiters.items():
                     waiter = ref()
                     named = entry.named
                     if waiter is not None and named is not None and named.token == token:
+                        if fence.isdigit():
+                            named.granted = (token, int(fence))
                         entry.heard.add(self.node.url)
                         waiter.set()
                         return

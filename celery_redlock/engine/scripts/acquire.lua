@@ -7,9 +7,10 @@
 --             and the counter expires a horizon after the last one)
 -- KEYS[4i-1]  shared holders (sorted set token -> lease deadline, node clock, ms)
 -- KEYS[4i]    shared holders' details (hash token -> json)
--- With a record of blocked waiters (one resource only, see wake.lua) three more keys:
+-- With a record of blocked waiters (one resource only, see wake.lua) four more keys:
 -- KEYS[5]     queue (sorted set token -> arrival)   KEYS[6]  waiter deadlines
 -- KEYS[7]     wake (hash token -> the waiter's process channel)
+-- KEYS[8]     grant (hash token -> the holder fields a release grants it with)
 -- Then, optional (the library always sends it): the lock's abandoned tokens
 -- (abandon.lua), whose requests are refused
 --
@@ -27,7 +28,9 @@
 -- ARGV[10] arrival order for the queue ('' : this node numbers arrivals)
 -- ARGV[11] with a record: 'fair', only the head of the queue may take a free lock;
 --          'wake', anyone may, but a lock that a release reserved for the waiter it
---          named (wake.lua) is refused to everyone else
+--          named (wake.lua) is refused to everyone else. Either followed by ' grant':
+--          a refused requester also records its holder fields, and a release may
+--          grant it the lock in place (wake.lua name_next)
 -- ARGV[12] the requester's process channel, recorded with its place ('' : none)
 -- ARGV[13..16] optional, all four: a handoff. ARGV[13] the token of the holder that
 --          hands its locks over (a release in the same process); a lock it holds
@@ -83,14 +86,17 @@ if not ttl or ttl <= 0 or ttl > MAX_LEASE or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire: lease must be a positive integer of ms, at most 30 days')
 end
 local record = ARGV[9] ~= ''
+-- How the record names waiters, and whether this requester takes a lock granted to it.
+local NAMINGS = {fair = {'fair', false}, wake = {'wake', false},
+                 ['fair grant'] = {'fair', true}, ['wake grant'] = {'wake', true}}
 if record then
     local waiter_lease = tonumber(ARGV[9])
     if not waiter_lease or waiter_lease < 0 or waiter_lease > MAX_LEASE
             or waiter_lease ~= math.floor(waiter_lease) then
         return redis.error_reply('ERR celery_redlock acquire: the place of a waiter must last an integer of ms, 0 to 30 days')
     end
-    if ARGV[11] ~= 'fair' and ARGV[11] ~= 'wake' then
-        return redis.error_reply("ERR celery_redlock acquire: with a record of waiters, ARGV[11] must be 'fair' or 'wake'")
+    if not NAMINGS[ARGV[11]] then
+        return redis.error_reply("ERR celery_redlock acquire: with a record of waiters, ARGV[11] must be 'fair' or 'wake', optionally followed by ' grant'")
     end
 end
 if ARGV[10] ~= nil and ARGV[10] ~= '' then
@@ -106,8 +112,9 @@ end
 if ARGV[1] == YIELD_MARK then
     return redis.error_reply('ERR celery_redlock acquire: the owner token is the reservation mark')
 end
-local fair = record and ARGV[11] == 'fair'
-local rest = #KEYS - (record and 3 or 0)
+local naming = record and NAMINGS[ARGV[11]] or {'', false}
+local fair = naming[1] == 'fair'
+local rest = #KEYS - (record and 4 or 0)
 local abandoned
 if rest % 4 == 1 then
     abandoned = KEYS[#KEYS]
@@ -116,7 +123,7 @@ end
 local n = rest / 4
 if n < 1 or n ~= math.floor(n) or (record and n ~= 1) then
     return redis.error_reply('ERR celery_redlock acquire: expected 4 keys per resource '
-        .. '(and 3 record keys with a record of waiters, one resource only), then 1 optional')
+        .. '(and 4 record keys with a record of waiters, one resource only), then 1 optional')
 end
 local channel = ARGV[12]
 local token = ARGV[1]
@@ -219,7 +226,8 @@ end
 
 -- The record of waiters: a refused blocking requester keeps (or takes) its place, with
 -- its process channel; one that gets in leaves it.
-local queue, waiting, wake = KEYS[5], KEYS[6], KEYS[7]
+local queue, waiting, wake, grant = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local parts = {queue, waiting, wake, grant}
 local named_here = false  -- taking a reservation made for this token
 for i = 1, n do
     if reserved[i] and reserved[i] ~= true then
@@ -229,7 +237,7 @@ end
 local others_waited = false
 if record then
     if fair or blocked then
-        drop_lapsed(queue, waiting, wake, clock())
+        drop_lapsed(parts, clock())
     end
     if fair and not blocked and owned < n and not named_here then
         local head = redis.call('ZRANGE', queue, 0, 0)[1]
@@ -253,6 +261,11 @@ if record then
         if channel ~= '' then
             redis.call('HSET', wake, token, channel)
             keys[3] = wake
+            if naming[2] then
+                redis.call('HSET', grant, token, cjson.encode({ttl, ARGV[3], ARGV[4], ARGV[5],
+                                                               ARGV[7] or ''}))
+                keys[4] = grant
+            end
         end
         for _, key in ipairs(keys) do
             if redis.call('PTTL', key) < waiter_ttl then
@@ -261,8 +274,7 @@ if record then
         end
     elseif not blocked then
         if redis.call('ZREM', waiting, token) == 1 then
-            redis.call('ZREM', queue, token)
-            redis.call('HDEL', wake, token)
+            forget(parts, {token})
         end
         -- Granted (or taken over) while a waiter of another process is recorded: it
         -- waits to be named, without asking again, so this holder's turn is bounded

@@ -2,15 +2,17 @@
 -- lock's queue, or the record an exclusive lock's releases name waiters from).
 --
 -- KEYS[1]  lock hash   KEYS[2]  queue   KEYS[3]  waiter deadlines
--- KEYS[4]  wake (process channels)   KEYS[5]  release channel
+-- KEYS[4]  wake (process channels)   KEYS[5]  grant (holder fields)
+-- KEYS[6]  release channel   KEYS[7]  fence counter   KEYS[8]  abandoned tokens
 -- ARGV[1]  the waiter's token
 -- ARGV[2]  'fair' (default) or 'wake': how the next waiter is named (wake.lua)
 -- ARGV[3]  ('wake') the reservation for the waiter named, in ms (non-negative integer)
 --
 -- A waiter that a release named and that leaves instead of taking the lock passes
--- the reservation on: the next waiter is named (or, with nobody recorded, '' is
--- published on KEYS[5]). When the lock is free, the oldest recorded waiter is named
--- so that it does not wait for its next refresh.
+-- the reservation on, and one that a release granted the lock to as it gave up (the
+-- grant on its way while its last try was refused) releases it: the next waiter is
+-- named (or, with nobody recorded, '' is published on KEYS[6]). When the lock is free,
+-- the oldest recorded waiter is named so that it does not wait for its next refresh.
 -- Returns  1  left the record    0  was not in it
 if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock fair_leave: empty owner token')
@@ -20,20 +22,20 @@ local reserve, wrong = naming_args(how, ARGV[3])
 if not reserve then
     return redis.error_reply('ERR celery_redlock fair_leave: ' .. wrong)
 end
-local lock, record = KEYS[1], {KEYS[2], KEYS[3], KEYS[4]}
+local lock, record, channel = KEYS[1], {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}, KEYS[6]
 local left = redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
+forget(record, {ARGV[1]})
 local held = redis.call('HMGET', lock, 'token', 'for', 'fence', 'ttl')
-local passed_on = held[1] == YIELD_MARK and held[2] == ARGV[1]
+local passed_on = (held[1] == YIELD_MARK and held[2] == ARGV[1]) or held[1] == ARGV[1]
 if passed_on then
     redis.call('DEL', lock)  -- kept for this waiter, which leaves: free again
     reserve = math.min(reserve, tonumber(held[4]) or 0)
 end
 if passed_on or not held[1] then
-    local named = name_next(lock, KEYS[5], record, how, reserve, false, node_ms(), held[3] or '0')
+    local named = name_next(lock, channel, record, how, reserve, false, node_ms(),
+                            held[3] or '0', {KEYS[7], KEYS[8]})
     if not named and passed_on then
-        redis.call('PUBLISH', KEYS[5], '')
+        redis.call('PUBLISH', channel, '')
     end
 end
 return left

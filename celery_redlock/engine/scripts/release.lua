@@ -2,7 +2,10 @@
 --
 -- KEYS[2i-1]  lock hash of resource i (i = 1..n)   KEYS[2i]  its release channel
 -- With a record of waiters (ARGV[2] 'fair' or 'wake', one resource, see wake.lua):
---             KEYS[3] queue, KEYS[4] waiter deadlines, KEYS[5] wake (process channels)
+--             KEYS[3] queue, KEYS[4] waiter deadlines, KEYS[5] wake (process channels),
+--             KEYS[6] grant (holder fields), KEYS[7] fence counter, KEYS[8] abandoned
+--             tokens: a waiter that recorded its holder fields is granted the lock in
+--             place (wake.lua name_next), unless its token was abandoned
 -- ARGV[1]     owner token
 -- ARGV[2]     '' (or absent): publish '' on each KEYS[2i] (one waiter per subscribed
 --             process wakes). 'fair': name the head of the queue, which keeps its
@@ -42,9 +45,10 @@ if not reserve then
     return redis.error_reply('ERR celery_redlock release: ' .. wrong)
 end
 local record = how ~= ''
-if record and #KEYS ~= 5 then
-    return redis.error_reply('ERR celery_redlock release: a record of waiters takes 5 keys')
+if record and #KEYS ~= 8 then
+    return redis.error_reply('ERR celery_redlock release: a record of waiters takes 8 keys')
 end
+local parts = {KEYS[3], KEYS[4], KEYS[5], KEYS[6]}
 
 -- Name the next waiter of a freed lock (with a record), keeping the lock for it at most
 -- `cap` ms; nil when nobody is recorded.
@@ -52,13 +56,12 @@ local function name_after(lock, held, cap, skip)
     if not record then
         return nil
     end
-    return name_next(lock, KEYS[2], {KEYS[3], KEYS[4], KEYS[5]}, how,
-                     math.min(reserve, cap), skip, node_ms(), held.fence or '0')
+    return name_next(lock, KEYS[2], parts, how, math.min(reserve, cap), skip, node_ms(),
+                     held.fence or '0', {KEYS[7], KEYS[8]})
 end
 
 if record and ARGV[5] ~= 'keep' and redis.call('ZREM', KEYS[4], token) == 1 then
-    redis.call('ZREM', KEYS[3], token)
-    redis.call('HDEL', KEYS[5], token)
+    forget(parts, {token})
 end
 local n = record and 1 or #KEYS / 2
 local released, taken = 0, false

@@ -3,8 +3,11 @@
 -- prelude; not a script of its own.
 --
 -- The record (one resource): queue (sorted set token -> arrival), waiting (sorted set
--- token -> deadline, node ms: the place lapses unless refreshed) and wake (hash token ->
--- the waiter's process channel, where a release names it).
+-- token -> deadline, node ms: the place lapses unless refreshed), wake (hash token ->
+-- the waiter's process channel, where a release names it) and grant (hash token -> the
+-- holder fields a release writes when it grants the lock to that waiter in place, a
+-- JSON array [ttl ms, task_id, host, pid, task_name]; only waiters that can take a
+-- lock granted this way record it: one node, see Redlock.acquire).
 --
 -- ms_arg(value)  a reservation argument: a non-negative integer of ms (at most 30
 --          days), or nil (the caller answers with its own error).
@@ -12,25 +15,36 @@
 --          'wake', the reservation: the reservation in ms (0 for 'fair'), or nil and
 --          what is wrong.
 -- node_ms()  the node's clock, in ms.
--- drop_lapsed(queue, waiting, wake, now)  forget the waiters whose place lapsed.
+-- forget(record, tokens)  take tokens out of every part of the record.
+-- drop_lapsed(record, now)  forget the waiters whose place lapsed.
 -- first_waiter(queue, wake, skip)  the oldest recorded token whose process channel is
 --          not `skip` (false: any), and its channel (false if it recorded none).
 -- other_process_waits(queue, wake, channel)  a waiter of another process than
 --          `channel`'s is recorded.
--- name_next(lock, channel, record, how, reserve, skip, now, fence)  announce that
---          `lock` (deleted by the caller) is free to the oldest recorded waiter, on its
---          process channel (one delivery, one process), with its token as the message
---          (one waiter woken); on the lock's channel if it recorded no process channel.
---          `record` = {queue, waiting, wake}. how 'fair': the waiter keeps its place
---          (only the head of the queue may take a free lock anyway). how 'wake': the
---          waiter leaves the record (it comes back, or it is gone: either way it is
---          named once) and, if `reserve` > 0, the lock is reserved for it for `reserve`
---          ms: a YIELD_MARK hash whose field 'for' names it, refused to any other
---          token, so a requester that did not wait (the releaser coming straight back)
---          cannot take the lock between the release and the named waiter's try. Field
---          'waited' is set when a waiter of another process is still recorded: the
---          named waiter's process then has a bounded turn (handoff.TURN). Returns the
---          named token, or nil when nobody is recorded (the caller publishes then).
+-- name_next(lock, channel, record, how, reserve, skip, now, fence, grants)  announce
+--          that `lock` (deleted by the caller) is free to the oldest recorded waiter,
+--          on its process channel (one delivery, one process), with its token as the
+--          message (one waiter woken); on the lock's channel if it recorded no process
+--          channel. `record` = {queue, waiting, wake, grant}.
+--          With `grants` = {fence counter, abandoned tokens} and a waiter that
+--          recorded its holder fields, the lock is *granted*: written for that waiter
+--          in place (a new fence, a lease of the ttl it asked for) and the message is
+--          its token and the fence, so the waiter wakes holding it, with no try of its
+--          own (issue 27, change C). Nobody subscribed to its process channel (the
+--          process died, or its listener is reconnecting, when every waiter there
+--          retries anyway): the grant is taken back and the next waiter named. An
+--          abandoned token is passed over. Either way the waiter leaves the record.
+--          Otherwise: how 'fair': the waiter keeps its place (only the head of the
+--          queue may take a free lock anyway). how 'wake': the waiter leaves the
+--          record (it comes back, or it is gone: either way it is named once) and, if
+--          `reserve` > 0, the lock is reserved for it for `reserve` ms: a YIELD_MARK
+--          hash whose field 'for' names it, refused to any other token, so a requester
+--          that did not wait (the releaser coming straight back) cannot take the lock
+--          between the release and the named waiter's try.
+--          Field 'waited' is set (on the grant or the reservation) when a waiter of
+--          another process is still recorded: the named waiter's process then has a
+--          bounded turn (handoff.TURN). Returns the named token, or nil when nobody is
+--          recorded (the caller publishes then).
 local function ms_arg(value)
     local ms = tonumber(value)
     if not ms or ms < 0 or ms > 2592000000 or ms ~= math.floor(ms) then
@@ -54,12 +68,16 @@ local function node_ms()
     local t = redis.call('TIME')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function drop_lapsed(queue, waiting, wake, now)
-    local gone = redis.call('ZRANGEBYSCORE', waiting, '-inf', now)
+local function forget(record, tokens)
+    redis.call('ZREM', record[1], unpack(tokens))
+    redis.call('ZREM', record[2], unpack(tokens))
+    redis.call('HDEL', record[3], unpack(tokens))
+    redis.call('HDEL', record[4], unpack(tokens))
+end
+local function drop_lapsed(record, now)
+    local gone = redis.call('ZRANGEBYSCORE', record[2], '-inf', now)
     if #gone > 0 then
-        redis.call('ZREMRANGEBYSCORE', waiting, '-inf', now)
-        redis.call('ZREM', queue, unpack(gone))
-        redis.call('HDEL', wake, unpack(gone))
+        forget(record, gone)
     end
 end
 local WAKE_PAGE = 16
@@ -82,17 +100,47 @@ end
 local function other_process_waits(queue, wake, channel)
     return first_waiter(queue, wake, channel) ~= nil
 end
-local function name_next(lock, channel, record, how, reserve, skip, now, fence)
+-- Grants taken back from waiters nobody listens for, at most, in one release: past
+-- them the release names the next waiter without a grant (one SUBSCRIBE-less process
+-- after another is a node whose clients are going away).
+local GRANT_TRIES = 4
+local function grant_to(lock, named, target, details, grants, now)
+    local ttl, task_id, host, pid, task_name = unpack(cjson.decode(details))
+    local fence = next_fence(grants[1], ttl)
+    redis.call('HSET', lock, 'token', named, 'fence', fence_text(fence), 'task_id', task_id,
+               'task_name', task_name, 'host', host, 'pid', pid,
+               'acquired_at', string.format('%.3f', now / 1000), 'ttl', ttl)
+    redis.call('PEXPIRE', lock, ttl)
+    return redis.call('PUBLISH', target, named .. ' ' .. fence_text(fence)) > 0
+end
+local function name_next(lock, channel, record, how, reserve, skip, now, fence, grants)
     local queue, waiting, wake = record[1], record[2], record[3]
-    drop_lapsed(queue, waiting, wake, now)
+    drop_lapsed(record, now)
     local named, target = first_waiter(queue, wake, skip)
+    local tries = 0
+    while named and grants and target and tries < GRANT_TRIES do
+        local details = redis.call('HGET', record[4], named)
+        if not details then
+            break
+        end
+        tries = tries + 1
+        forget(record, {named})
+        if not redis.call('ZSCORE', grants[2], named) then
+            if grant_to(lock, named, target, details, grants, now) then
+                if other_process_waits(queue, wake, target) then
+                    redis.call('HSET', lock, 'waited', now)
+                end
+                return named
+            end
+            redis.call('DEL', lock)  -- nobody heard it: taken back
+        end
+        named, target = first_waiter(queue, wake, skip)
+    end
     if not named then
         return nil
     end
     if how == 'wake' then
-        redis.call('ZREM', queue, named)
-        redis.call('ZREM', waiting, named)
-        redis.call('HDEL', wake, named)
+        forget(record, {named})
         if reserve > 0 then
             redis.call('HSET', lock, 'token', YIELD_MARK, 'for', named, 'fence', fence,
                        'ttl', reserve)

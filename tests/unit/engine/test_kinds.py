@@ -118,7 +118,9 @@ def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
     assert try_call.args[-5:] == ("", "0", "", "fair", channel)
     assert kind.release_call("tok").args == ("tok", "fair", named_reserve_ms(), channel)
     assert kind.undo_call("tok").args[-1] == "keep", "a split vote's loser keeps its place"
-    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.record)
+    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.record, *keys.grants)
+    grantable = kind.acquire_call(one_node, 5000, HOLDER)
+    assert grantable.args[-2] == "fair grant", "one node: a release may grant it the lock"
     leave = kind.leave_call("tok")
     assert leave is not None and (leave.script, leave.keys) == (FAIR_LEAVE, keys.fair_leave)
     assert kind.wake_token(several) is several
