@@ -326,9 +326,11 @@ def hand_over(lock: Redlock, token: str) -> Handed:
         delivered = entry._deliver.pop(_OPEN, None) is not None
         if delivered:
             entry.wakeup.set()
-        elif result is None:
-            # Interrupted, and the waiter stopped waiting for us and took a new token:
-            # what the takeover was granted is in a token nobody will use or release.
+        elif not isinstance(result, Grant):
+            # The waiter stopped waiting for us and took a new token: what the takeover
+            # was granted (interrupted) is in a token nobody will use or release, and a
+            # refused takeover recorded that token among the lock's waiters, where a
+            # release would grant it the lock (change C) for nobody. Out of both.
             with contextlib.suppress(Exception):  # the exception propagating matters more
                 entry.lock._unlock(taken_as)
     if isinstance(result, Grant):

@@ -28,6 +28,14 @@ release says ``''`` only when nobody is recorded; the listener then wakes the pr
 longest waiter (one per process), as do a share's release and a lock of several
 resources, whose waiters are not recorded.
 
+**On one node the release grants the lock.** A waiter on one node also records the
+holder fields it would write; the release then writes the lock for the waiter it names
+(a new fence, the waiter's lease) and publishes ``"TOKEN FENCE"``: the listener hands
+the fence to the waiter (:attr:`Named.granted`) as it wakes it, and the waiter holds
+the lock without trying again (:meth:`.lock.Redlock._granted`): one script call per
+acquisition instead of two. A grant that ``PUBLISH`` delivers to nobody is taken back
+in the same script, and the next waiter granted (``scripts/wake.lua``).
+
 With Redlock each node names its own oldest waiter (arrivals are stamped by the
 waiter, so the nodes agree), and a waiter tries once a quorum of nodes announced the
 release to it (:meth:`Subscription.wait`); a split vote's undo keeps its place

@@ -318,6 +318,38 @@ def test_a_releaser_cut_off_during_a_takeover_its_waiter_gave_up_on_frees_the_lo
     assert not _holding(holder)
 
 
+def test_a_refused_takeover_for_a_waiter_that_gave_up_leaves_no_recorded_token(redis_node):
+    """The waiter stopped waiting (new token) while the releaser's takeover in its old
+    token was refused (the process's turn was over) and so recorded that token among
+    the lock's waiters: the releaser takes it out, or a later release would grant the
+    lock to a token nobody uses (change C), which would keep it for a lease."""
+    url = redis_node.url
+    holder = Redlock("job", nodes=[url], ttl=30)
+    waiter_lock = Redlock("job", nodes=[url], ttl=30)
+    assert holder.acquire()
+    client = redis_node.client()
+    client.hset(holder.key, "waited", 1)  # another process asked long ago: turn over
+    entry = handoff.offer(waiter_lock, waiter_lock.kind.new_waiter(True, 1), _NoWakeup())
+    stale = entry.waiter.token
+    vote = waiter_lock._vote
+
+    def withdrawn_meanwhile(*args, **kwargs):
+        result = vote(*args, **kwargs)
+        assert not isinstance(result, handoff.Grant), "the turn is over: refused"
+        assert entry._deliver.pop("open", None) is not None
+        entry.waiter.token = "a new token"
+        return result
+
+    waiter_lock._vote = withdrawn_meanwhile
+    holder.release()
+    keys = waiter_lock.keys
+    try:
+        assert client.zscore(keys.queue, stale) is None
+        assert not client.hexists(keys.grant, stale)
+    finally:
+        client.close()
+
+
 class _NoWakeup:
     def set(self):
         pass
