@@ -148,12 +148,12 @@ def test_processes_benchmark_has_the_p8_cell_and_its_counts(quick_run):
     for lock, row in rows.items():
         assert row["processes"] == 2 and row["hold_ms"] == 0, row
         assert 0 < row["jain_processes"] <= 1 and row["total_per_s"] > 0, (lock, row)
-    # One announcement per release; each acquisition is at least one script call.
+    # One announcement per release; an acquisition is one successful try, or none where
+    # the release granted the waiter the lock (change C).
     ours = rows["celery_redlock"]["counted_per_acquisition"]
     assert ours["server_publish_calls"] == pytest.approx(1.0, abs=0.1), ours
-    assert ours["attempts"] >= 1 and ours["failed_attempts"] == pytest.approx(
-        ours["attempts"] - 1, abs=0.05
-    )
+    successful = ours["attempts"] - ours["failed_attempts"]
+    assert -0.01 <= successful <= 1.05, ours
     # python-redis-lock: one BLPOP wake-up source, one LPUSH per release.
     theirs = rows["python-redis-lock"]["counted_per_acquisition"]
     assert theirs["server_lpush_calls"] == pytest.approx(1.0, abs=0.1), theirs
