@@ -145,7 +145,7 @@ end
 -- Shared holders whose lease ended are dropped: a dead reader's share expires by itself.
 local function shared_wait(shared, holders)
     if redis.call('EXISTS', shared) == 0 then
-        return nil
+        return nil, true
     end
     local expired = redis.call('ZRANGEBYSCORE', shared, '-inf', clock())
     if #expired > 0 then
@@ -169,7 +169,7 @@ local function same_process(lock)
 end
 
 local blocked
-local owned, mine, reserved, handed = 0, {}, {}, {}
+local owned, mine, reserved, handed, no_shares = 0, {}, {}, {}, {}
 for i = 1, n do
     local lock = KEYS[4 * i - 3]
     local current = redis.call('HGET', lock, 'token')
@@ -210,7 +210,8 @@ for i = 1, n do
         handed[i] = waited ~= nil
     else
         local shared = KEYS[4 * i - 1]
-        local wait = shared_wait(shared, KEYS[4 * i])
+        local wait
+        wait, no_shares[i] = shared_wait(shared, KEYS[4 * i])
         if wait then
             if ARGV[8] == '1' then
                 redis.call('ZADD', shared, clock() + ttl, WRITER_MARK)
@@ -272,7 +273,8 @@ if record then
                 redis.call('PEXPIRE', key, waiter_ttl)
             end
         end
-    elseif not blocked then
+    elseif not blocked and redis.call('ZRANGE', queue, 0, 0)[1] then
+        -- (Nobody recorded, this token included: one read, nothing to leave.)
         if redis.call('ZREM', waiting, token) == 1 then
             forget(parts, {token})
         end
@@ -311,7 +313,9 @@ for i = 1, n do
         if others_waited then
             redis.call('HSETNX', lock, 'waited', clock())
         end
-        redis.call('ZREM', KEYS[4 * i - 1], WRITER_MARK)
+        if not no_shares[i] then  -- no shared set: no writer mark of ours in it either
+            redis.call('ZREM', KEYS[4 * i - 1], WRITER_MARK)
+        end
     end
     redis.call('PEXPIRE', lock, ttl)
     result[i + 1] = fence

@@ -32,8 +32,8 @@ if passed_on then
     reserve = math.min(reserve, tonumber(held[4]) or 0)
 end
 if passed_on or not held[1] then
-    local named = name_next(lock, channel, record, how, reserve, false, node_ms(),
-                            held[3] or '0', {KEYS[7], KEYS[8]})
+    local named = name_next(lock, channel, record, how, reserve, false, held[3] or '0',
+                            {KEYS[7], KEYS[8]})
     if not named and passed_on then
         redis.call('PUBLISH', channel, '')
     end

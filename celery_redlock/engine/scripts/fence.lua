@@ -23,15 +23,17 @@ local function fence_horizon(lease)
     return math.max(FENCE_HORIZON_LEASES * lease, FENCE_HORIZON_MIN_MS)
 end
 local function next_fence(counter, lease)
-    local fence
-    if redis.call('EXISTS', counter) == 1 then
-        fence = redis.call('INCR', counter)
-    else
+    -- INCR first: a live counter is then one call (and its expiry one more). An INCR
+    -- that answers 1 made the key (or found a counter of 0 left by an early version):
+    -- start from the clock, which is larger than any fence given before.
+    local fence = redis.call('INCR', counter)
+    if fence == 1 then
         local t = redis.call('TIME')
         fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-        redis.call('SET', counter, fence_text(fence))
+        redis.call('SET', counter, fence_text(fence), 'PX', fence_horizon(lease))
+    else
+        redis.call('PEXPIRE', counter, fence_horizon(lease))
     end
-    redis.call('PEXPIRE', counter, fence_horizon(lease))
     return fence
 end
 local function store_fence(counter, fence)

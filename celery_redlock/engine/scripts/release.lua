@@ -56,7 +56,7 @@ local function name_after(lock, held, cap, skip)
     if not record then
         return nil
     end
-    return name_next(lock, KEYS[2], parts, how, math.min(reserve, cap), skip, node_ms(),
+    return name_next(lock, KEYS[2], parts, how, math.min(reserve, cap), skip,
                      held.fence or '0', {KEYS[7], KEYS[8]})
 end
 

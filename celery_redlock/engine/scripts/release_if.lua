@@ -37,7 +37,7 @@ if holder[1] ~= false then
     if #KEYS >= 8 then
         local lease_third = math.floor((tonumber(holder[4]) or 0) / 3)
         named = name_next(KEYS[1], KEYS[2], {KEYS[5], KEYS[6], KEYS[7], KEYS[8]}, 'wake',
-                          math.min(reserve, lease_third), false, node_ms(), holder[3] or '0')
+                          math.min(reserve, lease_third), false, holder[3] or '0')
     end
     if not named then
         redis.call('PUBLISH', KEYS[2], '')

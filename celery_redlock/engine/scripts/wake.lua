@@ -21,11 +21,13 @@
 --          not `skip` (false: any), and its channel (false if it recorded none).
 -- other_process_waits(queue, wake, channel)  a waiter of another process than
 --          `channel`'s is recorded.
--- name_next(lock, channel, record, how, reserve, skip, now, fence, grants)  announce
+-- name_next(lock, channel, record, how, reserve, skip, fence, grants)  announce
 --          that `lock` (deleted by the caller) is free to the oldest recorded waiter,
 --          on its process channel (one delivery, one process), with its token as the
 --          message (one waiter woken); on the lock's channel if it recorded no process
---          channel. `record` = {queue, waiting, wake, grant}.
+--          channel. `record` = {queue, waiting, wake, grant}. Nobody recorded costs
+--          one read; the record is cleared of lapsed waiters when the one found first
+--          has lapsed (a refused requester clears it too, acquire.lua).
 --          With `grants` = {fence counter, abandoned tokens} and a waiter that
 --          recorded its holder fields, the lock is *granted*: written for that waiter
 --          in place (a new fence, a lease of the ttl it asked for) and the message is
@@ -113,10 +115,17 @@ local function grant_to(lock, named, target, details, grants, now)
     redis.call('PEXPIRE', lock, ttl)
     return redis.call('PUBLISH', target, named .. ' ' .. fence_text(fence)) > 0
 end
-local function name_next(lock, channel, record, how, reserve, skip, now, fence, grants)
+local function name_next(lock, channel, record, how, reserve, skip, fence, grants)
     local queue, waiting, wake = record[1], record[2], record[3]
-    drop_lapsed(record, now)
     local named, target = first_waiter(queue, wake, skip)
+    if not named then
+        return nil
+    end
+    local now = node_ms()
+    if (tonumber(redis.call('ZSCORE', waiting, named)) or now) <= now then
+        drop_lapsed(record, now)
+        named, target = first_waiter(queue, wake, skip)
+    end
     local tries = 0
     while named and grants and target and tries < GRANT_TRIES do
         local details = redis.call('HGET', record[4], named)
