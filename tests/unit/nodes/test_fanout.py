@@ -11,7 +11,8 @@ from celery_redlock import Redlock
 from celery_redlock.engine.keys import lock_keys
 from celery_redlock.engine.scripts import INSPECT
 from celery_redlock.nodes import Call, Node, fan_out
-from celery_redlock.nodes.fanout import pack
+from celery_redlock.nodes.calls import bulk
+from celery_redlock.nodes.fanout import _utf8, pack
 from tests.harness.servers import WaitTimeout, wait_for
 
 KEYS = lock_keys("job")
@@ -28,6 +29,31 @@ KEYS = lock_keys("job")
 def test_fast_packing_writes_what_redis_py_writes(commands):
     conn = Connection()
     assert b"".join(pack(conn, commands)) == b"".join(conn.pack_commands(commands))
+
+
+def test_a_command_already_in_resp_is_sent_as_it_is():
+    """Bytes among the commands go out unchanged; a command with an argument the fast
+    packer does not take goes to redis-py alone, the others around it stay packed."""
+    conn = Connection()
+    ping = b"*1\r\n$4\r\nPING\r\n"
+    commands = [("GET", "a"), ping, ("SET", "k", 1.5), ping]
+    expected = b"".join(conn.pack_commands([("GET", "a"), ("PING",), ("SET", "k", 1.5), ("PING",)]))
+    assert b"".join(pack(conn, commands)) == expected
+
+
+def test_a_calls_resp_is_what_goes_to_a_utf8_node(redis_node):
+    """``Call.resp`` replaces the packing of its keys and arguments (here on purpose
+    not the same command, to see which was sent); other encodings pack the arguments."""
+    node = Node(redis_node.url, timeout=1.0)
+    call = Call(None, (), ("ECHO", "from args"), resp=bulk_command("ECHO", "from resp"))
+    (reply,) = fan_out([node], [[call]], timeout=1.0)
+    assert reply.values == ["from resp"]
+    assert _utf8(Connection(encoding="UTF8"))
+    assert not _utf8(Connection(encoding="latin-1"))
+
+
+def bulk_command(*args):
+    return b"*%d\r\n" % len(args) + bulk(*args)
 
 
 @pytest.mark.smoke  # as every test of test_scripts.py, where it was
