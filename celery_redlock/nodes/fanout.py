@@ -201,22 +201,15 @@ class _FanOut:
         A connect may take ``1/share`` of the time left (``share`` connects remain).
         """
         gather = self.gathers[index]
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0 and not self.used and not self.restarted:
-            # Nothing has been sent yet: the budget went to this process (a garbage
-            # collection, a descheduled thread), not to any node. A lock's validity
-            # is counted by its caller from before the fan-out, so this costs no
-            # safety; failing would report a Redis outage that did not happen (seen
-            # holding 100k locks: full collections of 0.4 s).
-            self.restarted = True
-            self.deadline = time.monotonic() + self.timeout
-            remaining = self.timeout
+        remaining = self._remaining()
         if remaining <= 0:
             gather.fail(leg, RedisTimeoutError("no time left in the budget"))
             return
         conn = None
         try:
             conn, fresh, stale = leg.node.checkout(connect_timeout=remaining / share)
+            if not fresh:  # no connect: a pause in there was this process's, too
+                self._remaining()
             self.used.append((leg.node, conn))
             flight = _InFlight(index, leg, conn, stale)
             # A new connection may face a server that never saw our scripts (it was
@@ -231,6 +224,23 @@ class _FanOut:
             return
         gather.outstanding += 1
         self.inflight.append(flight)
+
+    def _remaining(self) -> float:
+        """What is left of the budget; started again, once, if none was left unused.
+
+        Nothing has been sent yet: the budget went to this process (a garbage
+        collection, a descheduled thread), not to any node. A lock's validity is
+        counted by its caller from before the fan-out, so this costs no safety;
+        failing would report a Redis outage that did not happen (seen holding 100k
+        locks: full collections of 0.4 s, before the first request and, as often,
+        while its pooled connection was being checked out).
+        """
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 and not self.used and not self.restarted:
+            self.restarted = True
+            self.deadline = time.monotonic() + self.timeout
+            remaining = self.timeout
+        return remaining
 
     def settle(self, index: int) -> None:
         """Set the node's reply once none of its legs is outstanding."""
