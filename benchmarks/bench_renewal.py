@@ -2,7 +2,8 @@
 
 Run from the repository root: ``python -m benchmarks.bench_renewal [--ticks T] [--window S]``.
 Starts its own redis-server (through the test harness) and writes
-``benchmarks/results/renewal.json``.
+``benchmarks/results/renewal.json``; ``--only-hold`` runs the P4 hold alone (below) and
+prints its figures.
 
 Part 1, one renewal tick with N = 10, 1,000, 10,000 and 50,000 held locks
 (``Redlock(ttl=60, auto_renew=False)``, acquired one by one, no pipelining):
@@ -292,7 +293,17 @@ def main() -> None:
     parser.add_argument("--hold-locks", type=int, default=100_000, help="P4: locks held")
     parser.add_argument("--hold-ttl", type=float, default=30.0, help="P4: their ttl, seconds")
     parser.add_argument("--hold-periods", type=int, default=3, help="P4: renewal periods held")
+    parser.add_argument(
+        "--only-hold",
+        action="store_true",
+        help="P4 alone: print its figures, skip the rest and write no results file",
+    )
     args = parser.parse_args()
+    if args.only_hold:
+        with RedisServer() as server:
+            print(f"holding {args.hold_locks} locks for {args.hold_periods} renewal periods ...")
+            print(hold_benchmark(server, args.hold_locks, args.hold_periods, args.hold_ttl))
+        return
     sizes = sorted({min(n, args.max_locks) for n in SIZES})
     started = time.perf_counter()
     with RedisServer() as server:

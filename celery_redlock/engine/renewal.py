@@ -1,10 +1,13 @@
 """The watchdog: one renewer per process renews every lease it holds.
 
 A thread per lock (python-redis-lock) costs a thread and a round trip per lock per
-renewal. Here one thread keeps a heap of leases ordered by when they are next due;
-at each tick it takes every lease that is due (or nearly), and sends one
+renewal. Here one thread keeps a heap of groups of leases ordered by when they are
+next due; at each tick it takes every lease that is due (or nearly), and sends one
 ``renew_many`` script call per node per chunk of :data:`~.lease.CHUNK` keys. The number of
-threads never grows with the number of locks.
+threads never grows with the number of locks. The leases a tick renews are due again
+together, so they go back into the heap as one group per renewal interval: the heap's
+work per tick does not grow with the number of locks, and a tick leaves no object per
+lease behind for the garbage collector to go through (issue 27, P4).
 
 For each lease the tick decides, from the nodes' answers:
 
@@ -33,6 +36,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import operator
 import os
 import threading
 from collections import deque
@@ -40,15 +44,17 @@ from typing import TYPE_CHECKING
 
 from .. import forksafe, metrics
 from ..poll import readable
-from .lease import CHUNK, Lease, clock, renew_entries
+from .lease import Lease, clock, renew_chunks, renewed_everywhere
 from .threads import START_GRACE, start_daemon
 
 if TYPE_CHECKING:
-    from ..nodes import Call, NodeSet
+    from ..nodes import Call, NodeSet, Reply
 
 __all__ = ["CHUNK_BUDGET", "COALESCE", "Renewer", "get_renewer"]
 
 logger = logging.getLogger("celery_redlock.renewal")
+
+_nodeset = operator.attrgetter("nodeset")
 
 #: Extra time allowed per additional chunk in one tick: a chunk's renewals take ~3-6 ms
 #: of server time on a 2-core machine; 20 ms leaves room for a busy server.
@@ -75,7 +81,8 @@ class Renewer:
     MAX_SLEEP = 1.0
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Lease]] = []
+        #: (due, sequence, coalescing window, leases): leases due together.
+        self._heap: list[tuple[float, int, float, list[Lease]]] = []
         self._inbox: deque[tuple[float, Lease]] = deque()
         self._releases: deque[tuple[NodeSet, Call]] = deque()
         self._seq = itertools.count()
@@ -140,8 +147,9 @@ class Renewer:
             start_daemon(self._run, "celery_redlock-renewer")
 
     def __len__(self) -> int:
-        held = list(self._heap) + [(0.0, 0, lease) for _, lease in list(self._inbox)]
-        return len({id(lease) for _, _, lease in held if lease.alive})
+        held = [lease for *_, group in list(self._heap) for lease in group]
+        held += [lease for _, lease in list(self._inbox)]
+        return len({id(lease) for lease in held if lease.alive})
 
     def _schedule(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at ``due`` (any thread)."""
@@ -150,17 +158,19 @@ class Renewer:
         finally:
             self._wake_before(due)
 
-    def _schedule_many(self, items: list[tuple[float, Lease]]) -> None:
-        if not items:
+    def _schedule_group(self, due: float, interval: float, leases: list[Lease]) -> None:
+        """Renew ``leases`` at ``due``, together (any thread).
+
+        They ride along with a tick up to a :data:`COALESCE` share of ``interval``
+        early, their renewal interval (their shortest, if they differ).
+        """
+        if self._ident != threading.get_ident():  # renew() called by another thread
+            try:
+                self._inbox.extend((due, lease) for lease in leases)
+            finally:
+                self._wake_before(due)
             return
-        if self._ident == threading.get_ident():
-            for due, lease in items:
-                heapq.heappush(self._heap, (due, next(self._seq), lease))
-            return
-        try:
-            self._inbox.extend(items)
-        finally:
-            self._wake_before(min(due for due, _ in items))
+        heapq.heappush(self._heap, (due, next(self._seq), COALESCE * interval, leases))
 
     def _wake_before(self, due: float) -> None:
         """Wake the thread if it would otherwise look at its inbox after ``due``.
@@ -181,10 +191,10 @@ class Renewer:
             os.write(self._wake_w, b"\0")
 
     def _take_inbox(self) -> None:
-        inbox, heap = self._inbox, self._heap
+        inbox = self._inbox
         while inbox:
             due, lease = inbox.popleft()
-            heapq.heappush(heap, (due, next(self._seq), lease))
+            self._schedule_group(due, lease.timing.renew_interval, [lease])
 
     def _sleep(self, timeout: float) -> None:
         timeout = max(0.0, min(timeout, self.MAX_SLEEP))
@@ -204,26 +214,25 @@ class Renewer:
         while True:
             self._send_releases()
             self._take_inbox()
-            while heap and not heap[0][2].alive:
+            while heap and not any(lease.alive for lease in heap[0][3]):
                 heapq.heappop(heap)
             if not heap:
                 self._sleep(self.MAX_SLEEP)
                 continue
-            due, _, lease = heap[0]
+            due = heap[0][0]
             wait = due - clock()
             if wait > 0:
                 self._sleep(wait)
                 continue
             now, first_due = clock(), due
             self._ticking = True  # before the leases leave the heap: see abandon_all()
-            taken = []
+            taken: list[Lease] = []
             while heap:
-                due, _, lease = heap[0]
-                if due > now + COALESCE * lease.timing.renew_interval:
+                due, _, window, group = heap[0]
+                if due > now + window:
                     break
                 heapq.heappop(heap)
-                if lease.alive:
-                    taken.append(lease)
+                taken += [lease for lease in group if lease.alive]
             if taken:
                 return taken, first_due
             self._ticking = False
@@ -253,7 +262,7 @@ class Renewer:
         reported lost, during the next test (its keys expire on their own). Call until
         it returns True: a tick in flight puts its leases back when it ends.
         """
-        held = [lease for _, _, lease in list(self._heap)]
+        held = [lease for *_, group in list(self._heap) for lease in group]
         held += [lease for _, lease in list(self._inbox)]
         for lease in held:
             lease.abandon()
@@ -262,11 +271,16 @@ class Renewer:
     def renew(self, leases: list[Lease], due: float | None = None) -> None:
         """Renew ``leases`` now: one script call per node per chunk, per node set."""
         started = clock()
-        by_nodeset: dict[int, list[Lease]] = {}
-        for lease in leases:
-            by_nodeset.setdefault(id(lease.nodeset), []).append(lease)
+        nodesets = list(map(_nodeset, leases))
+        if nodesets.count(nodesets[0]) == len(leases):  # the usual tick: one node set
+            groups = [leases]
+        else:
+            by_nodeset: dict[int, list[Lease]] = {}
+            for lease in leases:
+                by_nodeset.setdefault(id(lease.nodeset), []).append(lease)
+            groups = list(by_nodeset.values())
         try:
-            for group in by_nodeset.values():
+            for group in groups:
                 self._renew_group(group)
         finally:
             # Counted once its calls are in: a reader never sees a tick without them.
@@ -277,8 +291,7 @@ class Renewer:
     def _renew_group(self, leases: list[Lease]) -> None:
         nodeset = leases[0].nodeset
         # Entries (not leases) are chunked: a lease on several resources has several.
-        entries = [(lease, entry) for lease in leases for entry in lease.entries]
-        calls = [renew_entries(entries[i : i + CHUNK]) for i in range(0, len(entries), CHUNK)]
+        calls = renew_chunks(leases)
         sent_at = clock()
         # Chunks go pipelined on one connection per node and the server runs them one
         # after another, so the budget grows with them (one budget for 50 chunks of a
@@ -288,34 +301,28 @@ class Renewer:
         # Judged now, when the replies are read: a pause between sending and reading
         # (SIGSTOP, a VM pause, a long GC) may have let the lease run out meanwhile.
         now = clock()
-        n = len(nodeset)
+        everywhere = renewed_everywhere(replies, sum(len(call.keys) for call in calls))
+        if everywhere is not None and len(everywhere) != len(leases):
+            everywhere = None  # a lease on several resources: judged one by one below
+        # Renewed at ``now``, so due again together: one group per renewal interval.
+        again: dict[float, list[Lease]] = {}
         retried: list[str] = []
-        again: list[tuple[float, Lease]] = []
         offset = 0
         for lease in leases:
-            quorum = lease.quorum
-            renewed, refused, errors = lease.tally(replies, offset)
-            offset += len(lease.entries)
-            if lease.released:
-                continue
-            if renewed >= quorum:
-                if lease.renewed(sent_at, now):
-                    again.append((now + lease.timing.renew_interval, lease))
-            elif refused > n - quorum:
-                lease.mark_lost(
-                    "the key expired, was deleted or is held by another owner"
-                    if n == 1
-                    else f"only {renewed} of {n} nodes still hold it (quorum {quorum})"
-                )
-            else:
-                why = "; ".join(errors) or "no quorum"
-                retry_at = self._retry_at(lease, now, why)
-                if retry_at is not None:
-                    again.append((retry_at, lease))
-                    retried.append(why)
-                    if metrics.enabled:
-                        metrics.renew_failed(lease.task_name)
-        self._schedule_many(again)
+            count = len(lease.entries)
+            held = (everywhere is not None and everywhere[offset]) or self._judge(
+                lease, replies, offset, now, retried
+            )
+            offset += count
+            if held and not lease.released and lease.renewed(sent_at, now):
+                interval = lease.timing.renew_interval
+                group = again.get(interval)
+                if group is None:
+                    again[interval] = [lease]
+                else:
+                    group.append(lease)
+        for interval, group in again.items():
+            self._schedule_group(now + interval, interval, group)
         if retried:
             # One line per tick, not per lock: 10,000 locks on a dead node are one event.
             logger.warning(
@@ -323,6 +330,30 @@ class Renewer:
                 len(retried),
                 retried[0],
             )
+
+    def _judge(
+        self, lease: Lease, replies: list[Reply | None], offset: int, now: float, retried: list[str]
+    ) -> bool:
+        """Whether a quorum renewed ``lease``; if not, declare it lost or retry it soon."""
+        quorum, n = lease.quorum, len(lease.nodeset)
+        renewed, refused, errors = lease.tally(replies, offset)
+        if lease.released:
+            return False
+        if renewed >= quorum:
+            return True
+        if refused > n - quorum:
+            lease.mark_lost(
+                "the key expired, was deleted or is held by another owner"
+                if n == 1
+                else f"only {renewed} of {n} nodes still hold it (quorum {quorum})"
+            )
+            return False
+        why = "; ".join(errors) or "no quorum"
+        if self._retry_or_lose(lease, now, why):
+            retried.append(why)
+            if metrics.enabled:
+                metrics.renew_failed(lease.task_name)
+        return False
 
     def _retry_at(self, lease: Lease, now: float, why: str) -> float | None:
         """When to retry a renewal, or None once past the give-up time (then lost)."""
@@ -336,7 +367,7 @@ class Renewer:
         retry_at = self._retry_at(lease, now, why)
         if retry_at is None:
             return False
-        self._schedule_many([(retry_at, lease)])
+        self._schedule_group(retry_at, lease.timing.renew_interval, [lease])
         return True
 
     def close(self) -> None:

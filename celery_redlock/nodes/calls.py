@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from redis.connection import AbstractConnection
 from redis.exceptions import ResponseError
 
-__all__ = ["Call", "Leg", "LockNode", "Place", "Reply", "Script", "Server"]
+__all__ = ["Call", "Leg", "LockNode", "Place", "Reply", "Script", "Server", "bulk"]
 
 
 class Script(Protocol):
@@ -67,6 +67,11 @@ class Call:
     script: Script | None
     keys: tuple[Any, ...] = ()
     args: tuple[Any, ...] = ()
+    #: The whole command already in RESP (UTF-8), or None: for a call assembled from
+    #: pieces its caller encoded once with :func:`bulk` (the renewer's, sent again every
+    #: renewal). It must say what ``keys`` and ``args`` say: a Redis Cluster that splits
+    #: the call, and any node whose connections use another encoding, encode from them.
+    resp: bytes | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def command(cls, *args: Any) -> Call:
@@ -102,6 +107,14 @@ class Reply:
     def describe_error(self) -> str:
         """One line naming the node and what went wrong, for logs and exceptions."""
         return f"{self.node.safe_url}: {type(self.error).__name__}: {self.error}"
+
+
+def bulk(*args: str | int) -> bytes:
+    """``args`` as RESP bulk strings (UTF-8): a piece of a :attr:`Call.resp`."""
+    return b"".join(
+        b"$%d\r\n%s\r\n" % (len(data), data)
+        for data in (arg.encode() if isinstance(arg, str) else b"%d" % arg for arg in args)
+    )
 
 
 #: Where one reply goes in a node's :class:`Reply`: (position, key indices or None).

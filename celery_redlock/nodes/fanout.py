@@ -16,6 +16,7 @@ replies are merged back into one :class:`~celery_redlock.nodes.calls.Reply` per 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import time
 from collections.abc import Callable, Sequence
@@ -49,8 +50,13 @@ class _InFlight:
 
     def send(self, load: Sequence[Script] = ()) -> None:
         """Send the calls, preceded by ``SCRIPT LOAD`` of ``load`` (replies skipped)."""
-        packed = [("SCRIPT", "LOAD", script.source) for script in load]
-        packed += [call.packed_args() for call in self.calls]
+        packed: list[tuple[Any, ...] | bytes] = [("SCRIPT", "LOAD", s.source) for s in load]
+        if _utf8(self.conn):
+            packed += [
+                call.packed_args() if call.resp is None else call.resp for call in self.calls
+            ]
+        else:
+            packed += [call.packed_args() for call in self.calls]
         self.conn.send_packed_command(pack(self.conn, packed), check_health=False)
         self.skip = len(load)
         self.owed = self.stale + len(packed)
@@ -91,17 +97,22 @@ class _InFlight:
         return list({call.script.sha: call.script for call in self.calls if call.script}.values())
 
 
-def pack(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[bytes]:
+def pack(conn: AbstractConnection, commands: Sequence[tuple[Any, ...] | bytes]) -> list[bytes]:
     """The commands in RESP, as redis-py would write them, but several times faster.
 
     Renewal sends one call per lock slot to a Redis Cluster (10,000 locks: 10,000
     EVALSHA per tick), where redis-py's general packer took most of the tick. This
-    handles the argument types the library sends (str, bytes, int) and leaves
-    anything else to redis-py.
+    handles the argument types the library sends (str, bytes, int) and leaves a
+    command with anything else to redis-py. A command given as bytes is already in
+    RESP (:attr:`~celery_redlock.nodes.calls.Call.resp`) and is sent as it is.
     """
     encoding, errors = conn.encoder.encoding, conn.encoder.encoding_errors
-    out = []
+    out: list[bytes] = []
     for args in commands:
+        if isinstance(args, bytes):
+            out.append(args)
+            continue
+        start = len(out)
         out.append(b"*%d\r\n" % len(args))
         for arg in args:
             if isinstance(arg, str):
@@ -111,10 +122,16 @@ def pack(conn: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[byte
             elif type(arg) is int:  # not bool, which redis-py refuses
                 data = b"%d" % arg
             else:
-                packed: list[bytes] = conn.pack_commands(commands)
-                return packed
+                del out[start:]
+                out += conn.pack_commands([args])
+                break
             out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return [b"".join(out)]
+
+
+def _utf8(conn: AbstractConnection) -> bool:
+    """Whether ``conn`` encodes strings as :func:`~celery_redlock.nodes.calls.bulk` does."""
+    return codecs.lookup(conn.encoder.encoding).name == "utf-8"
 
 
 class _Gather:
@@ -184,22 +201,15 @@ class _FanOut:
         A connect may take ``1/share`` of the time left (``share`` connects remain).
         """
         gather = self.gathers[index]
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0 and not self.used and not self.restarted:
-            # Nothing has been sent yet: the budget went to this process (a garbage
-            # collection, a descheduled thread), not to any node. A lock's validity
-            # is counted by its caller from before the fan-out, so this costs no
-            # safety; failing would report a Redis outage that did not happen (seen
-            # holding 100k locks: full collections of 0.4 s).
-            self.restarted = True
-            self.deadline = time.monotonic() + self.timeout
-            remaining = self.timeout
+        remaining = self._remaining()
         if remaining <= 0:
             gather.fail(leg, RedisTimeoutError("no time left in the budget"))
             return
         conn = None
         try:
             conn, fresh, stale = leg.node.checkout(connect_timeout=remaining / share)
+            if not fresh:  # no connect: a pause in there was this process's, too
+                self._remaining()
             self.used.append((leg.node, conn))
             flight = _InFlight(index, leg, conn, stale)
             # A new connection may face a server that never saw our scripts (it was
@@ -214,6 +224,23 @@ class _FanOut:
             return
         gather.outstanding += 1
         self.inflight.append(flight)
+
+    def _remaining(self) -> float:
+        """What is left of the budget; started again, once, if none was left unused.
+
+        Nothing has been sent yet: the budget went to this process (a garbage
+        collection, a descheduled thread), not to any node. A lock's validity is
+        counted by its caller from before the fan-out, so this costs no safety;
+        failing would report a Redis outage that did not happen (seen holding 100k
+        locks: full collections of 0.4 s, before the first request and, as often,
+        while its pooled connection was being checked out).
+        """
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 and not self.used and not self.restarted:
+            self.restarted = True
+            self.deadline = time.monotonic() + self.timeout
+            remaining = self.timeout
+        return remaining
 
     def settle(self, index: int) -> None:
         """Set the node's reply once none of its legs is outstanding."""

@@ -24,6 +24,7 @@ import hashlib
 from collections.abc import Sequence
 from importlib import resources
 
+from ...nodes.calls import bulk
 from ..keys import FENCE_HORIZON_LEASES, FENCE_HORIZON_MIN, WRITER_MARK, YIELD_MARK
 
 __all__ = [
@@ -203,6 +204,10 @@ class Script:
     def evalsha(self, keys: Sequence[str], args: Sequence[object]) -> tuple[object, ...]:
         """The EVALSHA command that runs this script."""
         return ("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def evalsha_resp(self, keys: int, args: int) -> bytes:
+        """The start of :meth:`evalsha` in RESP, up to its keys, for a :attr:`Call.resp`."""
+        return b"*%d\r\n" % (3 + keys + args) + bulk("EVALSHA", self.sha, keys)
 
     def __repr__(self) -> str:
         return f"<Script {self.name} {self.sha[:8]}>"

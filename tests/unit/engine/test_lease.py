@@ -7,14 +7,26 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from redis.connection import Connection
 from redis.exceptions import ResponseError
 
 from celery_redlock import LockLost, Redlock
 from celery_redlock.engine.keys import lock_keys
-from celery_redlock.engine.lease import CHUNK, Lease, Tally, clock, lease_verdict, renew_call
+from celery_redlock.engine.lease import (
+    CHUNK,
+    Lease,
+    Tally,
+    clock,
+    lease_verdict,
+    renew_call,
+    renew_chunks,
+    renew_entries,
+    renewed_everywhere,
+)
 from celery_redlock.engine.scripts import RenewStatus
 from celery_redlock.engine.timing import Timing
 from celery_redlock.nodes import NodeSet, Reply
+from celery_redlock.nodes.fanout import pack
 from tests.harness.servers import wait_for
 
 
@@ -104,8 +116,8 @@ def _node(url: str = "redis://n1") -> SimpleNamespace:
     return SimpleNamespace(safe_url=url)
 
 
-def _lease(entries: int = 1, quorum: int = 2) -> Lease:
-    keys = lock_keys("job")
+def _lease(entries: int = 1, quorum: int = 2, name: str = "job") -> Lease:
+    keys = lock_keys(name)
     nodeset = NodeSet.get(["redis://127.0.0.1:1/0"], timeout=0.1)
     return Lease(
         keys,
@@ -117,6 +129,46 @@ def _lease(entries: int = 1, quorum: int = 2) -> Lease:
         entries=((keys.lock, "x"),) * entries,
         quorum=quorum,
     )
+
+
+def test_renewal_chunks_are_the_calls_renew_entries_builds_already_encoded():
+    """A tick's calls, assembled from each lease's pieces encoded once, carry the keys
+    and arguments renew_entries gives the same slices, and bytes redis-py would write."""
+    leases = [_lease(name=f"job:{i}:é") for i in range(CHUNK + 10)]
+    leases.insert(CHUNK - 1, _lease(entries=2, name="two"))  # straddles the first chunk
+    entries = [(lease, entry) for lease in leases for entry in lease.entries]
+    conn = Connection()
+    for _ in range(2):  # the second time from the pieces each lease kept
+        calls = renew_chunks(leases)
+        assert [len(call.keys) for call in calls] == [CHUNK, 12]
+        for i, call in enumerate(calls):
+            expected = renew_entries(entries[i * CHUNK : (i + 1) * CHUNK])
+            assert (call.script, call.keys, call.args) == (
+                expected.script,
+                expected.keys,
+                expected.args,
+            )
+            assert call.resp == pack(conn, [expected.packed_args()])[0]
+
+
+def test_renewed_everywhere_reads_whole_replies_or_leaves_them_to_tally():
+    """Per entry, renewed on every node; None whenever any answer needs a closer look."""
+    a, b = _node("redis://a"), _node("redis://b")
+    ok = Reply(a, [[1] * CHUNK, [1, 0, -1]])
+    assert renewed_everywhere([ok], CHUNK + 3) == [True] * CHUNK + [True, False, False]
+    other = Reply(b, [[1] * (CHUNK - 1) + [0], [1, 1, 1]])
+    assert renewed_everywhere([ok, other], CHUNK + 3) == [True] * (CHUNK - 1) + [
+        False,
+        True,
+        False,
+        False,
+    ]
+    assert renewed_everywhere([ok, None], CHUNK + 3) is None
+    assert renewed_everywhere([Reply(a, [], ConnectionError("refused"))], 1) is None
+    assert renewed_everywhere([Reply(a, [[1] * CHUNK, ResponseError("OOM")])], CHUNK + 1) is None
+    assert renewed_everywhere([ok], CHUNK + 4) is None, "one code per entry, or no verdict"
+    split = Reply(a, [[1, ResponseError("MOVED 1 a:1")]])  # a call split per cluster slot
+    assert renewed_everywhere([split], 2) == [True, False]
 
 
 @pytest.mark.parametrize(

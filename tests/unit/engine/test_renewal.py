@@ -270,3 +270,67 @@ def test_a_lease_queued_at_any_moment_of_the_renewers_sleep_is_seen(
     assert list(renewer._inbox) and renewer._inbox[0][1] is lease
     assert slept == ([] if moment != "after_looking" else [not woken_or_seen])
     assert renewer._wakes_at == 0.0, "awake again: queueing must not write the pipe"
+
+
+def test_the_leases_of_a_tick_go_back_into_the_heap_as_one_group(redis_node):
+    """Renewed together, due again together: after each tick the heap holds one entry
+    for all 1,000 leases, not one per lease (the heap's work and the objects a tick
+    leaves behind do not grow with the locks held; issue 27, P4)."""
+    locks = [_held(redis_node, f"group:{i}", ttl=6) for i in range(1_000)]
+    renewer = Renewer()
+
+    def between_ticks(ticks):
+        """The heap as the renewer thread left it after tick ``ticks``, or None yet."""
+        heap = list(renewer._heap)
+        settled = renewer.ticks == ticks and not renewer._ticking
+        return heap if settled and heap else None
+
+    try:
+        due = clock() + 0.2
+        for lock in locks:
+            renewer._schedule(lock.lease, due)
+        renewer.start()
+        for ticks in (1, 2):  # the first from the leases scheduled one by one, then its own
+            heap = wait_for(lambda ticks=ticks: between_ticks(ticks), timeout=10)
+            ((next_due, _, window, group),) = heap
+            assert sorted(map(id, group)) == sorted(id(lock.lease) for lock in locks)
+            interval = locks[0].timing.renew_interval
+            assert window == renewal.COALESCE * interval
+            assert clock() < next_due <= clock() + interval, "due an interval after the tick"
+            assert renewer.calls == ticks * math.ceil(len(locks) / CHUNK)
+    finally:
+        for lock in locks:
+            lock.lease.released = True
+        renewer._wake()
+
+
+def test_a_lease_lost_in_a_tick_leaves_the_others_renewed_together(redis_node):
+    """One key deleted under 20 held locks: that lease is reported lost at its first
+    renewal and leaves the heap; the 19 others are renewed and stay one group."""
+    locks = [_held(redis_node, f"one-lost:{i}") for i in range(20)]
+    lost = []
+    locks[7].lease.on_lost.append(lost.append)
+    redis_node.client().delete(locks[7].key)
+    renewer = Renewer()
+    try:
+        deadlines = [lock.lease.deadline for lock in locks]
+        due = clock()
+        for lock in locks:
+            renewer._schedule(lock.lease, due)
+        renewer.start()
+        wait_for(lambda: renewer.ticks >= 1 and not renewer._ticking, timeout=10)
+        assert [str(e) for e in lost] == [str(locks[7].lease.lost)]
+        assert "expired, was deleted or is held by another owner" in str(lost[0])
+        ((_, _, _, group),) = list(renewer._heap)
+        assert [lease.keys.lock for lease in group] == [
+            lock.key for i, lock in enumerate(locks) if i != 7
+        ]
+        assert all(
+            lock.lease.deadline > d
+            for i, (lock, d) in enumerate(zip(locks, deadlines, strict=True))
+            if i != 7
+        )
+    finally:
+        for lock in locks:
+            lock.lease.released = True
+        renewer._wake()

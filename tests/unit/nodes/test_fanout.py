@@ -10,8 +10,9 @@ from redis.connection import Connection
 from celery_redlock import Redlock
 from celery_redlock.engine.keys import lock_keys
 from celery_redlock.engine.scripts import INSPECT
-from celery_redlock.nodes import Call, Node, fan_out
-from celery_redlock.nodes.fanout import pack
+from celery_redlock.nodes import Call, Node, fan_out, fanout
+from celery_redlock.nodes.calls import bulk
+from celery_redlock.nodes.fanout import _utf8, pack
 from tests.harness.servers import WaitTimeout, wait_for
 
 KEYS = lock_keys("job")
@@ -28,6 +29,31 @@ KEYS = lock_keys("job")
 def test_fast_packing_writes_what_redis_py_writes(commands):
     conn = Connection()
     assert b"".join(pack(conn, commands)) == b"".join(conn.pack_commands(commands))
+
+
+def test_a_command_already_in_resp_is_sent_as_it_is():
+    """Bytes among the commands go out unchanged; a command with an argument the fast
+    packer does not take goes to redis-py alone, the others around it stay packed."""
+    conn = Connection()
+    ping = b"*1\r\n$4\r\nPING\r\n"
+    commands = [("GET", "a"), ping, ("SET", "k", 1.5), ping]
+    expected = b"".join(conn.pack_commands([("GET", "a"), ("PING",), ("SET", "k", 1.5), ("PING",)]))
+    assert b"".join(pack(conn, commands)) == expected
+
+
+def test_a_calls_resp_is_what_goes_to_a_utf8_node(redis_node):
+    """``Call.resp`` replaces the packing of its keys and arguments (here on purpose
+    not the same command, to see which was sent); other encodings pack the arguments."""
+    node = Node(redis_node.url, timeout=1.0)
+    call = Call(None, (), ("ECHO", "from args"), resp=bulk_command("ECHO", "from resp"))
+    (reply,) = fan_out([node], [[call]], timeout=1.0)
+    assert reply.values == ["from resp"]
+    assert _utf8(Connection(encoding="UTF8"))
+    assert not _utf8(Connection(encoding="latin-1"))
+
+
+def bulk_command(*args):
+    return b"*%d\r\n" % len(args) + bulk(*args)
 
 
 @pytest.mark.smoke  # as every test of test_scripts.py, where it was
@@ -135,3 +161,41 @@ def test_a_pause_of_this_process_before_anything_is_sent_is_not_a_node_failure(
     monkeypatch.setattr(Node, "has_idle", paused)
     [reply] = fan_out([node], [call], timeout=0.05)
     assert reply is not None and reply.error is None, reply
+
+
+class _PausedClock:
+    """``time`` for the fan-out, whose monotonic clock jumps by ``pause`` at will."""
+
+    def __init__(self):
+        self.pause = 0.0
+
+    def monotonic(self):
+        return time.monotonic() + self.pause
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_a_pause_while_a_pooled_connection_is_checked_out_is_not_a_node_failure(
+    redis_node, monkeypatch
+):
+    """A full collection landing in the checkout of an idle pooled connection (seen
+    holding 100,000 locks) used up the budget before the request went out, and the
+    acquisition failed as if Redis were down: the call goes out with a new budget."""
+    node = Node(redis_node.url, timeout=1.0)
+    call = [Call(INSPECT, KEYS[:2])]
+    fan_out([node], [call], timeout=1.0)  # warm: the checkout below opens nothing
+    clock = _PausedClock()
+    monkeypatch.setattr(fanout, "time", clock)
+    checkout = Node.checkout
+
+    def paused(self, *args, **kwargs):
+        conn, fresh, owed = checkout(self, *args, **kwargs)
+        clock.pause += 0.15  # the process stops here for longer than the budget
+        return conn, fresh, owed
+
+    monkeypatch.setattr(Node, "checkout", paused)
+    [reply] = fan_out([node], [call], timeout=0.05)
+    assert reply is not None and reply.error is None, reply
+    [reply] = fan_out([node], [call], timeout=0.05)
+    assert reply is not None and reply.error is None, "every call gets its one new budget"
