@@ -158,8 +158,7 @@ class AsyncRedlock:
             return True
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
-        waiter = self.kind.new_waiter(blocking, len(self.nodeset))
-        waiter.grants = waiter.grants and self._sync.takes_grants
+        waiter = self.kind.new_waiter(blocking, len(self.nodeset), self._sync.takes_grants)
         subscription: Subscription | None = None
         wakeup = LoopWakeup(asyncio.get_running_loop())
         inflight: list[asyncio.Future[Any]] = []

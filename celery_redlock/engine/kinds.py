@@ -69,8 +69,8 @@ class Waiter:
         self.sent = False  # a request with this token went out
         #: When the last request with this token was sent (:func:`.lease.clock`).
         self.sent_at = 0.0
-        #: A release may grant this waiter the lock in place (one node; the lock's
-        #: ``acquire`` turns it off where it cannot take such a grant).
+        #: A release may grant this waiter the lock in place (decided by
+        #: :meth:`Kind.new_waiter`: one node, and a lock that can take it).
         self.grants = grants
         #: Set by the listener when a release granted the lock: (token, fence).
         self.granted: tuple[str, int] | None = None
@@ -123,8 +123,13 @@ class Kind(abc.ABC):
         """Nodes of ``nodes`` that must grant (and renew) a hold."""
         return majority(nodes)
 
-    def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
-        """The identity of one acquire call on ``nodes`` nodes."""
+    def new_waiter(self, blocking: bool, nodes: int, grants: bool = True) -> Waiter:
+        """The identity of one acquire call on ``nodes`` nodes.
+
+        ``grants``: the lock can take a lock a release grants it (False where it
+        cannot, :attr:`.lock.Redlock.takes_grants`); the kind decides whether its
+        waiters are granted at all.
+        """
         return Waiter(blocking)
 
     def wake_token(self, waiter: Waiter) -> Named | None:
@@ -219,7 +224,7 @@ class Exclusive(Kind):
         #: The nodes keep a record of the blocked waiters (one resource only).
         self.records = len(self.resources) == 1
 
-    def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
+    def new_waiter(self, blocking: bool, nodes: int, grants: bool = True) -> Waiter:
         """A waiter with its arrival stamped, when several nodes must agree on the order.
 
         One node numbers arrivals itself; several cannot, so the waiter stamps its
@@ -229,7 +234,7 @@ class Exclusive(Kind):
         stamped = self.records and nodes > 1
         arrival = f"{time.time() * 1000:.3f}" if stamped else ""
         # A grant comes from one node: with several, a quorum would have to grant alike.
-        return Waiter(blocking, arrival, grants=blocking and self.records and nodes == 1)
+        return Waiter(blocking, arrival, grants=grants and blocking and self.records and nodes == 1)
 
     def acquire_call(
         self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""

@@ -247,8 +247,7 @@ class Redlock:
             return True
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
-        waiter = self.kind.new_waiter(blocking, len(self.nodeset))
-        waiter.grants = waiter.grants and self.takes_grants
+        waiter = self.kind.new_waiter(blocking, len(self.nodeset), self.takes_grants)
         subscription: Subscription | None = None
         offer: handoff.Offer | None = None
         handed: Grant | Attempt | None = None

@@ -134,11 +134,8 @@ if abandoned and redis.call('ZSCORE', abandoned, token) then
 end
 
 local now
-local function clock()
-    if not now then
-        local t = redis.call('TIME')
-        now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    end
+local function clock()  -- the node's clock, read once
+    now = now or node_ms()
     return now
 end
 
@@ -275,9 +272,7 @@ if record then
         end
     elseif not blocked and redis.call('ZRANGE', queue, 0, 0)[1] then
         -- (Nobody recorded, this token included: one read, nothing to leave.)
-        if redis.call('ZREM', waiting, token) == 1 then
-            forget(parts, {token})
-        end
+        leave(parts, token)
         -- Granted (or taken over) while a waiter of another process is recorded: it
         -- waits to be named, without asking again, so this holder's turn is bounded
         -- from now (a reservation carries the mark its release set).

@@ -60,8 +60,8 @@ local function name_after(lock, held, cap, skip)
                      held.fence or '0', {KEYS[7], KEYS[8]})
 end
 
-if record and ARGV[5] ~= 'keep' and redis.call('ZREM', KEYS[4], token) == 1 then
-    forget(parts, {token})
+if record and ARGV[5] ~= 'keep' then
+    leave(parts, token)
 end
 local n = record and 1 or #KEYS / 2
 local released, taken = 0, false

@@ -16,6 +16,7 @@
 --          what is wrong.
 -- node_ms()  the node's clock, in ms.
 -- forget(record, tokens)  take tokens out of every part of the record.
+-- leave(record, token)  take a token out of the record if it is in it (one call if not).
 -- drop_lapsed(record, now)  forget the waiters whose place lapsed.
 -- first_waiter(queue, wake, skip)  the oldest recorded token whose process channel is
 --          not `skip` (false: any), and its channel (false if it recorded none).
@@ -75,6 +76,11 @@ local function forget(record, tokens)
     redis.call('ZREM', record[2], unpack(tokens))
     redis.call('HDEL', record[3], unpack(tokens))
     redis.call('HDEL', record[4], unpack(tokens))
+end
+local function leave(record, token)
+    if redis.call('ZREM', record[2], token) == 1 then
+        forget(record, {token})
+    end
 end
 local function drop_lapsed(record, now)
     local gone = redis.call('ZRANGEBYSCORE', record[2], '-inf', now)
