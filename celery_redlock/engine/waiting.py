@@ -231,8 +231,9 @@ class _Listener:
     taking release wake-ups that nobody uses. No callback tells the listener: it
     would run Python code in the waiter's thread, where another such exception could
     land. For the same reason the listener does not act on queued requests
-    that such an exception could leave half made: each time it wakes it subscribes
-    to the channels that have waiters and unsubscribes from the others.
+    that such an exception could leave half made: when poked, and at least every
+    :data:`SYNC_INTERVAL`, it subscribes to the channels that have waiters and
+    unsubscribes from the others.
     """
 
     def __init__(self, node: LockNode) -> None:
@@ -411,12 +412,23 @@ class _Listener:
         conn = self.node.new_connection()
         conn.connect()
         self._conn = conn
+        synced, poked = -SYNC_INTERVAL, True
         while True:
-            self._sync(conn)
+            # Subscriptions are brought up to date when a waiter asks (a poke) and at
+            # least every SYNC_INTERVAL, not at every announcement: the waiter woken by
+            # one needs the GIL, and the listener's Python work between the wake-up and
+            # its next blocking call is on every handoff's path (issue 27, P8).
+            now = time.monotonic()
+            if poked or now - synced >= SYNC_INTERVAL:
+                self._sync(conn)
+                synced = now
             while conn.can_read(0):
                 self._dispatch(conn.read_response())
-            ready = readable([conn._sock, self._wake_r], SYNC_INTERVAL)
-            if self._wake_r in ready:
+            ready = readable(
+                [conn._sock, self._wake_r], max(0.0, synced + SYNC_INTERVAL - time.monotonic())
+            )
+            poked = self._wake_r in ready
+            if poked:
                 self._drain_wake()
 
     def _sync(self, conn: AbstractConnection) -> None:

@@ -364,6 +364,10 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
     replies = state.replies
     if decided is not None and decided(replies):
         return
+    # No reply to a request just sent can be here yet: wait before the first read
+    # instead of asking each connection once for nothing (a poll and two changes of
+    # socket mode per call, issue 27). A reply already there ends the wait at once.
+    _wait(state)
     while state.inflight:
         progressed = False
         for flight in list(state.inflight):
@@ -388,11 +392,18 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
             return
         if not state.inflight:
             return
-        remaining = state.deadline - time.monotonic()
-        if remaining <= 0:
+        if state.deadline <= time.monotonic():
             return
         if not progressed:
-            socks: list[Any] = [flight.conn._sock for flight in state.inflight]
-            # A socket closed under us shows up as an error on the next read.
-            with contextlib.suppress(OSError, ValueError):
-                readable(socks, remaining)
+            _wait(state)
+
+
+def _wait(state: _FanOut) -> None:
+    """Wait until a connection in flight is readable, or the budget is spent."""
+    remaining = state.deadline - time.monotonic()
+    if remaining <= 0 or not state.inflight:
+        return
+    socks: list[Any] = [flight.conn._sock for flight in state.inflight]
+    # A socket closed under us shows up as an error on the next read.
+    with contextlib.suppress(OSError, ValueError):
+        readable(socks, remaining)

@@ -155,6 +155,43 @@ def test_a_waiter_cut_off_before_it_could_unregister_leaves_nothing_behind(redis
         assert staying.wait(5), "the release woke the waiter that left"
 
 
+def test_an_announcement_is_dispatched_without_the_subscription_bookkeeping(redis_node):
+    """The listener hands announcements to waiters without bringing its subscriptions
+    up to date each time (it does that when a waiter asks, and once per
+    SYNC_INTERVAL): the woken waiter needs the GIL, and the listener's Python work
+    before its next blocking call is on every handoff's path (issue 27, P8). Before,
+    every announcement cost one pass over the channels (50 here)."""
+    from celery_redlock.engine.waiting import Subscription, get_listener
+    from celery_redlock.nodes import NodeSet
+
+    node = NodeSet.get([redis_node.url], timeout=1.0).nodes[0]
+    listener = get_listener(node)
+    client = redis_node.client()
+    channel = "redlock:{bookkeeping}:released"
+    syncs: list[float] = []
+    real_sync = listener._sync
+
+    def counted_sync(conn):
+        syncs.append(time.monotonic())
+        return real_sync(conn)
+
+    listener._sync = counted_sync
+    try:
+        with Subscription((node,), channel, confirm_timeout=5) as waiter:
+            assert waiter.confirmed()
+            syncs.clear()
+            began = time.monotonic()
+            for _ in range(50):
+                client.publish(channel, "")
+                assert waiter.wait(5), "an announcement was lost"
+            took = time.monotonic() - began
+    finally:
+        del listener._sync
+        client.close()
+    # At most one per SYNC_INTERVAL (1 s) passed, and one more at either end.
+    assert len(syncs) <= took + 2, (len(syncs), took)
+
+
 def test_a_confirmation_lost_by_one_waiter_is_not_lost_for_the_next(redis_node):
     """Each waiter has its own subscription confirmation. One shared by all, consumed
     and set again by each waiter, was lost for every later waiter of the process when

@@ -57,6 +57,27 @@ def bulk_command(*args):
 
 
 @pytest.mark.smoke  # as every test of test_scripts.py, where it was
+def test_a_reply_is_waited_for_before_the_first_read(redis_node, monkeypatch):
+    """A request just sent has no reply yet: fan_out waits for its connection to be
+    readable and reads once, instead of asking first (each ask is a poll and two
+    changes of socket mode). Before, every call asked twice (issue 27, P1)."""
+    node = Node(redis_node.url, timeout=1.0)
+    fan_out([node], [[Call.command("PING")]], timeout=1.0)  # connected first
+    asked: list[int] = []
+    real = Connection.can_read
+
+    def counted(self, timeout=0):
+        asked.append(1)
+        return real(self, timeout)
+
+    monkeypatch.setattr(Connection, "can_read", counted)
+    for _ in range(20):
+        (reply,) = fan_out([node], [[Call.command("PING")]], timeout=1.0)
+        assert reply.values == ["PONG"]
+    assert len(asked) == 20, len(asked)
+    node.close()
+
+
 def test_scripts_go_by_evalsha_and_reload_after_a_flush(redis_node):
     """Calls use EVALSHA; after SCRIPT FLUSH one SCRIPT LOAD restores it for good."""
     node = Node(redis_node.url, timeout=1.0)
