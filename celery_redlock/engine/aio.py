@@ -47,7 +47,7 @@ from .holds import Holds
 from .keys import DEFAULT_PREFIX
 from .kinds import Holder, Waiter
 from .lease import Lease, clock, renew_call
-from .lock import _HOST, Redlock, Step, _agreeing, _report_release, _view
+from .lock import _HOST, Redlock, Step, _agreeing, _report_release, _view, wake_granted
 from .scripts import INSPECT
 from .timing import Timing
 from .vote import Attempt, budget, fence_requests, fences_stored, tally, vote_calls
@@ -326,8 +326,17 @@ class AsyncRedlock:
         except Exception:  # the original exception matters more; the lease ends by itself
             self._sync._undo_failed()
 
-    async def _unlock(self, token: str) -> list[Reply | None]:
-        return await self.nodeset.call([self.kind.release_call(token)])
+    async def _unlock(self, token: str, *, here: bool = False) -> list[Reply | None]:
+        """Release ``token`` on every node.
+
+        ``here``: wake a waiter of this process granted the lock (as
+        :meth:`Redlock._unlock`).
+        """
+        call = self.kind.release_call(token, here=here and self._sync.takes_grants)
+        replies = await self.nodeset.call([call])
+        if here:
+            wake_granted(replies, self.keys.channel)
+        return replies
 
     async def _reenter(self) -> bool:
         """Count one more hold if this task holds the lock on a lease still valid."""
@@ -351,7 +360,7 @@ class AsyncRedlock:
             return
         lease = hold.lease
         lease.released = True
-        replies = await _unless_cancelled(self._unlock(lease.token))
+        replies = await _unless_cancelled(self._unlock(lease.token, here=True))
         _report_release(self._sync, lease, replies)
 
     async def extend(self) -> float:

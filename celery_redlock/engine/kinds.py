@@ -161,11 +161,13 @@ class Kind(abc.ABC):
         """
 
     @abc.abstractmethod
-    def release_call(self, token: str) -> Call:
+    def release_call(self, token: str, *, here: bool = False) -> Call:
         """The call that releases ``token``'s hold.
 
-        A lock's finalizer keeps this bound method, so a kind never refers to its lock
-        object (the lock could then never be garbage-collected).
+        ``here``: the caller wakes a waiter of its own process that the release grants
+        the lock to (kinds whose releases grant). A lock's finalizer keeps this bound
+        method, so a kind never refers to its lock object (the lock could then never be
+        garbage-collected).
         """
 
     def undo_call(self, token: str) -> Call:
@@ -260,19 +262,22 @@ class Exclusive(Kind):
              *((predecessor, *handoff.TURN) if predecessor else ())),
         )  # fmt: skip
 
-    def release_call(self, token: str) -> Call:
+    def release_call(self, token: str, *, here: bool = False) -> Call:
         """``release.lua`` on every resource; on one, it names a recorded waiter.
 
         ``token`` also leaves the record: a Redlock holder stays recorded on a node that
         refused it (still held there by its predecessor) while the others granted it.
+        ``here``: the caller wakes a waiter of its own process that the release grants
+        the lock to (the reply names it; nothing is published for it).
         """
         if not self.records:
             return Call(RELEASE, release_keys(self.resources), (token,))
         return Call(
             RELEASE,
             release_keys(self.resources, record=True),
-            (token, self.naming, named_reserve_ms(), process_channel(self.keys.channel)),
-        )
+            (token, self.naming, named_reserve_ms(), process_channel(self.keys.channel),
+             *(("", "local") if here else ())),
+        )  # fmt: skip
 
     def undo_call(self, token: str) -> Call:
         """As :meth:`release_call`, but ``token`` keeps its place: it tries again.
@@ -387,8 +392,8 @@ class Shared(Kind):
             (waiter.token, ttl_ms, self.limit or 0, *holder),
         )
 
-    def release_call(self, token: str) -> Call:
-        """Give back the share."""
+    def release_call(self, token: str, *, here: bool = False) -> Call:
+        """Give back the share (a share's release grants nothing: ``here`` changes nothing)."""
         return Call(RELEASE_SHARED, self.keys.release_shared, (token,))
 
     def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:

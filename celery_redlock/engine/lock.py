@@ -89,7 +89,7 @@ from .renewal import get_renewer
 from .scripts import INSPECT, ReleaseStatus
 from .timing import Timing
 from .vote import Attempt, budget, sync_fences, vote
-from .waiting import HOST, Subscription, subscribed
+from .waiting import HOST, Subscription, grant_here, subscribed
 
 __all__ = ["DEFAULT_URL", "Redlock", "Step"]
 
@@ -599,19 +599,32 @@ class Redlock:
         return True
 
     def _unlock(
-        self, token: str, wait_for: Sequence[int] | None = None, *, undo: bool = False
+        self,
+        token: str,
+        wait_for: Sequence[int] | None = None,
+        *,
+        undo: bool = False,
+        here: bool = False,
     ) -> list[Reply | None]:
         """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all).
 
         ``undo``: what an attempt that lost the vote was granted (it tries again, so it
-        keeps its place among the recorded waiters).
+        keeps its place among the recorded waiters). ``here``: a release that grants the
+        lock to a waiter of this process says so, and that waiter is woken from here
+        (:func:`wake_granted`).
         """
 
         def decided(replies: list[Reply | None]) -> bool:
             return all(replies[i] is not None for i in wait_for)  # type: ignore[union-attr]
 
-        call = self.kind.undo_call(token) if undo else self.kind.release_call(token)
-        return self.nodeset.call([call], decided=None if wait_for is None else decided)
+        if undo:
+            call = self.kind.undo_call(token)
+        else:
+            call = self.kind.release_call(token, here=here and self.takes_grants)
+        replies = self.nodeset.call([call], decided=None if wait_for is None else decided)
+        if here:
+            wake_granted(replies, self.keys.channel)
+        return replies
 
     # -- holding -----------------------------------------------------------------
 
@@ -680,7 +693,7 @@ class Redlock:
             if handed.handed:
                 replies = self._unlock_elsewhere(lease.token, handed.granted)
             else:
-                replies = self._unlock(lease.token)
+                replies = self._unlock(lease.token, here=True)
             handoff.released(self, lease)
             done = True
         finally:
@@ -859,6 +872,25 @@ def _view(reply: Reply | None) -> dict[str, Any]:
         "fence_counter": value[1],
         **dict(zip(fields[::2], fields[1::2], strict=True)),
     }
+
+
+def wake_granted(replies: list[Reply | None], channel: str) -> None:
+    """Wake the waiter of this process that a release granted the lock to, if one.
+
+    The release said so in its reply (``{code, token, fence}``, ``release.lua``
+    'local') instead of publishing the grant: the waiter is woken by the releasing
+    thread, not by the listener reading a message (a listener wake-up and a message
+    read less per handoff between threads of one process, issue 27). The reply is left
+    as the plain status code.
+    """
+    for reply in replies:
+        if reply is None or not reply.ok or not reply.values:
+            continue
+        value = reply.values[0]
+        if isinstance(value, list) and len(value) == 3:
+            code, token, fence = value
+            reply.values[0] = code
+            grant_here(reply.node, channel, str(token), int(fence))
 
 
 def _report_release(lock: Redlock, lease: Lease, replies: list[Reply | None]) -> None:

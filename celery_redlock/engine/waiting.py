@@ -82,6 +82,7 @@ __all__ = [
     "Subscription",
     "Wakeup",
     "get_listener",
+    "grant_here",
     "process_channel",
 ]
 
@@ -363,6 +364,32 @@ class _Listener:
                 waiter.set()
                 return
 
+    def grant(self, channel: str, token: str, fence: int) -> bool:
+        """Wake ``token``'s waiter holding the lock a release of this process granted it.
+
+        The release's script told the releasing thread instead of publishing the grant
+        (``release.lua``, 'local'): the waiter wakes without this listener reading a
+        message. False if it no longer waits here (it has left, or is trying again:
+        then its try finds the lock held by its own token).
+        """
+        with self._mutex:
+            return self._wake_named(self._waiters.get(channel, {}), token, fence)
+
+    def _wake_named(
+        self, waiters: dict[weakref.ref[Wakeup], _Entry], token: str, fence: int | None
+    ) -> bool:
+        """Wake the waiter registered as ``token``, with the fence of a grant if any."""
+        for ref, entry in waiters.items():
+            waiter = ref()
+            named = entry.named
+            if waiter is not None and named is not None and named.token == token:
+                if fence is not None:
+                    named.granted = (token, fence)
+                entry.heard.add(self.node.url)
+                waiter.set()
+                return True
+        return False
+
     def _poke(self) -> None:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
@@ -476,15 +503,7 @@ class _Listener:
                 # The release named the waiter whose turn it is ("TOKEN"), or granted
                 # it the lock ("TOKEN FENCE").
                 token, _, fence = str(text).partition(" ")
-                for ref, entry in waiters.items():
-                    waiter = ref()
-                    named = entry.named
-                    if waiter is not None and named is not None and named.token == token:
-                        if fence.isdigit():
-                            named.granted = (token, int(fence))
-                        entry.heard.add(self.node.url)
-                        waiter.set()
-                        return
+                self._wake_named(waiters, token, int(fence) if fence.isdigit() else None)
             elif kind == "subscribe":
                 left = self._pending.pop(channel, 1) - 1
                 if left > 0:
@@ -592,6 +611,12 @@ def subscribed(nodes: tuple[LockNode, ...], channel: str) -> bool:
     """Whether this process listens to ``channel`` already, confirmed on some node."""
     listeners = (_listeners.get(node.url) for node in nodes)
     return any(listener is not None and listener.subscribed(channel) for listener in listeners)
+
+
+def grant_here(node: LockNode, channel: str, token: str, fence: int) -> bool:
+    """Wake a waiter of this process that a release here granted ``channel``'s lock."""
+    listener = _listeners.get(node.url)
+    return listener is not None and listener.grant(channel, token, fence)
 
 
 def get_listener(node: LockNode) -> _Listener:

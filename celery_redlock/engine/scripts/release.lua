@@ -18,6 +18,9 @@
 --             process's turn (below), its own recorded waiters are passed over
 -- ARGV[5]     optional: 'keep', the undo of an attempt that lost the vote: the token
 --             keeps its place in the record (it tries again)
+-- ARGV[6]     optional: 'local', the releaser wakes a waiter of its own process (ARGV[4])
+--             itself: a grant to one is not published, and the reply says whom it
+--             granted (below)
 --
 -- With a record, the token also leaves it, unless 'keep' (a Redlock holder this node
 -- refused stays recorded here), and a reservation made for it here (named by this
@@ -29,6 +32,8 @@
 -- Returns  1  released (every lock was held by this token)
 --          0  gone already (expired or released), wholly or in part
 --         -1  a lock is held by another token: that one is left alone
+--         {code, token, fence}  with 'local', when the lock was granted to a waiter of
+--             the releasing process: the code above, that waiter's token and its fence
 if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock release: empty owner token')
 end
@@ -49,6 +54,8 @@ if record and #KEYS ~= 8 then
     return redis.error_reply('ERR celery_redlock release: a record of waiters takes 8 keys')
 end
 local parts = {KEYS[3], KEYS[4], KEYS[5], KEYS[6]}
+local here = ARGV[6] == 'local' and ARGV[4] ~= '' and ARGV[4] or nil
+local granted_here = nil  -- {token, fence} of a waiter of this process granted the lock
 
 -- Name the next waiter of a freed lock (with a record), keeping the lock for it at most
 -- `cap` ms; nil when nobody is recorded.
@@ -56,8 +63,12 @@ local function name_after(lock, held, cap, skip)
     if not record then
         return nil
     end
-    return name_next(lock, KEYS[2], parts, how, math.min(reserve, cap), skip,
-                     held.fence or '0', {KEYS[7], KEYS[8]})
+    local named, fence = name_next(lock, KEYS[2], parts, how, math.min(reserve, cap), skip,
+                                   held.fence or '0', {KEYS[7], KEYS[8], here})
+    if fence then
+        granted_here = {named, fence_text(fence)}
+    end
+    return named
 end
 
 if record and ARGV[5] ~= 'keep' then
@@ -93,7 +104,11 @@ for i = 1, n do
         taken = true
     end
 end
+local code = released == n and 1 or 0
 if taken then
-    return -1
+    code = -1
 end
-return released == n and 1 or 0
+if granted_here then
+    return {code, granted_here[1], granted_here[2]}
+end
+return code

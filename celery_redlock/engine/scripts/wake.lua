@@ -33,7 +33,9 @@
 --          recorded its holder fields, the lock is *granted*: written for that waiter
 --          in place (a new fence, a lease of the ttl it asked for) and the message is
 --          its token and the fence, so the waiter wakes holding it, with no try of its
---          own (issue 27, change C). Nobody subscribed to its process channel (the
+--          own (issue 27, change C). With grants[3], the caller's own process channel:
+--          a waiter on that channel is granted without a message (the caller wakes it
+--          in its own process), and its fence is returned second. Nobody subscribed to its process channel (the
 --          process died, or its listener is reconnecting, when every waiter there
 --          retries anyway): the grant is taken back and the next waiter named. An
 --          abandoned token is passed over. Either way the waiter leaves the record.
@@ -119,6 +121,9 @@ local function grant_to(lock, named, target, details, grants, now)
                'task_name', task_name, 'host', host, 'pid', pid,
                'acquired_at', string.format('%.3f', now / 1000), 'ttl', ttl)
     redis.call('PEXPIRE', lock, ttl)
+    if target == grants[3] then
+        return true, fence  -- a waiter of the caller's own process: the caller tells it
+    end
     return redis.call('PUBLISH', target, named .. ' ' .. fence_text(fence)) > 0
 end
 local function name_next(lock, channel, record, how, reserve, skip, fence, grants)
@@ -141,11 +146,12 @@ local function name_next(lock, channel, record, how, reserve, skip, fence, grant
         tries = tries + 1
         forget(record, {named})
         if not redis.call('ZSCORE', grants[2], named) then
-            if grant_to(lock, named, target, details, grants, now) then
+            local heard, here = grant_to(lock, named, target, details, grants, now)
+            if heard then
                 if other_process_waits(queue, wake, target) then
                     redis.call('HSET', lock, 'waited', now)
                 end
-                return named
+                return named, here
             end
             redis.call('DEL', lock)  -- nobody heard it: taken back
         end

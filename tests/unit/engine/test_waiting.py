@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -106,9 +107,11 @@ def test_a_release_wakes_one_waiter_not_all(redis_node):
     # Each waiter has tried and is registered (the first also retried once subscribed;
     # the others, finding the channel subscribed, registered before their first try).
     wait_for(
-        lambda: client.pubsub_numsub(channel)[0][1] >= 1
-        and len(attempts) >= 8
-        and len(listener._waiters.get(channel, {})) == 8,
+        lambda: (
+            client.pubsub_numsub(channel)[0][1] >= 1
+            and len(attempts) >= 8
+            and len(listener._waiters.get(channel, {})) == 8
+        ),
         timeout=10,
     )
     before = len(attempts)
@@ -190,6 +193,56 @@ def test_an_announcement_is_dispatched_without_the_subscription_bookkeeping(redi
         client.close()
     # At most one per SYNC_INTERVAL (1 s) passed, and one more at either end.
     assert len(syncs) <= took + 2, (len(syncs), took)
+
+
+def test_a_grant_to_a_waiter_of_this_process_is_not_published(redis_node, monkeypatch):
+    """A fair lock's release grants the head of its queue in place; when that waiter is
+    a thread of the releasing process, the release's reply names it and the releasing
+    thread wakes it: nothing is published, and the listener reads nothing (issue 27,
+    P6f: a listener wake-up and a message read less per handoff between threads of one
+    process). Before, one PUBLISH and one delivery to this process's own listener."""
+    from celery_redlock.engine import waiting
+
+    holder = Redlock("here", nodes=[redis_node.url], ttl=30, fair=True)
+    waiter = Redlock("here", nodes=[redis_node.url], ttl=30, fair=True)
+    assert holder.acquire()
+    fence = holder.fence
+    deliveries: list[Any] = []
+    real_dispatch = waiting._Listener._dispatch
+
+    def counted_dispatch(self, message):
+        if isinstance(message, list) and message and message[0] == "message":
+            deliveries.append(message)
+        real_dispatch(self, message)
+
+    monkeypatch.setattr(waiting._Listener, "_dispatch", counted_dispatch)
+    client = redis_node.client()
+    got: dict[str, Any] = {}
+    holding, let_go = threading.Event(), threading.Event()
+
+    def wait() -> None:
+        got["ok"] = waiter.acquire(timeout=20)
+        got["fence"] = waiter.fence
+        holding.set()
+        let_go.wait(20)
+        waiter.release()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        listener = waiting.get_listener(waiter.nodeset.nodes[0])
+        wait_for(lambda: client.zcard(waiter.keys.queue) == 1, timeout=10)  # recorded
+        wait_for(lambda: listener._waiters.get(waiter.keys.channel), timeout=10)  # listening
+        redis_node.reset_stats()
+        holder.release()
+        assert holding.wait(10), "the waiter was not woken"
+        assert got == {"ok": True, "fence": fence + 1}
+        assert redis_node.commandstats().get("publish", 0) == 0
+        assert deliveries == []
+    finally:
+        let_go.set()
+        thread.join(20)
+        client.close()
 
 
 def test_a_confirmation_lost_by_one_waiter_is_not_lost_for_the_next(redis_node):

@@ -206,6 +206,25 @@ def test_a_release_grants_the_named_waiter_the_lock_in_place(listening):
     assert client.hget(KEYS.lock, "for") == "barger", "and reserved, as before"
 
 
+def test_a_releaser_told_of_its_own_waiters_grant_wakes_it_itself(listening):
+    """With 'local', a grant to a waiter of the releasing process (its channel is the
+    releaser's) is not published: the reply names that waiter and its fence, and the
+    releasing thread wakes it. A waiter of another process still hears its grant."""
+    client, pubsub = listening
+    attempt(client, "holder", "proc:1")
+    assert granting(client, "w1", "proc:1")[0] == 0
+    assert granting(client, "w2", "proc:2")[0] == 0
+    keys = release_keys([KEYS], record=True)
+    local = ("wake", 5000, "proc:1", "", "local")  # the releaser's channel, and 'local'
+    reply = client.eval(RELEASE.source, len(keys), *keys, "holder", *local)
+    fence = client.hget(KEYS.lock, "fence")
+    assert reply == [1, "w1", fence]
+    assert client.hget(KEYS.lock, "token") == "w1"
+    assert messages(pubsub) == [], "told in the reply, not published"
+    assert client.eval(RELEASE.source, len(keys), *keys, "w1", *local) == 1
+    assert messages(pubsub) == [("proc:2", f"w2 {client.hget(KEYS.lock, 'fence')}")]
+
+
 def test_a_grant_nobody_hears_is_taken_back_and_the_next_waiter_granted(listening):
     """A waiter whose process channel has no subscriber (its process died, or its
     listener reconnects) would hold a lock nobody uses for a lease: the release takes
