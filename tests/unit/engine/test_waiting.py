@@ -245,6 +245,53 @@ def test_a_grant_to_a_waiter_of_this_process_is_not_published(redis_node, monkey
         client.close()
 
 
+def test_a_grant_the_releasing_thread_never_delivered_is_taken_by_the_waiters_try(
+    redis_node, monkeypatch
+):
+    """The releasing thread stopped between the release's reply and waking its
+    process's waiter (an exception landing there): the waiter's wait ends within its
+    renewal interval, and its try finds the lock held by its own token and takes it
+    with the fence it was granted (nobody else got the lock in between)."""
+    from celery_redlock.engine import lock as lock_module
+    from celery_redlock.engine import waiting
+
+    monkeypatch.setattr(lock_module, "grant_here", lambda *args: False)  # never woken
+    waiting_now = threading.Event()
+    real_wait = waiting.Subscription.wait
+
+    def entered_wait(self, timeout):
+        waiting_now.set()
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(waiting.Subscription, "wait", entered_wait)
+    holder = Redlock("lost", nodes=[redis_node.url], ttl=3, fair=True)
+    waiter = Redlock("lost", nodes=[redis_node.url], ttl=3, fair=True)
+    assert holder.acquire()
+    fence = holder.fence
+    client = redis_node.client()
+    got: dict[str, Any] = {}
+
+    def wait() -> None:
+        got["ok"] = waiter.acquire(timeout=20)
+        got["fence"] = waiter.fence
+        got["at"] = time.monotonic()
+        waiter.release()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        assert waiting_now.wait(10), "the waiter never waited"
+        holder.release()
+        released_at = time.monotonic()
+        assert client.hget(waiter.keys.lock, "fence") == str(fence + 1), "granted in place"
+        thread.join(20)
+        assert got["ok"] is True and got["fence"] == fence + 1
+        assert got["at"] - released_at < 3.0, "waited past its renewal interval"
+    finally:
+        thread.join(20)
+        client.close()
+
+
 def test_a_confirmation_lost_by_one_waiter_is_not_lost_for_the_next(redis_node):
     """Each waiter has its own subscription confirmation. One shared by all, consumed
     and set again by each waiter, was lost for every later waiter of the process when
