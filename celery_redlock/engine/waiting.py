@@ -257,6 +257,8 @@ class _Listener:
         self._idle: dict[str, float] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        # A poke never blocks its waiter: a full buffer means pokes are pending anyway.
+        self._wake_w.setblocking(False)
         self._conn: AbstractConnection | None = None
         self._run_lock = threading.Lock()
         self._started_at = -START_GRACE
@@ -407,22 +409,40 @@ class _Listener:
         """Serve the node's pub/sub connection for ever, reconnecting after failures."""
         if not self._run_lock.acquire(blocking=False):
             return  # another thread serves this node already
+        try:
+            self._run()
+        finally:
+            # Stopped by an exception that is not the node's (one raised asynchronously
+            # in this thread): the next waiter's get_listener() starts another, where
+            # a run lock kept would leave the process without a listener for good.
+            self._disconnect()
+            self._run_lock.release()
+
+    def _run(self) -> None:
         backoff = 0.05
         while True:
             try:
                 self._serve()
             except (RedisError, OSError) as exc:
                 logger.debug("release listener for %s: %s", self.node.safe_url, exc)
-            if self._conn is not None:
-                self._conn.disconnect()
-                self._conn = None
-            # Anything published while we were away is lost: let every waiter retry.
-            with self._mutex:
-                self._subscribed.clear()
-                self._pending.clear()
-            self._wake_all()
+            except Exception:
+                # Not the node's failure: a bug. Waiters fall back on their timeouts
+                # while the listener starts over, rather than for good.
+                logger.warning("release listener for %s failed", self.node.safe_url, exc_info=True)
+            self._disconnect()
             self._wait_wake(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _disconnect(self) -> None:
+        """Drop the connection and its subscriptions; every waiter retries."""
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
+        # Anything published while we were away is lost: let every waiter retry.
+        with self._mutex:
+            self._subscribed.clear()
+            self._pending.clear()
+        self._wake_all()
 
     def _wait_wake(self, timeout: float) -> None:
         readable([self._wake_r], timeout)

@@ -292,6 +292,48 @@ def test_a_grant_the_releasing_thread_never_delivered_is_taken_by_the_waiters_tr
         client.close()
 
 
+class _Stop(BaseException):
+    """Not an Exception: what a thread cannot handle but must end on."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # _Stop
+@pytest.mark.parametrize("raised", [RuntimeError, _Stop])
+def test_a_listener_hit_by_an_exception_serves_again(redis_node, raised):
+    """An exception raised asynchronously in the listener thread (as the threads pool's
+    abort or a soft time limit does in whatever thread it targets): an ``Exception`` is
+    logged and the listener reconnects; a ``BaseException`` ends the thread, and the
+    next waiter starts another. Either way releases wake waiters again. Before, either
+    stopped the thread with its run lock held: no listener was ever started again in the
+    process, every waiter waited out its timeout, and pokes filled the wake-up socket
+    until a waiter's registration blocked for good (seen in a full test run)."""
+    import ctypes
+
+    from celery_redlock.engine.waiting import Subscription, get_listener
+    from celery_redlock.nodes import NodeSet
+
+    node = NodeSet.get([redis_node.url], timeout=1.0).nodes[0]
+    listener = get_listener(node)
+    wait_for(listener._run_lock.locked, timeout=5)
+    (thread,) = [t for t in threading.enumerate() if t.name == listener.name]
+    hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread.ident), ctypes.py_object(raised)
+    )
+    assert hit == 1
+    listener._poke()  # back in Python at once, where the exception lands
+    if raised is _Stop:
+        wait_for(lambda: not listener._run_lock.locked(), timeout=5, message="still running")
+        listener._started_at = -60.0  # its start grace is long over in a real process
+    client = redis_node.client()
+    channel = f"redlock:{{hit-{raised.__name__}}}:released"
+    try:
+        with Subscription((node,), channel, confirm_timeout=5) as waiter:
+            assert waiter.confirmed(), "no listener subscribed"
+            client.publish(channel, "")
+            assert waiter.wait(5), "the release woke nobody"
+    finally:
+        client.close()
+
+
 def test_a_confirmation_lost_by_one_waiter_is_not_lost_for_the_next(redis_node):
     """Each waiter has its own subscription confirmation. One shared by all, consumed
     and set again by each waiter, was lost for every later waiter of the process when
