@@ -332,8 +332,8 @@ class AsyncRedlock:
         ``here``: wake a waiter of this process granted the lock (as
         :meth:`Redlock._unlock`).
         """
-        call = self.kind.release_call(token, here=here and self._sync.takes_grants)
-        replies = await self.nodeset.call([call])
+        here = here and self._sync.takes_grants  # else no release grants in place
+        replies = await self.nodeset.call([self.kind.release_call(token, here=here)])
         if here:
             wake_granted(replies, self.keys.channel)
         return replies

@@ -617,10 +617,8 @@ class Redlock:
         def decided(replies: list[Reply | None]) -> bool:
             return all(replies[i] is not None for i in wait_for)  # type: ignore[union-attr]
 
-        if undo:
-            call = self.kind.undo_call(token)
-        else:
-            call = self.kind.release_call(token, here=here and self.takes_grants)
+        here = here and not undo and self.takes_grants  # else no release grants in place
+        call = self.kind.undo_call(token) if undo else self.kind.release_call(token, here=here)
         replies = self.nodeset.call([call], decided=None if wait_for is None else decided)
         if here:
             wake_granted(replies, self.keys.channel)

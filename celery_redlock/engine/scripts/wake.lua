@@ -35,10 +35,11 @@
 --          its token and the fence, so the waiter wakes holding it, with no try of its
 --          own (issue 27, change C). With grants[3], the caller's own process channel:
 --          a waiter on that channel is granted without a message (the caller wakes it
---          in its own process), and its fence is returned second. Nobody subscribed to its process channel (the
---          process died, or its listener is reconnecting, when every waiter there
---          retries anyway): the grant is taken back and the next waiter named. An
---          abandoned token is passed over. Either way the waiter leaves the record.
+--          in its own process), and its fence is returned second. Nobody subscribed to
+--          its process channel (the process died, or its listener is reconnecting,
+--          when every waiter there retries anyway): the grant is taken back and the
+--          next waiter named. An abandoned token is passed over. Either way the
+--          waiter leaves the record.
 --          Otherwise: how 'fair': the waiter keeps its place (only the head of the
 --          queue may take a free lock anyway). how 'wake': the waiter leaves the
 --          record (it comes back, or it is gone: either way it is named once) and, if
