@@ -184,6 +184,8 @@ class AsyncRedlock:
                     subscription = await self._subscribe(waiter, wakeup)
                     continue  # retry once subscribed, so no release is missed
                 if step is Step.WAIT:
+                    if subscription is not None:
+                        subscription.watch()
                     await wakeup.wait_async(pause)
                 else:
                     await asyncio.sleep(pause)

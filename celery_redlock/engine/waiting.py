@@ -158,16 +158,23 @@ class Wakeup:
     internal lock held that the waker needs.
     """
 
-    __slots__ = ("__weakref__", "_lock")  # the listener holds its waiters weakly
+    __slots__ = ("__weakref__", "_lock", "reader")  # the listener holds its waiters weakly
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
+        #: While the waiter reads its node's announcements itself
+        #: (:meth:`_Listener.read_for`), the socket that interrupts its poll.
+        self.reader: socket.socket | None = None
 
     def set(self) -> None:
         """Deliver a wake-up (idempotent while one is pending)."""
         with contextlib.suppress(RuntimeError):  # one is pending already
             self._lock.release()
+        reader = self.reader
+        if reader is not None:
+            with contextlib.suppress(OSError):  # full: a poke is pending anyway
+                reader.send(b"x")
 
     def is_set(self) -> bool:
         """Whether a wake-up is pending."""
@@ -262,6 +269,20 @@ class _Listener:
         self._conn: AbstractConnection | None = None
         self._run_lock = threading.Lock()
         self._started_at = -START_GRACE
+        # Reading the connection directly (read_for): the one thread that parses at a
+        # time holds _read_lock; the waiter reading directly, as (thread, end of its
+        # wait), while it does; its poll's interruption; whether the listener thread
+        # polls the connection (it does not while a waiter reads it); and a connection
+        # a waiter found broken, for the listener thread to replace.
+        self._read_lock = threading.Lock()
+        self._direct: tuple[int, float] | None = None
+        self._direct_r, self._direct_w = socket.socketpair()
+        self._direct_r.setblocking(False)
+        self._direct_w.setblocking(False)
+        self._watching = False
+        self._broken: AbstractConnection | None = None
+        # A waiter asked for a subscription (a poke for anything else syncs nothing).
+        self._resync = True
 
     def start(self) -> None:
         """Start the listener thread unless it runs, or was started just now."""
@@ -290,6 +311,7 @@ class _Listener:
         """
         ref = weakref.ref(event)
         confirmed = Wakeup()
+        self._drop_unheard()
         with self._mutex:
             self._idle.pop(channel, None)
             entry = _Entry(named, set() if heard is None else heard, quorum)
@@ -298,8 +320,14 @@ class _Listener:
                 confirmed.set()
             else:
                 self._unconfirmed.setdefault(channel, []).append(confirmed)
+            alone = self._registered() == 1
         if not confirmed.is_set():
+            self._resync = True  # before the poke: the listener clears it, then syncs
             self._poke()
+        elif not alone:
+            # Another waiter may read the connection itself (read_for) and stop before
+            # this one is woken: the listener thread must be polling it then.
+            self.ensure_watched()
         return confirmed
 
     def remove(self, channel: str, event: Wakeup) -> None:
@@ -339,6 +367,117 @@ class _Listener:
         with self._mutex:
             waiters = self._waiters.get(channel, {})
             self._wake_one({ref: n for ref, n in waiters.items() if ref() is not event})
+
+    def _registered(self) -> int:
+        """How many waiters are registered, on every channel (mutex held)."""
+        return sum(len(waiters) for waiters in self._waiters.values())
+
+    def _direct_live(self, now: float) -> bool:
+        """A waiter reads the connection itself, and has not overstayed its wait.
+
+        A reader an exception cut off before it could say it stopped counts until
+        the end of its wait (and a grace): the listener thread polls again then.
+        """
+        direct = self._direct
+        return direct is not None and now < direct[1] + START_GRACE
+
+    def ensure_watched(self) -> None:
+        """Have the listener thread poll the connection, unless a waiter reads it."""
+        if not self._watching and not self._direct_live(time.monotonic()):
+            self._poke()
+
+    def read_for(self, event: Wakeup, timeout: float) -> bool:
+        """Wait for ``event`` as ``event.wait(timeout)`` does, reading announcements here.
+
+        A waiter that is this listener's only one reads the node's pub/sub connection
+        in its own thread: an announcement that names it wakes it where it is, with no
+        hop from the listener thread to it (issue 27, P8: the wake-up of a waiting
+        prefork child, the one task thread of its process, is on the path of every
+        handoff between processes). Anything else it reads it dispatches as the
+        listener would. A wake-up from elsewhere (a releasing thread of this process)
+        interrupts its poll through :attr:`Wakeup.reader`. Otherwise, and for a waiter
+        that is not alone, it waits for the listener thread to wake it.
+
+        An exception raised while it parses (a soft time limit landing in it) leaves the
+        connection's state unknown: the listener thread replaces the connection and
+        wakes every waiter, as after a dropped connection.
+        """
+        conn = self._conn
+        end = time.monotonic() + max(0.0, timeout)
+        with self._mutex:
+            direct = (
+                conn is not None
+                and not self._direct_live(time.monotonic())
+                and self._registered() == 1
+            )
+        if not direct or conn is None:
+            self.ensure_watched()
+            return event.wait(timeout)
+        session = (threading.get_ident(), end)
+        try:
+            self._direct = session
+            event.reader = self._direct_w
+            if self._watching:
+                self._poke()  # the listener thread stops polling the connection
+            sock = conn._sock
+            while sock is not None and not event.is_set() and self._conn is conn:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                ready = readable([sock, self._direct_r], left)
+                if self._direct_r in ready:
+                    self._drain(self._direct_r)
+                if sock in ready:
+                    self._read_here(conn)
+        except (RedisError, OSError, ValueError):
+            # Dropped, or closed by the listener thread's reconnection: it wakes us all.
+            self._broken = conn
+        finally:
+            event.reader = None
+            if self._direct is session:
+                self._direct = None
+            with self._mutex:
+                others = self._registered() > 1
+            if others or self._broken is conn:
+                self._poke()
+        return event.wait(0)
+
+    def _drop_unheard(self) -> None:
+        """Read what arrived while nobody read the connection and nobody waited.
+
+        After a waiter read the connection itself, the listener thread polls it again
+        only when asked (or at its next sync): an announcement that arrived meanwhile
+        (a release that named nobody says ``''`` to every process) was for no waiter,
+        and is dispatched to none here, before the next waiter registers, instead of
+        waking that waiter for nothing.
+        """
+        conn = self._conn
+        if conn is None or self._watching or self._direct_live(time.monotonic()):
+            return
+        with self._mutex:
+            if self._registered():
+                return
+        try:
+            self._read_here(conn)
+        except (RedisError, OSError, ValueError):
+            self._poke()  # the listener thread replaces it
+
+    def _read_here(self, conn: AbstractConnection) -> None:
+        """Dispatch what arrived on ``conn``, in a waiter's thread (:meth:`read_for`)."""
+        self._read_lock.acquire()
+        try:
+            if self._conn is conn and self._broken is not conn:
+                self._dispatch_arrived(conn)
+        except BaseException:
+            self._broken = conn  # stopped mid-message, maybe: the parser's state is unknown
+            raise
+        finally:
+            self._read_lock.release()
+
+    def _dispatch_arrived(self, conn: AbstractConnection) -> None:
+        """Dispatch every announcement already arrived (with :attr:`_read_lock`)."""
+        while conn.can_read(0):
+            self._dispatch(conn.read_response())
 
     @staticmethod
     def _wake_one(waiters: dict[weakref.ref[Wakeup], _Entry], node: str = "") -> None:
@@ -435,9 +574,15 @@ class _Listener:
 
     def _disconnect(self) -> None:
         """Drop the connection and its subscriptions; every waiter retries."""
-        if self._conn is not None:
-            self._conn.disconnect()
-            self._conn = None
+        conn, self._conn = self._conn, None  # a waiter reading it stops (read_for)
+        if conn is not None:
+            # Not under a waiter that is parsing it (one cut off there: after a while).
+            taken = self._read_lock.acquire(timeout=SYNC_INTERVAL)
+            try:
+                conn.disconnect()
+            finally:
+                if taken:
+                    self._read_lock.release()
         # Anything published while we were away is lost: let every waiter retry.
         with self._mutex:
             self._subscribed.clear()
@@ -446,37 +591,66 @@ class _Listener:
 
     def _wait_wake(self, timeout: float) -> None:
         readable([self._wake_r], timeout)
-        self._drain_wake()
+        self._drain(self._wake_r)
 
-    def _drain_wake(self) -> None:
+    @staticmethod
+    def _drain(wake: socket.socket) -> None:
+        """Consume the pokes pending on a wake-up socket."""
         try:
-            while self._wake_r.recv(4096):
+            while wake.recv(4096):
                 pass
         except (BlockingIOError, InterruptedError):
             pass
+
+    def _claim_reads(self, conn: AbstractConnection) -> None:
+        """Take :attr:`_read_lock` in the listener thread, or give ``conn`` up.
+
+        A waiter reading the connection holds it only while it parses; one held past
+        that waiter's wait was left by an exception that cut the waiter off there.
+        The lock is then taken over as it is, and the connection replaced.
+        """
+        while not self._read_lock.acquire(timeout=SYNC_INTERVAL):
+            if not self._direct_live(time.monotonic()):
+                self._broken = conn
+                break
+        if self._broken is conn:
+            self._read_lock.release()
+            raise ConnectionError("a waiter stopped while reading the connection")
 
     def _serve(self) -> None:
         conn = self.node.new_connection()
         conn.connect()
         self._conn = conn
-        synced, poked = -SYNC_INTERVAL, True
+        synced = -SYNC_INTERVAL
         while True:
             # Subscriptions are brought up to date when a waiter asks (a poke) and at
             # least every SYNC_INTERVAL, not at every announcement: the waiter woken by
             # one needs the GIL, and the listener's Python work between the wake-up and
             # its next blocking call is on every handoff's path (issue 27, P8).
+            # While a waiter reads the connection itself (read_for), this thread polls
+            # only its wake-up socket: two threads woken by one announcement would
+            # contend for the GIL on the handoff's path.
+            self._watching = False
             now = time.monotonic()
-            if poked or now - synced >= SYNC_INTERVAL:
-                self._sync(conn)
-                synced = now
-            while conn.can_read(0):
-                self._dispatch(conn.read_response())
-            ready = readable(
-                [conn._sock, self._wake_r], max(0.0, synced + SYNC_INTERVAL - time.monotonic())
-            )
-            poked = self._wake_r in ready
-            if poked:
-                self._drain_wake()
+            direct = self._direct_live(now)
+            resync = self._resync or now - synced >= SYNC_INTERVAL
+            if resync or not direct or self._broken is conn:
+                self._claim_reads(conn)
+                try:
+                    if resync:
+                        self._resync = False
+                        self._sync(conn)
+                        synced = now
+                    if not direct:
+                        self._dispatch_arrived(conn)
+                finally:
+                    self._read_lock.release()
+            self._watching = not direct
+            watched = [self._wake_r] if direct else [conn._sock, self._wake_r]
+            if self._wake_r in readable(
+                watched, max(0.0, synced + SYNC_INTERVAL - time.monotonic())
+            ):
+                self._drain(self._wake_r)
 
     def _sync(self, conn: AbstractConnection) -> None:
         """Subscribe to the channels of locks that have waiters, unsubscribe from the others."""
@@ -594,12 +768,28 @@ class Subscription:
         end = time.monotonic() + max(0.0, timeout)
         try:
             while True:
-                if not self.event.wait(max(0.0, end - time.monotonic())):
+                if not self._wait_event(max(0.0, end - time.monotonic())):
                     return False
                 if not self._heard or len(self._heard) >= self.quorum:
                     return True
         finally:
             self._heard.clear()
+
+    def _wait_event(self, timeout: float) -> bool:
+        """Wait for :attr:`event`: on one node, reading its announcements here if alone."""
+        if len(self._listeners) == 1:
+            return self._listeners[0].read_for(self.event, timeout)
+        self.watch()
+        return self.event.wait(timeout)
+
+    def watch(self) -> None:
+        """Make sure announcements are read for this waiter while it waits elsewhere.
+
+        For a waiter that does not wait in :meth:`wait` (an asyncio waiter): another
+        waiter of the process may have been reading them itself.
+        """
+        for listener in self._listeners:
+            listener.ensure_watched()
 
     def clear(self) -> None:
         """Forget the announcements received so far (they woke this waiter for nothing)."""

@@ -434,3 +434,123 @@ def test_a_process_that_waits_again_finds_the_channel_subscribed(redis_node, mon
     assert first[1] == 1 and first[0] >= 2, first  # subscribed, retried once subscribed
     assert client.pubsub_numsub(waiter.keys.channel)[0][1] == 1  # lingering
     assert second == (1, 0), second  # refused, granted: nothing else
+
+
+def test_a_lone_waiter_reads_the_grant_in_its_own_thread(redis_node, monkeypatch):
+    """A prefork child waiting for a hot key is its process's only waiter: the grant a
+    release of another process publishes is read and dispatched by the waiting thread
+    itself, and the listener thread reads nothing (issue 27, P8: no hop from the
+    listener thread to the waiter on the handoff's path). Before, the listener thread
+    read every announcement and woke the waiter."""
+    from celery_redlock.engine import waiting
+
+    ctx = multiprocessing.get_context("fork")
+    held, let_go = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_in_a_child, args=(redis_node.url, "lone", held, let_go))
+    holder.start()
+    assert held.wait(20)
+    readers: list[str] = []
+    real_dispatch = waiting._Listener._dispatch
+
+    def counted_dispatch(self, message):
+        if isinstance(message, list) and message and message[0] == "message":
+            readers.append(threading.current_thread().name)
+        real_dispatch(self, message)
+
+    monkeypatch.setattr(waiting._Listener, "_dispatch", counted_dispatch)
+    waiter = Redlock("lone", nodes=[redis_node.url], ttl=30)
+    got: dict[str, Any] = {}
+
+    def wait() -> None:
+        got["ok"] = waiter.acquire(timeout=20)
+        waiter.release()
+
+    thread = threading.Thread(target=wait, name="task")
+    thread.start()
+    try:
+        listener = waiting.get_listener(waiter.nodeset.nodes[0])
+        wait_for(lambda: listener._direct is not None, timeout=10, message="not reading")
+        let_go.set()
+        thread.join(20)
+        assert got == {"ok": True}
+        # The grant (and whatever else arrived while it waited): none by the listener.
+        assert readers and set(readers) == {"task"}, readers
+    finally:
+        let_go.set()
+        holder.join(20)
+
+
+def test_a_waiter_reading_its_announcements_is_woken_by_a_thread_of_its_process(redis_node):
+    """A wake-up from this process (a releasing thread handing the lock over, or
+    granting it in place) reaches a waiter that polls the pub/sub connection itself:
+    its poll is interrupted, instead of running to the end of its wait."""
+    from celery_redlock.engine.waiting import Subscription, get_listener
+    from celery_redlock.nodes import NodeSet
+
+    node = NodeSet.get([redis_node.url], timeout=1.0).nodes[0]
+    listener = get_listener(node)
+    result: list[bool] = []
+    with Subscription((node,), "redlock:{poked}:released", confirm_timeout=5) as waiter:
+        assert waiter.confirmed()
+        thread = threading.Thread(target=lambda: result.append(waiter.wait(60)))
+        began = time.monotonic()
+        thread.start()
+        wait_for(lambda: listener._direct is not None, timeout=10, message="not reading")
+        waiter.event.set()
+        thread.join(20)
+    assert result == [True]
+    assert time.monotonic() - began < 20  # not the wait's 60 s
+    assert listener._direct is None and waiter.event.reader is None
+
+
+@pytest.mark.parametrize("where", ["while parsing", "holding the read lock"])
+def test_a_waiter_cut_off_while_reading_costs_the_connection_not_the_waiters(
+    redis_node, monkeypatch, where
+):
+    """An exception that lands in a waiter while it reads announcements itself (a soft
+    time limit) leaves the connection's parser in an unknown state: the listener thread
+    replaces the connection, and later waiters are woken by releases as before. One that
+    left the read lock held (cut off between taking and returning it) costs the same,
+    once its wait is over."""
+    from celery_redlock.engine import waiting
+    from celery_redlock.engine.waiting import Subscription, get_listener
+    from celery_redlock.nodes import NodeSet
+
+    node = NodeSet.get([redis_node.url], timeout=1.0).nodes[0]
+    listener = get_listener(node)
+    client = redis_node.client()
+    channel = "redlock:{cut}:released"
+    stale = (threading.get_ident(), time.monotonic())
+    with Subscription((node,), channel, confirm_timeout=5) as waiter:
+        assert waiter.confirmed()
+        first = listener._conn
+        if where == "while parsing":
+            real_dispatch = waiting._Listener._dispatch
+
+            def landed(self, message):
+                raise RuntimeError("a soft time limit, say")
+
+            monkeypatch.setattr(waiting._Listener, "_dispatch", landed)
+            client.publish(channel, "")
+            with pytest.raises(RuntimeError):
+                waiter.wait(10)
+            monkeypatch.setattr(waiting._Listener, "_dispatch", real_dispatch)
+        else:
+            monkeypatch.setattr(waiting, "START_GRACE", 0.0)
+            listener._read_lock.acquire()  # and never returned
+            listener._direct = stale  # its wait is over
+            listener._poke()
+    try:
+        wait_for(lambda: listener._conn not in (None, first), timeout=10, message="kept")
+        with Subscription((node,), channel, confirm_timeout=5) as waiter:
+            assert waiter.confirmed(), "no listener subscribed"
+            woken: list[bool] = []
+            thread = threading.Thread(target=lambda: woken.append(waiter.wait(10)))
+            thread.start()
+            # It reads the new connection itself again.
+            wait_for(lambda: listener._direct not in (None, stale), timeout=10)
+            client.publish(channel, "")
+            thread.join(20)
+            assert woken == [True], "the release woke nobody"
+    finally:
+        client.close()
