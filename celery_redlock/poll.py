@@ -16,7 +16,7 @@ import select
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["readable"]
+__all__ = ["buffered", "readable"]
 
 #: A descriptor is "readable" as select() says it: data, end of stream, or an error.
 _READABLE = (
@@ -48,3 +48,24 @@ def readable(objects: Iterable[Any], timeout: float | None) -> list[Any]:
         poller.register(fd, _READABLE)
     ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
     return [by_fd[fd] for fd, _ in poller.poll(ms)]
+
+
+def buffered(conn: Any) -> bool | None:
+    """Whether a redis-py connection holds a reply it has read but not parsed yet.
+
+    ``poll`` sees only the socket: a read takes what the socket has, so a second
+    reply can wait in the parser's buffer (or a TLS socket's) while the socket says
+    nothing. ``conn.can_read(0)`` answers that too, but with a read of the socket and
+    two changes of its mode: three system calls, on every reply, to learn "no".
+    This looks at the buffers only; None where it cannot tell (a parser it does not
+    know), and the caller asks ``can_read(0)``.
+    """
+    sock = getattr(conn, "_sock", None)
+    pending = getattr(sock, "pending", None)  # ssl.SSLSocket: decrypted, not read yet
+    if pending is not None and pending():
+        return True
+    parser = getattr(conn, "_parser", None)
+    unread = getattr(getattr(parser, "_buffer", None), "unread_bytes", None)
+    if unread is not None:  # redis-py's own parser
+        return bool(unread())
+    return None

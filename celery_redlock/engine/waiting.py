@@ -70,7 +70,7 @@ from redis.exceptions import RedisError
 
 from .. import forksafe
 from ..nodes import LockNode
-from ..poll import readable
+from ..poll import buffered, readable
 from . import keys
 from .threads import START_GRACE, start_daemon
 
@@ -281,6 +281,9 @@ class _Listener:
         self._direct_w.setblocking(False)
         self._watching = False
         self._broken: AbstractConnection | None = None
+        # Messages read from the connection so far (by either thread, read lock held):
+        # a poll's "readable" is stale once another thread read after it began.
+        self._reads = 0
         # A waiter asked for a subscription (a poke for anything else syncs nothing).
         self._resync = True
 
@@ -424,11 +427,12 @@ class _Listener:
                 left = end - time.monotonic()
                 if left <= 0:
                     break
+                reads = self._reads
                 ready = readable([sock, self._direct_r], left)
                 if self._direct_r in ready:
                     self._drain(self._direct_r)
                 if sock in ready:
-                    self._read_here(conn)
+                    self._read_here(conn, polled=reads)
         except (RedisError, OSError, ValueError):
             # Dropped, or closed by the listener thread's reconnection: it wakes us all.
             self._broken = conn
@@ -462,22 +466,33 @@ class _Listener:
         except (RedisError, OSError, ValueError):
             self._poke()  # the listener thread replaces it
 
-    def _read_here(self, conn: AbstractConnection) -> None:
+    def _read_here(self, conn: AbstractConnection, polled: int | None = None) -> None:
         """Dispatch what arrived on ``conn``, in a waiter's thread (:meth:`read_for`)."""
         self._read_lock.acquire()
         try:
             if self._conn is conn and self._broken is not conn:
-                self._dispatch_arrived(conn)
+                self._dispatch_arrived(conn, polled)
         except BaseException:
             self._broken = conn  # stopped mid-message, maybe: the parser's state is unknown
             raise
         finally:
             self._read_lock.release()
 
-    def _dispatch_arrived(self, conn: AbstractConnection) -> None:
-        """Dispatch every announcement already arrived (with :attr:`_read_lock`)."""
-        while conn.can_read(0):
+    def _dispatch_arrived(self, conn: AbstractConnection, polled: int | None = None) -> None:
+        """Dispatch every announcement already arrived (with :attr:`_read_lock`).
+
+        ``polled``: the socket was found readable by a poll that began when
+        :attr:`_reads` was this. Unless another thread read the connection since, the
+        first message is read without asking ``can_read`` (three system calls, issue
+        27), and the next ones only if the connection's buffers hold them: what is
+        still in the socket makes the next poll return at once.
+        """
+        more = polled == self._reads or _arrived(conn)
+        while more:
+            self._reads += 1
             self._dispatch(conn.read_response())
+            buffers = buffered(conn)
+            more = conn.can_read(0) if buffers is None else buffers
 
     @staticmethod
     def _wake_one(waiters: dict[weakref.ref[Wakeup], _Entry], node: str = "") -> None:
@@ -621,7 +636,7 @@ class _Listener:
         conn = self.node.new_connection()
         conn.connect()
         self._conn = conn
-        synced = -SYNC_INTERVAL
+        synced, polled = -SYNC_INTERVAL, None
         while True:
             # Subscriptions are brought up to date when a waiter asks (a poke) and at
             # least every SYNC_INTERVAL, not at every announcement: the waiter woken by
@@ -642,14 +657,15 @@ class _Listener:
                         self._sync(conn)
                         synced = now
                     if not direct:
-                        self._dispatch_arrived(conn)
+                        self._dispatch_arrived(conn, polled)
                 finally:
                     self._read_lock.release()
             self._watching = not direct
             watched = [self._wake_r] if direct else [conn._sock, self._wake_r]
-            if self._wake_r in readable(
-                watched, max(0.0, synced + SYNC_INTERVAL - time.monotonic())
-            ):
+            reads = self._reads
+            ready = readable(watched, max(0.0, synced + SYNC_INTERVAL - time.monotonic()))
+            polled = reads if conn._sock in ready else None
+            if self._wake_r in ready:
                 self._drain(self._wake_r)
 
     def _sync(self, conn: AbstractConnection) -> None:
@@ -811,6 +827,14 @@ class Subscription:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _arrived(conn: AbstractConnection) -> bool:
+    """Something to read on ``conn``: in its buffers, or in its socket (one poll)."""
+    in_buffers = buffered(conn)
+    if in_buffers is None:
+        return conn.can_read(0)
+    return in_buffers or bool(readable([conn._sock], 0))
 
 
 _listeners: dict[str, _Listener] = {}

@@ -26,7 +26,7 @@ from redis.connection import AbstractConnection
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..poll import readable
+from ..poll import buffered, readable
 from .calls import Call, Leg, LockNode, Reply, Script, Server
 
 __all__ = ["fan_out", "pack"]
@@ -61,9 +61,14 @@ class _InFlight:
         self.skip = len(load)
         self.owed = self.stale + len(packed)
 
-    def read_ready(self) -> bool:
-        """Read every reply already available; True when the request is complete."""
-        while self.owed and self.conn.can_read(0):
+    def read_ready(self, polled: bool = False) -> bool:
+        """Read every reply already available; True when the request is complete.
+
+        ``polled``: ``poll`` found the socket readable just now, so the first reply is
+        read without asking ``can_read`` first (three system calls a reply, issue 27).
+        """
+        while self.owed and (polled or _more(self.conn)):
+            polled = False
             try:
                 value = self.conn.read_response()
             except ResponseError as exc:
@@ -127,6 +132,12 @@ def pack(conn: AbstractConnection, commands: Sequence[tuple[Any, ...] | bytes]) 
                 break
             out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return [b"".join(out)]
+
+
+def _more(conn: AbstractConnection) -> bool:
+    """A reply is there to read on ``conn``, by its buffers, else by asking the socket."""
+    more = buffered(conn)
+    return conn.can_read(0) if more is None else more
 
 
 def _utf8(conn: AbstractConnection) -> bool:
@@ -367,12 +378,12 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
     # No reply to a request just sent can be here yet: wait before the first read
     # instead of asking each connection once for nothing (a poll and two changes of
     # socket mode per call, issue 27). A reply already there ends the wait at once.
-    _wait(state)
+    ready = _wait(state)
     while state.inflight:
         progressed = False
         for flight in list(state.inflight):
             try:
-                complete = flight.read_ready()
+                complete = flight.read_ready(flight.conn._sock in ready)
             except (RedisError, OSError) as exc:
                 flight.leg.node.discard(flight.conn)
                 state.inflight.remove(flight)
@@ -394,16 +405,19 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
             return
         if state.deadline <= time.monotonic():
             return
-        if not progressed:
-            _wait(state)
+        ready = () if progressed else _wait(state)
 
 
-def _wait(state: _FanOut) -> None:
-    """Wait until a connection in flight is readable, or the budget is spent."""
+def _wait(state: _FanOut) -> Sequence[Any]:
+    """Wait until a connection in flight is readable, or the budget is spent.
+
+    Returns the sockets found readable.
+    """
     remaining = state.deadline - time.monotonic()
     if remaining <= 0 or not state.inflight:
-        return
+        return ()
     socks: list[Any] = [flight.conn._sock for flight in state.inflight]
     # A socket closed under us shows up as an error on the next read.
     with contextlib.suppress(OSError, ValueError):
-        readable(socks, remaining)
+        return readable(socks, remaining)
+    return ()

@@ -75,3 +75,32 @@ def test_a_lock_works_in_a_process_with_descriptors_above_1024(redis_node):
         holder.release()
         thread.join(10)
         assert got == [True]
+
+
+def test_buffered_tells_a_reply_read_but_not_parsed_without_reading_the_socket(redis_node):
+    """Two replies that arrive in one read: after the first is parsed, ``buffered``
+    says the second is there (the socket says nothing: it was read); after the
+    second, that nothing is. It asks the socket nothing: ``can_read(0)`` costs a read
+    and two mode changes of the socket per reply (issue 27)."""
+    import redis
+    from redis._parsers import _RESP2Parser
+
+    from celery_redlock.poll import buffered
+
+    # redis-py's own parser (hiredis, where installed, is one buffered() cannot read).
+    conn = redis.Connection(host=redis_node.host, port=redis_node.port, parser_class=_RESP2Parser)
+    conn.connect()
+    try:
+        conn.send_packed_command(conn.pack_commands([("PING",), ("PING",)]))
+        wait_for(lambda: readable([conn._sock], 0), timeout=5)
+        wait_for(lambda: buffered(conn) or conn.can_read(0), timeout=5)
+        assert conn.read_response() in (b"PONG", "PONG")
+        if not buffered(conn):  # the second came in a later segment: wait for it
+            wait_for(lambda: conn.can_read(0), timeout=5)
+        assert buffered(conn) is True
+        assert not readable([conn._sock], 0)  # in the buffer, not in the socket
+        assert conn.read_response() in (b"PONG", "PONG")
+        assert buffered(conn) is False
+    finally:
+        conn.disconnect()
+    assert buffered(object()) is None  # a parser it does not know: the caller asks
