@@ -15,16 +15,19 @@ listener's poll and dispatch and the waiter's wake-up:
 
 - ``release returned -> next holder``: the previous holder's release returned; the
   next holds the lock (every handoff);
-- ``release returned -> listener woke``: this process's listener thread came back from
-  its poll (the grant's PUBLISH arrived);
-- ``listener woke -> dispatched``: the listener read and parsed the message;
+- ``release returned -> reader woke``: this process's reader of the pub/sub connection
+  came back from its poll (the grant's PUBLISH arrived): the listener thread, or the
+  waiting thread itself when it is the process's only waiter (``_Listener.read_for``);
+- ``reader woke -> dispatched``: the reader read and parsed the message;
 - ``dispatched -> waiter running``: the hop from the listener thread to the waiting
-  thread (a lock released, the GIL handed over);
+  thread (a lock released, the GIL handed over), or, for a waiter that read the
+  message itself, the end of its read;
 - ``waiter running -> holding``: the waiter built and recorded its hold;
 - ``holding -> released``: the whole release call (one script call).
 
-The listener's steps are counted for the handoffs that went through it: a grant to a
-thread of the releasing process is woken by the releasing thread itself.
+The reader's steps are counted for the handoffs that went through the pub/sub
+connection: a grant to a thread of the releasing process is woken by the releasing
+thread itself.
 
 The wrappers cost a few microseconds each: compare runs of this script with each other,
 not with the benchmarks' figures.
@@ -44,8 +47,8 @@ from typing import Any
 from tests.harness import RedisServer
 
 STEPS = (
-    ("relret", "poll", "release returned -> listener woke"),
-    ("poll", "disp", "listener woke -> dispatched"),
+    ("relret", "poll", "release returned -> reader woke"),
+    ("poll", "disp", "reader woke -> dispatched"),
     ("disp", "woke", "dispatched -> waiter running"),
     ("woke", "got", "waiter running -> holding"),
 )
@@ -60,7 +63,7 @@ def _instrument(stamps: list[tuple[str, float, int]]) -> None:
 
     def stamped_readable(objects: Any, timeout: float | None) -> Any:
         ready = readable(objects, timeout)
-        stamps.append(("poll", clock(), 0))  # the listener's: one per process
+        stamps.append(("poll", clock(), 0))  # the reader's: one at a time per process
         return ready
 
     def stamped_dispatch(self: Any, message: Any) -> None:
@@ -168,7 +171,7 @@ def trace(kind: str, url: str, procs: int, threads: int, fair: bool, seconds: fl
                 gaps[label].append(b - a)
     print(f"  {'release returned -> next holder':36s} {_us(to_next)}  ({len(to_next)})")
     for label, values in gaps.items():
-        print(f"  {label:36s} {_us(values)}  ({len(values)} through the listener)")
+        print(f"  {label:36s} {_us(values)}  ({len(values)} read from pub/sub)")
     print(f"  {'holding -> released':36s} {_us(releases)}")
 
 

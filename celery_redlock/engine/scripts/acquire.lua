@@ -160,48 +160,52 @@ end
 
 -- The requester's process: the holder's own, or another (whose blocking attempts bound
 -- the holder process's turn).
-local function same_process(lock)
-    local holder = redis.call('HMGET', lock, 'host', 'pid')
-    return holder[1] == ARGV[4] and holder[2] == ARGV[5]
+-- A blocking attempt of another process than the holder's (or the next holder's)
+-- bounds that holder's turn: the first one marks when ('waited').
+local function mark_waited(lock, held)
+    if not held[6] then
+        redis.call('HSET', lock, 'waited', clock())
+    end
 end
 
 local blocked
 local owned, mine, reserved, handed, no_shares = 0, {}, {}, {}, {}
 for i = 1, n do
     local lock = KEYS[4 * i - 3]
-    local current = redis.call('HGET', lock, 'token')
+    -- One read of what a refusal needs (issue 27: a call each was five calls).
+    local held = redis.call('HMGET', lock, 'token', 'for', 'host', 'pid', 'task_id', 'waited', 'wake')
+    local current = held[1]
+    local same_process = held[3] == ARGV[4] and held[4] == ARGV[5]
     if current == token then
         owned = owned + 1
         mine[i] = true
     elseif current == YIELD_MARK then
-        local named = redis.call('HGET', lock, 'for')
-        if named == token or (not named and not same_process(lock)) then
+        local named = held[2]
+        if named == token or (not named and not same_process) then
             -- Kept for this waiter by the release that named it, or yielded by another
             -- process to anyone but itself.
             reserved[i] = named or true
         else
-            -- Refused: kept for the named waiter, or against the yielding process. A
-            -- blocking attempt of another process than the next holder's bounds that
-            -- holder's turn.
-            if ARGV[8] == '1' and not (named and redis.call('HGET', lock, 'wake') == channel) then
-                redis.call('HSETNX', lock, 'waited', clock())
+            -- Refused: kept for the named waiter, or against the yielding process.
+            if ARGV[8] == '1' and not (named and held[7] == channel) then
+                mark_waited(lock, held)
             end
             blocked = {0, redis.call('PTTL', lock), ''}
             break
         end
     elseif current and current ~= predecessor then
-        if ARGV[8] == '1' and not fair and not same_process(lock) then
-            redis.call('HSETNX', lock, 'waited', clock())
+        if ARGV[8] == '1' and not fair and not same_process then
+            mark_waited(lock, held)
         end
-        blocked = {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}
+        blocked = {0, redis.call('PTTL', lock), held[5] or ''}
         break
     elseif current then
         -- A takeover: within the turn, or refused, and the release yields the lock.
-        local waited = tonumber(redis.call('HGET', lock, 'waited'))
+        local waited = tonumber(held[6])
         if waited and (tonumber(redis.call('HGET', lock, 'handoffs') or '0') >= turn[1]
                        or clock() - waited >= turn[2]) then
             redis.call('HSET', lock, 'yield', math.max(1, turn[3]))
-            blocked = {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'task_id') or ''}
+            blocked = {0, redis.call('PTTL', lock), held[5] or ''}
             break
         end
         handed[i] = waited ~= nil
@@ -265,9 +269,13 @@ if record then
                 keys[4] = grant
             end
         end
+        -- Each record key outlives its places: extended, when it would not, by twice a
+        -- place's life, so that a waiter refreshing its place every try costs one
+        -- PEXPIRE per key per place's life, not one per try (issue 27: 4 per
+        -- acquisition with prefork children waiting on one key).
         for _, key in ipairs(keys) do
             if redis.call('PTTL', key) < waiter_ttl then
-                redis.call('PEXPIRE', key, waiter_ttl)
+                redis.call('PEXPIRE', key, 2 * waiter_ttl)
             end
         end
     elseif not blocked and redis.call('ZRANGE', queue, 0, 0)[1] then

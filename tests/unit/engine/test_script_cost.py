@@ -38,3 +38,38 @@ def test_an_uncontended_acquire_and_release_run_few_commands(redis_node):
     stats = inner_commands(redis_node, cycle)
     assert sum(stats.values()) <= 13, stats
     assert "time" not in stats and "exists" in stats, stats
+
+
+def _hold(url: str, name: str, held, let_go) -> None:
+    lock = Redlock(name, nodes=[url], ttl=30)
+    assert lock.acquire(timeout=10)
+    held.set()
+    let_go.wait(60)
+    lock.release()
+
+
+def test_a_refused_blocking_try_reads_the_holder_once(redis_node):
+    """A blocking try refused by another process's holder (every waiter's try, and the
+    releaser's own coming back: one per acquisition across prefork children, issue 27's
+    P8) reads the lock hash once. It read it in five calls: the token, the holder's host
+    and pid, the holder's task id, and a write-if-absent of the 'waited' mark made even
+    when the mark was there. A refreshed place extends no record key."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    held, let_go = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(redis_node.url, "cost-busy", held, let_go))
+    holder.start()
+    try:
+        assert held.wait(20)
+        lock = Redlock("cost-busy", nodes=[redis_node.url], ttl=30)
+        waiter = lock.kind.new_waiter(True, len(lock.nodeset), lock.takes_grants)
+        stats = inner_commands(redis_node, lambda: lock._attempt(waiter))
+    finally:
+        let_go.set()
+        holder.join(20)
+    assert stats.get("hmget") == 1, stats
+    assert "hget" not in stats and "hsetnx" not in stats and "hset" in stats, stats
+    # The place refreshed finds its record keys with twice a place's life given at the
+    # first try: no PEXPIRE (there were one per key per try, once a millisecond passed).
+    assert "pexpire" not in stats, stats
