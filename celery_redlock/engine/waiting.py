@@ -432,7 +432,10 @@ class _Listener:
                 if self._direct_r in ready:
                     self._drain(self._direct_r)
                 if sock in ready:
+                    # Waking itself needs no poke of its poll (the loop looks first).
+                    event.reader = None
                     self._read_here(conn, polled=reads)
+                    event.reader = self._direct_w
         except (RedisError, OSError, ValueError):
             # Dropped, or closed by the listener thread's reconnection: it wakes us all.
             self._broken = conn
