@@ -70,7 +70,8 @@ from redis.exceptions import RedisError
 
 from .. import forksafe
 from ..nodes import LockNode
-from ..poll import buffered, readable
+from ..nodes.pubsub import PubSubReader
+from ..poll import readable
 from . import keys
 from .threads import START_GRACE, start_daemon
 
@@ -284,6 +285,8 @@ class _Listener:
         # Messages read from the connection so far (by either thread, read lock held):
         # a poll's "readable" is stale once another thread read after it began.
         self._reads = 0
+        # Parses what arrives on the current connection (see _serve).
+        self._reader: PubSubReader | None = None
         # A waiter asked for a subscription (a poke for anything else syncs nothing).
         self._resync = True
 
@@ -485,17 +488,16 @@ class _Listener:
         """Dispatch every announcement already arrived (with :attr:`_read_lock`).
 
         ``polled``: the socket was found readable by a poll that began when
-        :attr:`_reads` was this. Unless another thread read the connection since, the
-        first message is read without asking ``can_read`` (three system calls, issue
-        27), and the next ones only if the connection's buffers hold them: what is
-        still in the socket makes the next poll return at once.
+        :attr:`_reads` was this. Unless another thread read the connection since, it
+        is read at once (one ``recv``); else only if a poll says it has something.
+        What arrives after that makes the next poll return at once.
         """
-        more = polled == self._reads or _arrived(conn)
-        while more:
-            self._reads += 1
-            self._dispatch(conn.read_response())
-            buffers = buffered(conn)
-            more = conn.can_read(0) if buffers is None else buffers
+        reader = self._reader
+        if reader is None or not (polled == self._reads or readable([conn._sock], 0)):
+            return
+        self._reads += 1
+        for message in reader.read():
+            self._dispatch(message)
 
     @staticmethod
     def _wake_one(waiters: dict[weakref.ref[Wakeup], _Entry], node: str = "") -> None:
@@ -638,6 +640,7 @@ class _Listener:
     def _serve(self) -> None:
         conn = self.node.new_connection()
         conn.connect()
+        self._reader = PubSubReader(conn)  # from now on, the only reader of its socket
         self._conn = conn
         synced, polled = -SYNC_INTERVAL, None
         while True:
@@ -830,14 +833,6 @@ class Subscription:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _arrived(conn: AbstractConnection) -> bool:
-    """Something to read on ``conn``: in its buffers, or in its socket (one poll)."""
-    in_buffers = buffered(conn)
-    if in_buffers is None:
-        return conn.can_read(0)
-    return in_buffers or bool(readable([conn._sock], 0))
 
 
 _listeners: dict[str, _Listener] = {}
