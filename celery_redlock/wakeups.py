@@ -89,6 +89,7 @@ def on_task_received(consumer: Any, request: Any) -> None:
         # No confirmation wait: the consumer must not block. A release before the
         # subscription is confirmed leaves this copy its countdown.
         subscription = Subscription(nodeset.nodes, keys_of(key).channel, confirm_timeout=None)
+        subscription.watch()  # it never waits in wait(): the listener thread reads for it
     except Exception:  # the countdown still starts it
         logger.debug("celery_redlock: cannot listen for %s's release", key, exc_info=True)
         return

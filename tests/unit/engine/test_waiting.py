@@ -565,3 +565,39 @@ def test_a_waiter_cut_off_while_reading_costs_the_connection_not_the_waiters(
             assert woken == [True], "the release woke nobody"
     finally:
         client.close()
+
+
+def test_a_registration_that_never_waits_is_read_for_once_it_asks(redis_node, monkeypatch):
+    """After a waiter read the connection itself, the listener thread polls it again only
+    when asked. A registration that never waits in ``wait()`` (a copy in the worker's
+    timer, ``wakeups``) asks with ``watch()``, and the listener thread then reads the
+    release for it, long before its next sync."""
+    from celery_redlock.engine import waiting
+    from celery_redlock.engine.waiting import Subscription, get_listener
+    from celery_redlock.nodes import NodeSet
+
+    node = NodeSet.get([redis_node.url], timeout=1.0).nodes[0]
+    listener = get_listener(node)
+    client = redis_node.client()
+    channel = "redlock:{timer}:released"
+    monkeypatch.setattr(waiting, "LINGER", 60.0)
+    monkeypatch.setattr(waiting, "SYNC_INTERVAL", 60.0)
+    try:
+        with Subscription((node,), channel, confirm_timeout=5) as first:
+            assert first.confirmed()
+            woken: list[bool] = []
+            thread = threading.Thread(target=lambda: woken.append(first.wait(10)))
+            thread.start()
+            wait_for(lambda: listener._direct is not None, timeout=10, message="not reading")
+            client.publish(channel, "")
+            thread.join(20)
+            assert woken == [True]
+        assert not listener._watching  # nobody asked it to poll again
+        with Subscription((node,), channel, confirm_timeout=5) as sleeper:
+            assert sleeper.confirmed()  # still subscribed: registered without a poke
+            sleeper.watch()
+            wait_for(lambda: listener._watching, timeout=10, message="not polling")
+            client.publish(channel, "")
+            wait_for(sleeper.event.is_set, timeout=10, message="the release woke nobody")
+    finally:
+        client.close()
