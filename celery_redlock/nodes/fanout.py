@@ -403,19 +403,23 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
             return
         if not state.inflight:
             return
-        if state.deadline <= time.monotonic():
+        if state.deadline <= time.monotonic() and not progressed:
             return
-        ready = () if progressed else _wait(state)
+        # After a reply, look again without waiting: another may be in already (and
+        # past the deadline, what is in is still read once before giving up).
+        ready = _wait(state, block=not progressed)
 
 
-def _wait(state: _FanOut) -> Sequence[Any]:
+def _wait(state: _FanOut, block: bool = True) -> Sequence[Any]:
     """Wait until a connection in flight is readable, or the budget is spent.
 
-    Returns the sockets found readable.
+    Returns the sockets found readable. With the budget spent (a slow connect to
+    another node can spend it before any reply is read), or ``block`` false, it only
+    looks: replies already in are still read, as a reply is what decides the vote.
     """
-    remaining = state.deadline - time.monotonic()
-    if remaining <= 0 or not state.inflight:
+    if not state.inflight:
         return ()
+    remaining = max(0.0, state.deadline - time.monotonic()) if block else 0.0
     socks: list[Any] = [flight.conn._sock for flight in state.inflight]
     # A socket closed under us shows up as an error on the next read.
     with contextlib.suppress(OSError, ValueError):

@@ -58,7 +58,10 @@ class Consumer:
 
 class Subscription:
     def __init__(self, nodes, channel, confirm_timeout):
-        self.channel, self.event, self.closed = channel, Wakeup(), False
+        self.channel, self.event, self.closed, self.watched = channel, Wakeup(), False, False
+
+    def watch(self):
+        self.watched = True
 
     def close(self):
         self.closed = True
@@ -95,6 +98,8 @@ def test_a_released_key_starts_its_longest_waiting_copy_once(consumer):
     receive(consumer, "t-2")
     sleepers = list(wakeups._sleepers.values())
     assert [s.subscription.channel for s in sleepers] == ["redlock:{export:7}:released"] * 2
+    # Read for by the listener thread: the copies never wait in wait().
+    assert all(s.subscription.watched for s in sleepers)
     wakeups._tick(consumer)
     assert consumer.applied == [], "nothing released yet"
     sleepers[0].subscription.event.set()  # the listener woke the oldest

@@ -6,6 +6,7 @@ import time
 
 import pytest
 from redis.connection import Connection
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redlock import Redlock
 from celery_redlock.engine.keys import lock_keys
@@ -221,3 +222,28 @@ def test_a_pause_while_a_pooled_connection_is_checked_out_is_not_a_node_failure(
     assert reply is not None and reply.error is None, reply
     [reply] = fan_out([node], [call], timeout=0.05)
     assert reply is not None and reply.error is None, "every call gets its one new budget"
+
+
+def test_a_reply_in_before_a_slow_connect_spent_the_budget_is_read(redis_node, monkeypatch):
+    """A node's connect that takes the whole budget (a partitioned node: its connect is
+    made last and may take what is left) leaves the replies of the others in their
+    sockets: they are read, not counted as missing. Found by the partition test (a
+    minority cut off made a try raise NodeUnavailable) after replies stopped being
+    asked for with can_read(0) before each read."""
+    healthy = Node(redis_node.url, timeout=0.5)
+    fan_out([healthy], [[Call.command("PING")]], timeout=0.5)  # an idle connection: first
+    cut_off = Node("redis://127.0.0.1:1/0", timeout=0.5)
+
+    def slow_connect(connect_timeout=None):
+        until = time.monotonic() + (connect_timeout or 0.5)
+        wait_for(lambda: time.monotonic() >= until, timeout=5)
+        raise RedisTimeoutError("Timeout connecting to server")
+
+    monkeypatch.setattr(cut_off, "checkout", slow_connect)
+    ok, failed = fan_out(
+        [healthy, cut_off], [[Call.command("PING")], [Call.command("PING")]], timeout=0.5
+    )
+    assert ok is not None and ok.ok and ok.values == ["PONG"], ok
+    assert failed is not None and not failed.ok
+    healthy.close()
+    cut_off.close()
