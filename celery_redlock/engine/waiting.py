@@ -271,10 +271,12 @@ class _Listener:
         self._run_lock = threading.Lock()
         self._started_at = -START_GRACE
         # Reading the connection directly (read_for): the one thread that parses at a
-        # time holds _read_lock; the waiter reading directly, as (thread, end of its
-        # wait), while it does; its poll's interruption; whether the listener thread
-        # polls the connection (it does not while a waiter reads it); and a connection
-        # a waiter found broken, for the listener thread to replace.
+        # time holds _read_lock (one per connection: a lock left held by a reader cut
+        # off goes with its connection, never released by another thread); the waiter
+        # reading directly, as (thread, end of its wait), while it does; its poll's
+        # interruption; whether the listener thread polls the connection (it does not
+        # while a waiter reads it); and a connection a waiter found broken, for the
+        # listener thread to replace.
         self._read_lock = threading.Lock()
         self._direct: tuple[int, float] | None = None
         self._direct_r, self._direct_w = socket.socketpair()
@@ -474,7 +476,15 @@ class _Listener:
 
     def _read_here(self, conn: AbstractConnection, polled: int | None = None) -> None:
         """Dispatch what arrived on ``conn``, in a waiter's thread (:meth:`read_for`)."""
-        self._read_lock.acquire()
+        # The lock of the current connection (set before it): if that is not ``conn``
+        # any more, nothing is read under it.
+        lock = self._read_lock
+        if not lock.acquire(timeout=SYNC_INTERVAL):
+            # Held that long by a reader an exception cut off (or starved): the
+            # connection's state is unknown. The listener thread replaces it.
+            self._broken = conn
+            self._poke()
+            return
         try:
             if self._conn is conn and self._broken is not conn:
                 self._dispatch_arrived(conn, polled)
@@ -482,7 +492,7 @@ class _Listener:
             self._broken = conn  # stopped mid-message, maybe: the parser's state is unknown
             raise
         finally:
-            self._read_lock.release()
+            lock.release()
 
     def _dispatch_arrived(self, conn: AbstractConnection, polled: int | None = None) -> None:
         """Dispatch every announcement already arrived (with :attr:`_read_lock`).
@@ -495,8 +505,12 @@ class _Listener:
         reader = self._reader
         if reader is None or not (polled == self._reads or readable([conn._sock], 0)):
             return
+        messages = reader.read()
+        # Counted once the socket was read, not before: a reader whose poll began
+        # between the two would trust a "readable" that this read used up, and wait
+        # in recv for data that is not coming.
         self._reads += 1
-        for message in reader.read():
+        for message in messages:
             self._dispatch(message)
 
     @staticmethod
@@ -596,13 +610,15 @@ class _Listener:
         """Drop the connection and its subscriptions; every waiter retries."""
         conn, self._conn = self._conn, None  # a waiter reading it stops (read_for)
         if conn is not None:
-            # Not under a waiter that is parsing it (one cut off there: after a while).
-            taken = self._read_lock.acquire(timeout=SYNC_INTERVAL)
+            # Not under a waiter that is parsing it (one cut off there: after a while;
+            # a reader still going then fails on the closed socket, as the connection).
+            lock = self._read_lock
+            taken = lock.acquire(timeout=SYNC_INTERVAL)
             try:
                 conn.disconnect()
             finally:
                 if taken:
-                    self._read_lock.release()
+                    lock.release()
         # Anything published while we were away is lost: let every waiter retry.
         with self._mutex:
             self._subscribed.clear()
@@ -626,13 +642,15 @@ class _Listener:
         """Take :attr:`_read_lock` in the listener thread, or give ``conn`` up.
 
         A waiter reading the connection holds it only while it parses; one held past
-        that waiter's wait was left by an exception that cut the waiter off there.
-        The lock is then taken over as it is, and the connection replaced.
+        that waiter's wait was left by an exception that cut the waiter off there (or
+        its thread is starved). The connection is then replaced, and the lock goes
+        with it: released by no one but its holder, so a holder still alive cannot
+        release a lock another thread holds.
         """
         while not self._read_lock.acquire(timeout=SYNC_INTERVAL):
             if not self._direct_live(time.monotonic()):
                 self._broken = conn
-                break
+                raise ConnectionError("a waiter stopped while reading the connection")
         if self._broken is conn:
             self._read_lock.release()
             raise ConnectionError("a waiter stopped while reading the connection")
@@ -641,6 +659,7 @@ class _Listener:
         conn = self.node.new_connection()
         conn.connect()
         self._reader = PubSubReader(conn)  # from now on, the only reader of its socket
+        self._read_lock = threading.Lock()  # before the connection: see _read_here
         self._conn = conn
         synced, polled = -SYNC_INTERVAL, None
         while True:
