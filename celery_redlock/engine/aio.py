@@ -184,8 +184,6 @@ class AsyncRedlock:
                     subscription = await self._subscribe(waiter, wakeup)
                     continue  # retry once subscribed, so no release is missed
                 if step is Step.WAIT:
-                    if subscription is not None:
-                        subscription.watch()
                     await wakeup.wait_async(pause)
                 else:
                     await asyncio.sleep(pause)
@@ -212,6 +210,7 @@ class AsyncRedlock:
         )
         deadline = time.monotonic() + self.timing.node_timeout
         try:
+            subscription.watch()  # it waits in the loop, not in wait(): the listener reads
             while not subscription.confirmed() and time.monotonic() < deadline:
                 await asyncio.sleep(0.001)  # the listener thread confirms within a round trip
         except BaseException:

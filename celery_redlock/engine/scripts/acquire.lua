@@ -158,8 +158,6 @@ local function shared_wait(shared, holders)
     return nil
 end
 
--- The requester's process: the holder's own, or another (whose blocking attempts bound
--- the holder process's turn).
 -- A blocking attempt of another process than the holder's (or the next holder's)
 -- bounds that holder's turn: the first one marks when ('waited').
 local function mark_waited(lock, held)

@@ -11,6 +11,7 @@ commandstats`` around one acquisition (counts, not times).
 from __future__ import annotations
 
 from celery_redlock import Redlock
+from tests.unit.engine.test_waiting import _hold_in_a_child
 
 
 def inner_commands(redis_node, action) -> dict[str, int]:
@@ -40,14 +41,6 @@ def test_an_uncontended_acquire_and_release_run_few_commands(redis_node):
     assert "time" not in stats and "exists" in stats, stats
 
 
-def _hold(url: str, name: str, held, let_go) -> None:
-    lock = Redlock(name, nodes=[url], ttl=30)
-    assert lock.acquire(timeout=10)
-    held.set()
-    let_go.wait(60)
-    lock.release()
-
-
 def test_a_refused_blocking_try_reads_the_holder_once(redis_node):
     """A blocking try refused by another process's holder (every waiter's try, and the
     releaser's own coming back: one per acquisition across prefork children, issue 27's
@@ -58,7 +51,7 @@ def test_a_refused_blocking_try_reads_the_holder_once(redis_node):
 
     ctx = multiprocessing.get_context("fork")
     held, let_go = ctx.Event(), ctx.Event()
-    holder = ctx.Process(target=_hold, args=(redis_node.url, "cost-busy", held, let_go))
+    holder = ctx.Process(target=_hold_in_a_child, args=(redis_node.url, "cost-busy", held, let_go))
     holder.start()
     try:
         assert held.wait(20)
