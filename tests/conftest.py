@@ -43,7 +43,7 @@ from tests.harness import (  # noqa: E402
 )
 from tests.harness.celery_workers import quiesce_apps_on  # noqa: E402
 from tests.harness.cluster import RedisCluster  # noqa: E402
-from tests.harness.servers import close_all, wait_for  # noqa: E402
+from tests.harness.servers import close_all, used_binaries, wait_for  # noqa: E402
 
 # pytester runs the testing plugin as a project would; the plugin, which celery_redlock
 # installs (and which autoloads), is named here too so that the suite also runs with
@@ -206,9 +206,25 @@ def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
         yield cluster
 
 
+#: used_binaries() of each pytest-xdist worker, sent when it finishes (scripts/test.sh
+#: runs the suite in parallel): the controller starts no server of its own.
+_workers_binaries: list[dict[str, dict[str, Any]]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: tell the controller
+        workeroutput["redis_binaries"] = used_binaries()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without pytest-xdist
+def pytest_testnodedown(node: Any, error: object) -> None:
+    _workers_binaries.append(getattr(node, "workeroutput", {}).get("redis_binaries", {}))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Say which redis-server binary the session used."""
-    terminalreporter.write_line(binary_summary())
+    """Say which redis-server binary the session used (its workers', run in parallel)."""
+    terminalreporter.write_line(binary_summary(_workers_binaries))
 
 
 # --------------------------------------------------------------------------- Celery

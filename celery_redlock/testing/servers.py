@@ -233,9 +233,19 @@ def used_binaries() -> dict[str, dict[str, Any]]:
         return {path: dict(meta) for path, meta in _used.items()}
 
 
-def binary_summary() -> str:
-    """One line saying which redis-server binary (or binaries) this process used."""
+def binary_summary(others: Iterable[dict[str, dict[str, Any]]] = ()) -> str:
+    """One line saying which redis-server binary (or binaries) this process used.
+
+    ``others``: :func:`used_binaries` of other processes to count in (the workers of a
+    parallel test run, pytest-xdist), their starts added to this process's.
+    """
     used = used_binaries()
+    for other in others:
+        for path, meta in other.items():
+            if path in used:
+                used[path]["starts"] += meta["starts"]
+            else:
+                used[path] = dict(meta)
     if used:
         parts = [
             f"{path} ({meta['kind']} {meta['version']}, from {meta['source']}, "
