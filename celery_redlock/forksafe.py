@@ -17,6 +17,9 @@ the child, before any of its code runs:
 * :func:`at_fork_in_child` a module-level function that does the same for the
   module's globals.
 
+The same hook keeps :func:`pid`, the process id without a system call (``os.getpid()``
+is one on every call; a lock's acquire and release asked it 12 times, issue 27).
+
 Module hooks run first, in registration order, then instances. A hook that fails
 is logged and the others still run: one broken reset must not leave the rest held.
 ``tests/unit/test_forksafe.py`` checks that every module creating a lock registers
@@ -33,7 +36,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["ForkAware", "at_fork_in_child", "track", "tracked"]
+__all__ = ["ForkAware", "at_fork_in_child", "pid", "track", "tracked"]
 
 logger = logging.getLogger("celery_redlock.forksafe")
 
@@ -57,6 +60,21 @@ def track(obj: ForkAware) -> None:
     _objects[id(obj)] = obj
 
 
+_pid = [os.getpid()]  # (a list: the fork hook replaces its item, no `global`)
+
+
+def pid() -> int:
+    """The process's id: ``os.getpid()``, read once per process instead of per call.
+
+    Read again in every child forked through ``os.fork()`` (multiprocessing, billiard,
+    Celery's prefork pool), before any reset hook runs. A child forked by C code that
+    bypasses Python's fork hooks would see its parent's id; such a child could not use
+    the package anyway (its locks would stay held), and the connection pools still ask
+    ``os.getpid()`` before they hand out a socket.
+    """
+    return _pid[0]
+
+
 def at_fork_in_child(hook: F) -> F:
     """Run ``hook`` in every forked child (a decorator for module-level resets)."""
     _hooks.append(hook)
@@ -69,6 +87,7 @@ def tracked() -> int:
 
 
 def _after_fork_in_child() -> None:
+    _pid[0] = os.getpid()  # first: the resets below may ask for it
     # Only this thread exists now: nothing else can touch the registries meanwhile.
     resets: list[Callable[[], None]] = list(_hooks)
     resets.extend(obj._after_fork_in_child for obj in list(_objects.values()))

@@ -48,7 +48,7 @@ import select
 import threading
 from typing import cast
 
-from . import metrics
+from . import forksafe, metrics
 from .engine.keys import keys_of
 from .engine.scripts import RELEASE_IF, ReleaseIfStatus
 from .engine.waiting import named_reserve_ms
@@ -83,14 +83,14 @@ def in_pool_child() -> bool:
 def announce(task_id: str, key: str) -> None:
     """Tell the main process this child is about to hold ``key`` for ``task_id``."""
     if _write_fd is not None:
-        _pending.extend(encode(os.getpid(), "+", task_id, key))
+        _pending.extend(encode(forksafe.pid(), "+", task_id, key))
         flush()
 
 
 def forget(task_id: str, key: str) -> None:
     """Tell the main process, with the next announcement, that ``key`` is no longer held."""
     if _write_fd is not None:
-        _pending.extend(encode(os.getpid(), "-", task_id, key))
+        _pending.extend(encode(forksafe.pid(), "-", task_id, key))
 
 
 def flush() -> None:

@@ -34,12 +34,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .. import metrics
+from .. import forksafe, metrics
 from ..exceptions import LockLost, NodeUnavailable
 from ..nodes import Call, Reply
 from ..nodes.aio import AsyncNodeSet, settle
@@ -250,7 +249,7 @@ class AsyncRedlock:
             await self.nodeset.call([self.kind.undo_call(token)])
             granted.attempt.errors.append("lease spent while waking up")
             return granted.attempt
-        holder = Holder("", _HOST, os.getpid(), f"{time.time():.3f}", self.task_name or "")
+        holder = Holder("", _HOST, forksafe.pid(), f"{time.time():.3f}", self.task_name or "")
         calls = vote_calls(
             self.kind.acquire_call(waiter, self.timing.ttl_ms, holder),
             sync.min_replicas,

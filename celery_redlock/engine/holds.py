@@ -21,11 +21,11 @@ holds: a hold's lease records the pid that made it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import warnings
 from collections.abc import Callable, Hashable
 
+from .. import forksafe
 from ..exceptions import LockNotOwned
 from ..nodes import Call
 from .lease import Lease
@@ -52,7 +52,7 @@ class Hold:
     @property
     def live(self) -> bool:
         """Counted, not released, and made by this process (not a forked parent)."""
-        return bool(self.count) and not self.lease.released and self.lease.pid == os.getpid()
+        return bool(self.count) and not self.lease.released and self.lease.pid == forksafe.pid()
 
 
 class Holds:
@@ -111,7 +111,7 @@ class Holds:
                 else f"this {what} does not hold it"
             )
             raise LockNotOwned(key, f"cannot {action}: {why}")
-        if hold.lease.pid != os.getpid():
+        if hold.lease.pid != forksafe.pid():
             raise LockNotOwned(
                 key,
                 f"cannot {action}: acquired by process {hold.lease.pid}, and a forked child "
@@ -144,7 +144,7 @@ def finalize(holds: Holds, name: str, release_call: Callable[[str], Call]) -> No
     """
     for hold in holds.values():
         lease = hold.lease
-        if hold.count and lease.lost is None and not lease.released and lease.pid == os.getpid():
+        if hold.count and lease.lost is None and not lease.released and lease.pid == forksafe.pid():
             if not lease.renewing:
                 continue  # auto_renew=False: the lease runs out by itself
             lease.released = True

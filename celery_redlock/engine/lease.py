@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -145,7 +144,7 @@ class Lease:
         self.released = False
         #: Handed to the renewer (``auto_renew``).
         self.renewing = False
-        self.pid = os.getpid()
+        self.pid = forksafe.pid()
         self._lock = threading.Lock()
         #: Its part of a renewal, encoded on first use: see :func:`renew_chunks`.
         self._wire: _Wire | None = None
@@ -166,7 +165,7 @@ class Lease:
 
     def remaining(self) -> float:
         """Seconds of lease left by the local deadline (0 once lost or released)."""
-        if self.lost is not None or self.released or self.pid != os.getpid():
+        if self.lost is not None or self.released or self.pid != forksafe.pid():
             return 0.0
         return max(0.0, self.deadline - clock())
 
@@ -221,7 +220,7 @@ class Lease:
 
     def check(self) -> None:
         """Raise :class:`LockLost` unless the lease is held and not in doubt."""
-        if self.pid != os.getpid():
+        if self.pid != forksafe.pid():
             raise LockLost(
                 self.keys.lock,
                 f"acquired by process {self.pid}; a forked child does not hold its parent's locks",

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import random
 import time
 import weakref
@@ -75,7 +74,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from .. import metrics
+from .. import forksafe, metrics
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from ..nodes import Call, NodeSet, Reply
 from ..nodes.cluster import is_cluster_url
@@ -498,7 +497,7 @@ class Redlock:
         """
         token, quorum = waiter.token, self.quorum
         holder = Holder(
-            self.task_id or "", _HOST, os.getpid(), f"{time.time():.3f}", self.task_name or ""
+            self.task_id or "", _HOST, forksafe.pid(), f"{time.time():.3f}", self.task_name or ""
         )
         acquire = self.kind.acquire_call(waiter, self.timing.ttl_ms, holder, predecessor)
         waiter.sent = True

@@ -97,7 +97,7 @@ class Renewer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.pid = os.getpid()
+        self.pid = forksafe.pid()
         # When the renewer thread next looks at its inbox unasked: the end of its
         # current sleep, or 0.0 while it is awake (it looks before sleeping again).
         # A lease due later needs no wake-up: a task path that woke the thread for
@@ -385,9 +385,9 @@ def get_renewer() -> Renewer:
     """The renewer of this process, created on first use."""
     global _renewer  # noqa: PLW0603
     renewer = _renewer
-    if renewer is None or renewer.pid != os.getpid():
+    if renewer is None or renewer.pid != forksafe.pid():
         with _renewer_lock:
-            if _renewer is None or _renewer.pid != os.getpid():
+            if _renewer is None or _renewer.pid != forksafe.pid():
                 _renewer = Renewer()
             renewer = _renewer
     return renewer

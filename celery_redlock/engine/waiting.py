@@ -58,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -115,7 +114,7 @@ HOST = socket.gethostname()
 
 def process_channel(channel: str) -> str:
     """The channel of this process for the lock whose release channel is ``channel``."""
-    return keys.process_channel(channel, HOST, os.getpid())
+    return keys.process_channel(channel, HOST, forksafe.pid())
 
 
 def named_reserve_ms() -> int:

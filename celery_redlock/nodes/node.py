@@ -134,7 +134,7 @@ class Node:
 
     def has_idle(self) -> bool:
         """Whether a connected connection is ready (a send needs no connect first)."""
-        return bool(self._idle) and self._pid == os.getpid()
+        return bool(self._idle) and self._pid == forksafe.pid()
 
     def checkout(
         self, connect_timeout: float | None = None
@@ -224,7 +224,7 @@ class Node:
     def checkin(self, conn: AbstractConnection, owed: int = 0, give_up_at: float = 0.0) -> None:
         """Return a connection; ``owed`` replies still in flight are read later."""
         with self._lock:
-            if self._pid != os.getpid():
+            if self._pid != forksafe.pid():
                 return
             if owed:
                 self._draining.append([conn, owed, give_up_at, threading.get_ident()])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_redlock import LockLost, LockNotOwned, NodeUnavailable, Redlock
+from celery_redlock import LockLost, LockNotOwned, NodeUnavailable, Redlock, forksafe
 from celery_redlock.engine import renewal, waiting
 from celery_redlock.nodes import NodeSet
 from tests.harness.celery_workers import make_app
@@ -112,6 +112,43 @@ def fork_and_bound(url: str, name: str, child: Callable[[], int] | None = None) 
 @pytest.fixture
 def url(redis_node) -> str:
     return redis_node.url
+
+
+def test_a_forked_child_knows_its_own_process_id(url):
+    """``forksafe.pid()`` is read once per process: a forked child reads its own, before
+    it makes any lock call (holds, leases and process channels are keyed by it)."""
+    parent = forksafe.pid()
+    assert parent == os.getpid()
+
+    def child() -> int:
+        if forksafe.pid() != os.getpid() or forksafe.pid() == parent:
+            return 6
+        return _child_first_call(url, "pid:child")
+
+    assert fork_and_bound(url, "", child=child) == 0
+
+
+def test_an_acquire_and_release_ask_the_kernel_for_the_process_id_only_for_sockets(
+    url, monkeypatch
+):
+    """``os.getpid()`` is a system call each time (expensive under a sandbox such as
+    gVisor); an acquire and a release asked it 12 times. Now only the connection pool
+    asks, once per call, before it hands out a socket (issue 27)."""
+    lock = Redlock("pid:count", nodes=[url], ttl=30)
+    assert lock.acquire()
+    lock.release()
+    asked: list[int] = []
+    real = os.getpid
+
+    def counted() -> int:
+        asked.append(1)
+        return real()
+
+    monkeypatch.setattr(os, "getpid", counted)
+    assert lock.acquire()
+    lock.release()
+    monkeypatch.undo()
+    assert len(asked) <= 2, len(asked)
 
 
 def _held_by_another_thread(get_lock: Callable[[], threading.Lock]) -> Iterator[None]:
