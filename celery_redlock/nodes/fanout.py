@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
+import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.connection import AbstractConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -57,7 +61,7 @@ class _InFlight:
             ]
         else:
             packed += [call.packed_args() for call in self.calls]
-        self.conn.send_packed_command(pack(self.conn, packed), check_health=False)
+        send(self.conn, pack(self.conn, packed)[0])
         self.skip = len(load)
         self.owed = self.stale + len(packed)
 
@@ -134,6 +138,34 @@ def pack(conn: AbstractConnection, commands: Sequence[tuple[Any, ...] | bytes]) 
     return [b"".join(out)]
 
 
+def send(conn: AbstractConnection, data: bytes) -> None:
+    """Write ``data`` (a request in RESP) to ``conn``, as ``send_packed_command`` does.
+
+    A socket with a timeout makes Python ``poll`` it before every ``send``, to learn
+    whether the write would block: one system call per request, answered "no" for a
+    request far smaller than the socket's buffer (issue 27). Such a socket's
+    descriptor is non-blocking underneath, so one ``write`` takes what fits at once;
+    what does not (a buffer full: a server not reading) goes through redis-py, which
+    waits for room within the socket's timeout. TLS sockets and sockets without a
+    timeout go through redis-py whole.
+    """
+    sock = conn._sock
+    if sock is not None and type(sock) is socket.socket and sock.gettimeout():
+        try:
+            written = os.write(sock.fileno(), data)
+        except BlockingIOError:
+            written = 0
+        except OSError as exc:
+            conn.disconnect()
+            raise RedisConnectionError(
+                f"Error {exc.errno} while writing to socket. {exc.strerror}."
+            ) from exc
+        if written == len(data):
+            return
+        data = data[written:]
+    conn.send_packed_command([data], check_health=False)
+
+
 def _more(conn: AbstractConnection) -> bool:
     """A reply is there to read on ``conn``, by its buffers, else by asking the socket."""
     more = buffered(conn)
@@ -142,7 +174,12 @@ def _more(conn: AbstractConnection) -> bool:
 
 def _utf8(conn: AbstractConnection) -> bool:
     """Whether ``conn`` encodes strings as :func:`~celery_redlock.nodes.calls.bulk` does."""
-    return codecs.lookup(conn.encoder.encoding).name == "utf-8"
+    return _is_utf8(conn.encoder.encoding)
+
+
+@functools.cache
+def _is_utf8(encoding: str) -> bool:
+    return codecs.lookup(encoding).name == "utf-8"
 
 
 class _Gather:

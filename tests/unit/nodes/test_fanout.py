@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 from redis.connection import Connection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redlock import Redlock
@@ -77,6 +79,55 @@ def test_a_reply_is_waited_for_before_the_first_read(redis_node, monkeypatch):
         (reply,) = fan_out([node], [[Call.command("PING")]], timeout=1.0)
         assert reply.values == ["PONG"]
     assert asked == [], len(asked)
+    node.close()
+
+
+def test_a_request_is_written_without_asking_the_socket_first(redis_node, monkeypatch):
+    """A request goes out in one write on the socket's descriptor, not through
+    ``socket.sendall`` (which polls a socket that has a timeout before it sends: one
+    system call per request, issue 27); a request larger than the socket's buffer
+    still arrives whole (the rest goes through redis-py, which waits for room)."""
+    node = Node(redis_node.url, timeout=5.0)
+    fan_out([node], [[Call.command("PING")]], timeout=5.0)  # connected first
+    writes: list[int] = []
+    through_redis_py: list[int] = []
+    real_write, real_send = os.write, Connection.send_packed_command
+
+    def write(fd: int, data: bytes) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    def send_packed_command(self, command, check_health=True):
+        through_redis_py.append(sum(map(len, command)))
+        return real_send(self, command, check_health)
+
+    monkeypatch.setattr(fanout.os, "write", write)
+    monkeypatch.setattr(Connection, "send_packed_command", send_packed_command)
+    (reply,) = fan_out([node], [[Call.command("PING")]], timeout=5.0)
+    assert reply.values == ["PONG"]
+    assert len(writes) == 1 and not through_redis_py
+
+    size = 16 << 20  # far more than a socket's buffer takes at once
+    calls = [Call.command("SET", "big", "x" * size), Call.command("STRLEN", "big")]
+    (reply,) = fan_out([node], [calls], timeout=5.0)
+    assert reply.values == ["OK", size], reply.error
+    assert len(writes) == 2 and writes[1] > size
+    assert len(through_redis_py) == 1 and 0 < through_redis_py[0] < writes[1]
+    node.close()
+
+
+def test_a_write_to_a_connection_the_server_closed_raises_a_connection_error(redis_node):
+    """As redis-py's send: the connection is dropped and a ConnectionError raised
+    (which fan_out turns into the node's failure)."""
+    node = Node(redis_node.url, timeout=1.0)
+    conn, _, _ = node.checkout()
+    conn.send_command("CLIENT", "ID")
+    client_id = conn.read_response()
+    redis_node.client().client_kill_filter(_id=client_id)
+    request = pack(conn, [("PING",)])[0]
+    with pytest.raises(RedisConnectionError):
+        wait_for(lambda: fanout.send(conn, request) and False, timeout=5.0)
+    assert conn._sock is None
     node.close()
 
 
