@@ -22,8 +22,8 @@ is one on every call; a lock's acquire and release asked it 12 times, issue 27).
 
 Module hooks run first, in registration order, then instances. A hook that fails
 is logged and the others still run: one broken reset must not leave the rest held.
-``tests/unit/test_forksafe.py`` checks that every module creating a lock registers
-here, and forks while other threads are inside every kind of lock call.
+``tests/integration/test_fork_safety.py`` checks that every module creating a lock
+registers here, and forks while other threads are inside every kind of lock call.
 
 This module imports nothing from the package, so every layer may use it.
 """
