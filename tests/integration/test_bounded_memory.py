@@ -10,6 +10,9 @@ to go with a deadline a little past it.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import time
 
 import pytest
@@ -82,6 +85,42 @@ def test_a_key_whose_state_expired_between_two_holders_keeps_its_fences_growing(
         last = lock.fence
         lock.release()
         client.delete(lock.keys.fence)  # as if the horizon had passed
+
+
+def _hold_or_wait(url: str, name: str) -> None:
+    """A child that takes ``name`` (or waits for it) and is then killed."""
+    lock = Redlock(name, nodes=[url], ttl=TTL)
+    lock.acquire(timeout=60)
+    time.sleep(60)  # until killed: a holder, or a waiter, that dies
+    lock.release()
+
+
+def test_waiters_killed_while_waiting_leave_nothing(redis_node):
+    """A holder and two blocked waiters (recorded with their process channels and the
+    fields a grant would write), all killed: every key they wrote had a lifetime while
+    they lived, and all of it is gone within the horizon."""
+    ctx = multiprocessing.get_context("fork")
+    lock = Redlock("mem:waited", nodes=[redis_node.url], ttl=TTL)
+    queue, waiting, wake, grant = lock.kind.keys.record
+    client = redis_node.client(db=0)
+    children = [ctx.Process(target=_hold_or_wait, args=(redis_node.url, lock.name))]
+    children[0].start()
+    try:
+        wait_for(lambda: client.exists(lock.keys.lock), timeout=20)
+        children += [
+            ctx.Process(target=_hold_or_wait, args=(redis_node.url, lock.name)) for _ in range(2)
+        ]
+        for child in children[1:]:
+            child.start()
+        wait_for(lambda: client.hlen(grant) == 2, timeout=20)
+        assert client.zcard(queue) == client.zcard(waiting) == client.hlen(wake) == 2
+        assert without_ttl(redis_node) == [], "a key that would stay for ever"
+    finally:
+        for child in children:
+            if child.pid:
+                os.kill(child.pid, signal.SIGKILL)
+            child.join(20)
+    wait_until_empty(redis_node, time.monotonic())
 
 
 @pytest.mark.parametrize("nodes", [3])

@@ -248,23 +248,27 @@ if record then
     end
     local waiter_ttl = tonumber(ARGV[9]) or 0
     if blocked and waiter_ttl > 0 then
-        if not redis.call('ZSCORE', queue, token) then
-            local arrival = tonumber(ARGV[10])
-            if not arrival then
-                local last = redis.call('ZRANGE', queue, -1, -1, 'WITHSCORES')[2]
-                arrival = math.max(clock(), (tonumber(last) or 0) + 1)
-            end
-            redis.call('ZADD', queue, arrival, token)
+        -- A place once taken keeps its arrival (NX): one call for a first try, which
+        -- every blocked waiter's is (a token is new per acquisition), where asking
+        -- first cost two; a refresh reads the last arrival for nothing.
+        local arrival = tonumber(ARGV[10])
+        if not arrival then
+            local last = redis.call('ZRANGE', queue, -1, -1, 'WITHSCORES')[2]
+            arrival = math.max(clock(), (tonumber(last) or 0) + 1)
         end
+        redis.call('ZADD', queue, 'NX', arrival, token)
         redis.call('ZADD', waiting, clock() + waiter_ttl, token)
-        local keys = {queue, waiting}
+        -- The queue and the waiters' deadlines hold the same tokens (written and
+        -- forgotten together), so they are created and emptied together: the queue's
+        -- life stands for both.
+        local keys = {queue}
         if channel ~= '' then
             redis.call('HSET', wake, token, channel)
-            keys[3] = wake
+            keys[#keys + 1] = wake
             if naming[2] then
                 redis.call('HSET', grant, token, cjson.encode({ttl, ARGV[3], ARGV[4], ARGV[5],
                                                                ARGV[7] or ''}))
-                keys[4] = grant
+                keys[#keys + 1] = grant
             end
         end
         -- Each record key outlives its places: extended, when it would not, by twice a
@@ -274,6 +278,9 @@ if record then
         for _, key in ipairs(keys) do
             if redis.call('PTTL', key) < waiter_ttl then
                 redis.call('PEXPIRE', key, 2 * waiter_ttl)
+                if key == queue then
+                    redis.call('PEXPIRE', waiting, 2 * waiter_ttl)
+                end
             end
         end
     elseif not blocked and redis.call('ZRANGE', queue, 0, 0)[1] then

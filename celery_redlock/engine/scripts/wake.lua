@@ -19,9 +19,13 @@
 -- leave(record, token)  take a token out of the record if it is in it (one call if not).
 -- drop_lapsed(record, now)  forget the waiters whose place lapsed.
 -- first_waiter(queue, wake, skip)  the oldest recorded token whose process channel is
---          not `skip` (false: any), and its channel (false if it recorded none).
--- other_process_waits(queue, wake, channel)  a waiter of another process than
---          `channel`'s is recorded.
+--          not `skip` (false: any), its channel (false if it recorded none), and what
+--          was read to find it ({page of tokens, their channels, whether the page was
+--          the whole queue}), for other_process_waits.
+-- other_process_waits(queue, wake, channel, seen, named)  a waiter of another process
+--          than `channel`'s is recorded. With `seen` (first_waiter's third value,
+--          `named` its token, which has left the record since) answered from that page
+--          when it can be, else read.
 -- name_next(lock, channel, record, how, reserve, skip, fence, grants)  announce
 --          that `lock` (deleted by the caller) is free to the oldest recorded waiter,
 --          on its process channel (one delivery, one process), with its token as the
@@ -96,10 +100,13 @@ local function first_waiter(queue, wake, skip)
     local start = 0
     while true do
         local page = redis.call('ZRANGE', queue, start, start + WAKE_PAGE - 1)
-        for _, token in ipairs(page) do
-            local target = redis.call('HGET', wake, token)
-            if not skip or target ~= skip then
-                return token, target
+        if #page == 0 then
+            return nil, false
+        end
+        local targets = redis.call('HMGET', wake, unpack(page))
+        for j, token in ipairs(page) do
+            if not skip or targets[j] ~= skip then
+                return token, targets[j], {page, targets, start == 0 and #page < WAKE_PAGE}
             end
         end
         if #page < WAKE_PAGE then
@@ -108,7 +115,21 @@ local function first_waiter(queue, wake, skip)
         start = start + WAKE_PAGE
     end
 end
-local function other_process_waits(queue, wake, channel)
+local function other_process_waits(queue, wake, channel, seen, named)
+    if seen then
+        -- What first_waiter read (the page that named `named`): nothing has left the
+        -- queue since but `named`, so when that page was the whole queue it answers
+        -- without another read (issue 27: two calls per granting release).
+        local page, targets, whole = seen[1], seen[2], seen[3]
+        for j, token in ipairs(page) do
+            if token ~= named and targets[j] ~= channel then
+                return true
+            end
+        end
+        if whole then
+            return false
+        end
+    end
     return first_waiter(queue, wake, channel) ~= nil
 end
 -- Grants taken back from waiters nobody listens for, at most, in one release: past
@@ -129,14 +150,14 @@ local function grant_to(lock, named, target, details, grants, now)
 end
 local function name_next(lock, channel, record, how, reserve, skip, fence, grants)
     local queue, waiting, wake = record[1], record[2], record[3]
-    local named, target = first_waiter(queue, wake, skip)
+    local named, target, seen = first_waiter(queue, wake, skip)
     if not named then
         return nil
     end
     local now = node_ms()
     if (tonumber(redis.call('ZSCORE', waiting, named)) or now) <= now then
         drop_lapsed(record, now)
-        named, target = first_waiter(queue, wake, skip)
+        named, target, seen = first_waiter(queue, wake, skip)
     end
     local tries = 0
     while named and grants and target and tries < GRANT_TRIES do
@@ -149,14 +170,14 @@ local function name_next(lock, channel, record, how, reserve, skip, fence, grant
         if not redis.call('ZSCORE', grants[2], named) then
             local heard, here = grant_to(lock, named, target, details, grants, now)
             if heard then
-                if other_process_waits(queue, wake, target) then
+                if other_process_waits(queue, wake, target, seen, named) then
                     redis.call('HSET', lock, 'waited', now)
                 end
                 return named, here
             end
             redis.call('DEL', lock)  -- nobody heard it: taken back
         end
-        named, target = first_waiter(queue, wake, skip)
+        named, target, seen = first_waiter(queue, wake, skip)
     end
     if not named then
         return nil
@@ -169,7 +190,7 @@ local function name_next(lock, channel, record, how, reserve, skip, fence, grant
             if target then
                 redis.call('HSET', lock, 'wake', target)
             end
-            if other_process_waits(queue, wake, target or '') then
+            if other_process_waits(queue, wake, target or '', seen, named) then
                 redis.call('HSET', lock, 'waited', now)
             end
             redis.call('PEXPIRE', lock, reserve)

@@ -10,7 +10,14 @@ commandstats`` around one acquisition (counts, not times).
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+from collections.abc import Iterator
+
+import redis
+
 from celery_redlock import Redlock
+from tests.harness import wait_for
 from tests.unit.engine.test_waiting import _hold_in_a_child
 
 
@@ -23,6 +30,21 @@ def inner_commands(redis_node, action) -> dict[str, int]:
     for command in ("evalsha", "config|resetstat", "hello", "client|setinfo", "select", "ping"):
         stats.pop(command, None)  # the call itself, or a connection being made
     return stats
+
+
+@contextlib.contextmanager
+def held_by_a_child(redis_node, name: str) -> Iterator[None]:
+    """``name`` held by a forked child process for the length of the block."""
+    ctx = multiprocessing.get_context("fork")
+    held, let_go = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_in_a_child, args=(redis_node.url, name, held, let_go))
+    holder.start()
+    try:
+        assert held.wait(20)
+        yield
+    finally:
+        let_go.set()
+        holder.join(20)
 
 
 def test_an_uncontended_acquire_and_release_run_few_commands(redis_node):
@@ -47,22 +69,61 @@ def test_a_refused_blocking_try_reads_the_holder_once(redis_node):
     P8) reads the lock hash once. It read it in five calls: the token, the holder's host
     and pid, the holder's task id, and a write-if-absent of the 'waited' mark made even
     when the mark was there. A refreshed place extends no record key."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
-    held, let_go = ctx.Event(), ctx.Event()
-    holder = ctx.Process(target=_hold_in_a_child, args=(redis_node.url, "cost-busy", held, let_go))
-    holder.start()
-    try:
-        assert held.wait(20)
+    with held_by_a_child(redis_node, "cost-busy"):
         lock = Redlock("cost-busy", nodes=[redis_node.url], ttl=30)
         waiter = lock.kind.new_waiter(True, len(lock.nodeset), lock.takes_grants)
         stats = inner_commands(redis_node, lambda: lock._attempt(waiter))
-    finally:
-        let_go.set()
-        holder.join(20)
     assert stats.get("hmget") == 1, stats
     assert "hget" not in stats and "hsetnx" not in stats and "hset" in stats, stats
     # The place refreshed finds its record keys with twice a place's life given at the
     # first try: no PEXPIRE (there were one per key per try, once a millisecond passed).
     assert "pexpire" not in stats, stats
+
+
+def test_a_first_refused_try_runs_few_commands(redis_node):
+    """Every blocked waiter's first try (a token is new per acquisition: with prefork
+    children on one key, one such try per acquisition, issue 27's P8) takes its place
+    in 13 commands. There were 15: it asked whether the token had a place before
+    writing one (a write that keeps an existing place does both), and read the
+    lifetime of the waiters' deadlines, which live and die with the queue."""
+    with held_by_a_child(redis_node, "cost-first"):
+        lock = Redlock("cost-first", nodes=[redis_node.url], ttl=30)
+
+        def first_try() -> None:
+            lock._attempt(lock.kind.new_waiter(True, len(lock.nodeset), lock.takes_grants))
+
+        stats = inner_commands(redis_node, first_try)
+    assert stats.get("zscore") == 1, stats  # the abandoned tokens only
+    assert stats.get("pttl") == 4, stats  # the lock, the queue, the channels, the grants
+    assert sum(stats.values()) <= 13, stats
+
+
+def test_a_release_that_grants_the_next_waiter_runs_few_commands(redis_node):
+    """A release that grants the lock to a waiter of another process (every
+    acquisition's release with prefork children on one key) runs 18 commands. There
+    were 19: it read the queue again to learn whether a waiter of yet another process
+    was left, which the page it had read to find the waiter answers."""
+    ctx = multiprocessing.get_context("fork")
+    lock = Redlock("cost-grant", nodes=[redis_node.url], ttl=30)
+    queue = lock.kind.keys.record[0]
+    client = redis.Redis.from_url(redis_node.url)
+    stats: dict[str, int] = {}
+    for _ in range(2):  # the first warms: scripts loaded, fence counter there
+        assert lock.acquire()
+        holding, let_go = ctx.Event(), ctx.Event()
+        args = (redis_node.url, lock.name, holding, let_go)
+        waiter = ctx.Process(target=_hold_in_a_child, args=args)
+        waiter.start()
+        try:
+            wait_for(lambda: client.zcard(queue) == 1, timeout=20)
+            redis_node.reset_stats()
+            lock.release()
+            assert holding.wait(20), "the waiter was granted the lock"
+            stats = redis_node.commandstats()
+        finally:
+            let_go.set()
+            waiter.join(20)
+    for command in ("evalsha", "config|resetstat", "hello", "client|setinfo", "select", "ping"):
+        stats.pop(command, None)
+    assert stats.get("zrange") == 1 and stats.get("publish") == 1, stats
+    assert sum(stats.values()) <= 18, stats
