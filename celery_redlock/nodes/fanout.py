@@ -265,6 +265,7 @@ class _FanOut:
             # NOSCRIPT round trip, which would also run a pipelined WAIT twice.
             load = leg.node.scripts_to_load()
             flight.send(load=[*load, *(flight.scripts() if fresh else ())])
+            self._written()
         except (RedisError, OSError) as exc:
             if conn is not None:
                 leg.node.discard(conn)
@@ -289,6 +290,20 @@ class _FanOut:
             self.deadline = time.monotonic() + self.timeout
             remaining = self.timeout
         return remaining
+
+    def _written(self) -> None:
+        """A request just written after the budget ran out gets it again, once.
+
+        The process paused between the start of the fan-out and the write (a garbage
+        collection set off by packing the request, a descheduled thread): the node had
+        no time at all to answer, and a look at the socket right after the write would
+        report it down. As in :meth:`_remaining`, the caller counts the lock's
+        validity from before the fan-out, so a later deadline costs no safety.
+        """
+        now = time.monotonic()
+        if now >= self.deadline and not self.restarted:
+            self.restarted = True
+            self.deadline = now + self.timeout
 
     def settle(self, index: int) -> None:
         """Set the node's reply once none of its legs is outstanding."""

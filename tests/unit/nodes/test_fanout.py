@@ -275,6 +275,28 @@ def test_a_pause_while_a_pooled_connection_is_checked_out_is_not_a_node_failure(
     assert reply is not None and reply.error is None, "every call gets its one new budget"
 
 
+def test_a_pause_while_the_request_is_packed_is_not_a_node_failure(redis_node, monkeypatch):
+    """A full collection set off by packing the request (its allocations; holding
+    50,000 locks, the renewal benchmark's acquisitions failed so) ends after the
+    budget: the request goes out late and the node gets the budget from there, instead
+    of one look at the socket right after the write and a report that Redis is down.
+    The node takes 10 ms to answer, so that look cannot find the reply there."""
+    node = Node(redis_node.url, timeout=1.0)
+    call = [Call.command("DEBUG", "SLEEP", "0.01")]
+    fan_out([node], [call], timeout=1.0)  # warm: the checkout below opens nothing
+    clock = _PausedClock()
+    monkeypatch.setattr(fanout, "time", clock)
+    packer = fanout.pack
+
+    def paused(*args, **kwargs):
+        clock.pause += 0.15  # the process stops here for longer than the budget
+        return packer(*args, **kwargs)
+
+    monkeypatch.setattr(fanout, "pack", paused)
+    [reply] = fan_out([node], [call], timeout=0.05)
+    assert reply is not None and reply.error is None, reply
+
+
 def test_a_reply_in_before_a_slow_connect_spent_the_budget_is_read(redis_node, monkeypatch):
     """A node's connect that takes the whole budget (a partitioned node: its connect is
     made last and may take what is left) leaves the replies of the others in their
