@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 from ..nodes import Call
+from ..nodes.calls import bulk
 from . import handoff
 from .keys import LockKeys, lock_keys, release_keys
 from .scripts import (
@@ -41,6 +42,7 @@ from .scripts import (
     FENCE_SYNC,
     RELEASE,
     RELEASE_SHARED,
+    Script,
 )
 from .timing import check_kind
 from .waiting import Named, named_reserve_ms, process_channel
@@ -114,6 +116,23 @@ class Kind(abc.ABC):
         self.resources = tuple(resources)
         #: The first (for most kinds, the only) resource's keys.
         self.keys = self.resources[0]
+        #: RESP of a script call up to its arguments, per (script, key count, argument
+        #: count): see :meth:`encoded`.
+        self._heads: dict[tuple[str, int, int], bytes] = {}
+
+    def encoded(self, script: Script, keys: tuple[str, ...], args: tuple[str | int, ...]) -> Call:
+        """``script`` on ``keys`` with ``args``, its RESP built from the keys' encoded once.
+
+        A lock's keys do not change, and they are most of what its acquire and release
+        calls send (10 and 8 of 22 and 12 arguments): encoded once per lock, an
+        acquire + release packs in about half the time (issue 27, P1 and P5).
+        ``keys`` must be the same for one ``script`` and key count, as a lock's are.
+        """
+        shape = (script.name, len(keys), len(args))
+        head = self._heads.get(shape)
+        if head is None:
+            head = self._heads[shape] = script.evalsha_resp(len(keys), len(args)) + bulk(*keys)
+        return Call(script, keys, args, resp=head + bulk(*args))
 
     def describe(self) -> str:
         """The kind as ``repr`` shows it (nothing for an exclusive lock, fair or not)."""
@@ -255,7 +274,7 @@ class Exclusive(Kind):
             )
         else:
             record = ("", waiter.arrival, "", "")
-        return Call(
+        return self.encoded(
             ACQUIRE,
             (*keys, self.keys.abandoned),
             (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "", *record,
@@ -271,8 +290,8 @@ class Exclusive(Kind):
         the lock to (the reply names it; nothing is published for it).
         """
         if not self.records:
-            return Call(RELEASE, release_keys(self.resources), (token,))
-        return Call(
+            return self.encoded(RELEASE, release_keys(self.resources), (token,))
+        return self.encoded(
             RELEASE,
             release_keys(self.resources, record=True),
             (token, self.naming, named_reserve_ms(), process_channel(self.keys.channel),

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import redis
+from redis.connection import Connection
 
 from celery_redlock import ConfigurationError, Redlock
 from celery_redlock.engine.keys import lock_keys
@@ -30,6 +31,7 @@ from celery_redlock.engine.scripts import (
 )
 from celery_redlock.engine.waiting import named_reserve_ms, process_channel
 from celery_redlock.nodes import Call
+from celery_redlock.nodes.fanout import pack
 from tests.harness import wait_for
 
 # -- each kind's calls and answers (no server) -----------------------------------------
@@ -101,6 +103,34 @@ def test_an_exclusive_lock_on_two_resources_takes_and_frees_both_in_one_call():
     assert kind.renew_entries() == ((a.lock, "x"), (b.lock, "x"))
     assert kind.leave_call("tok") is None and kind.wake_token(waiter) is None
     assert kind.refreshes_while_waiting and not kind.admits_others
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        Exclusive((lock_keys("a"),)),
+        Exclusive((lock_keys("a"), lock_keys("b"))),
+        Fair(lock_keys("a")),
+    ],
+    ids=["one", "two", "fair"],
+)
+def test_a_locks_calls_in_resp_say_what_their_keys_and_arguments_say(kind):
+    """The acquire and release calls go out as RESP put together from the lock's keys
+    encoded once: byte for byte what packing their keys and arguments writes, for
+    every shape of call, again and again (the encoded keys are reused)."""
+    conn = Connection()
+    for _ in range(2):
+        waiter = kind.new_waiter(True, 1)
+        calls = [
+            kind.acquire_call(waiter, 5000, HOLDER),
+            kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER),
+            kind.acquire_call(waiter, 5000, HOLDER, predecessor="before"),
+            kind.release_call(waiter.token),
+            kind.release_call(waiter.token, here=True),
+        ]
+        for call in calls:
+            assert call.resp is not None
+            assert call.resp == pack(conn, [call.packed_args()])[0], call
 
 
 def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
