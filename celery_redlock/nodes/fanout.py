@@ -264,8 +264,9 @@ class _FanOut:
             # restarted, or is new): load them in the same write instead of paying a
             # NOSCRIPT round trip, which would also run a pipelined WAIT twice.
             load = leg.node.scripts_to_load()
+            packing = time.monotonic()
             flight.send(load=[*load, *(flight.scripts() if fresh else ())])
-            self._written()
+            self._written(packing)
         except (RedisError, OSError) as exc:
             if conn is not None:
                 leg.node.discard(conn)
@@ -285,25 +286,32 @@ class _FanOut:
         while its pooled connection was being checked out).
         """
         remaining = self.deadline - time.monotonic()
-        if remaining <= 0 and not self.used and not self.restarted:
-            self.restarted = True
-            self.deadline = time.monotonic() + self.timeout
-            remaining = self.timeout
+        if remaining <= 0 and not self.used:
+            self._restart()
+            remaining = self.deadline - time.monotonic()
         return remaining
 
-    def _written(self) -> None:
-        """A request just written after the budget ran out gets it again, once.
+    def _written(self, packing: float) -> None:
+        """The budget starts again if it ran out while this request was packed and written.
 
-        The process paused between the start of the fan-out and the write (a garbage
-        collection set off by packing the request, a descheduled thread): the node had
-        no time at all to answer, and a look at the socket right after the write would
-        report it down. As in :meth:`_remaining`, the caller counts the lock's
-        validity from before the fan-out, so a later deadline costs no safety.
+        The process paused between ``packing`` (the budget not yet spent) and the end
+        of the write (a garbage collection set off by packing the request, a
+        descheduled thread): the node had no time at all to answer, and a look at the
+        socket right after the write would report it down. A budget spent before
+        (a slow connect: the node's time) is not given again.
         """
-        now = time.monotonic()
-        if now >= self.deadline and not self.restarted:
+        if packing < self.deadline <= time.monotonic():
+            self._restart()
+
+    def _restart(self) -> None:
+        """Give the fan-out its budget again, from now; once.
+
+        The time went to this process, not to any node, and the caller counts the
+        lock's validity from before the fan-out, so a later deadline costs no safety.
+        """
+        if not self.restarted:
             self.restarted = True
-            self.deadline = now + self.timeout
+            self.deadline = time.monotonic() + self.timeout
 
     def settle(self, index: int) -> None:
         """Set the node's reply once none of its legs is outstanding."""

@@ -297,6 +297,26 @@ def test_a_pause_while_the_request_is_packed_is_not_a_node_failure(redis_node, m
     assert reply is not None and reply.error is None, reply
 
 
+def test_a_connect_that_spent_the_budget_gets_no_second_one(redis_node, monkeypatch):
+    """A budget spent connecting (a slow node, not a pause of this process) is not
+    given again when the request is written late: the node times out as before."""
+    node = Node(redis_node.url, timeout=1.0)
+    call = [Call.command("DEBUG", "SLEEP", "0.01")]
+    fan_out([node], [call], timeout=1.0)
+    clock = _PausedClock()
+    monkeypatch.setattr(fanout, "time", clock)
+    checkout = Node.checkout
+
+    def slow_connect(self, *args, **kwargs):
+        conn, _fresh, owed = checkout(self, *args, **kwargs)
+        clock.pause += 0.15  # as if the connect had taken longer than the budget
+        return conn, True, owed
+
+    monkeypatch.setattr(Node, "checkout", slow_connect)
+    [reply] = fan_out([node], [call], timeout=0.05)
+    assert reply is not None and isinstance(reply.error, RedisTimeoutError), reply
+
+
 def test_a_reply_in_before_a_slow_connect_spent_the_budget_is_read(redis_node, monkeypatch):
     """A node's connect that takes the whole budget (a partitioned node: its connect is
     made last and may take what is left) leaves the replies of the others in their
