@@ -244,6 +244,13 @@ class Exclusive(Kind):
         super().__init__(resources)
         #: The nodes keep a record of the blocked waiters (one resource only).
         self.records = len(self.resources) == 1
+        # The keys of every acquire and release call: fixed for the lock, built once.
+        self._acquire_keys = (
+            *(key for resource in self.resources for key in resource.resource),
+            *(self.keys.record if self.records else ()),
+            self.keys.abandoned,
+        )
+        self._release_keys = release_keys(self.resources, record=self.records)
 
     def new_waiter(self, blocking: bool, nodes: int, grants: bool = True) -> Waiter:
         """A waiter with its arrival stamped, when several nodes must agree on the order.
@@ -261,9 +268,7 @@ class Exclusive(Kind):
         self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""
     ) -> Call:
         """``acquire.lua`` on every resource at once."""
-        keys = tuple(key for resource in self.resources for key in resource.resource)
         if self.records:
-            keys += self.keys.record
             # A blocking waiter keeps its place one lease unless refreshed (it comes
             # back every renewal interval); a try is never recorded.
             record = (
@@ -276,7 +281,7 @@ class Exclusive(Kind):
             record = ("", waiter.arrival, "", "")
         return self.encoded(
             ACQUIRE,
-            (*keys, self.keys.abandoned),
+            self._acquire_keys,
             (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "", *record,
              *((predecessor, *handoff.TURN) if predecessor else ())),
         )  # fmt: skip
@@ -290,10 +295,10 @@ class Exclusive(Kind):
         the lock to (the reply names it; nothing is published for it).
         """
         if not self.records:
-            return self.encoded(RELEASE, release_keys(self.resources), (token,))
+            return self.encoded(RELEASE, self._release_keys, (token,))
         return self.encoded(
             RELEASE,
-            release_keys(self.resources, record=True),
+            self._release_keys,
             (token, self.naming, named_reserve_ms(), process_channel(self.keys.channel),
              *(("", "local") if here else ())),
         )  # fmt: skip
