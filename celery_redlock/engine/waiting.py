@@ -217,10 +217,20 @@ class LoopWakeup(Wakeup):
         self._event.clear()
 
     async def wait_async(self, timeout: float) -> bool:
-        """Wait (in the loop) for a wake-up and consume it; False if ``timeout`` passed."""
+        """Wait (in the loop) for a wake-up and consume it; False if ``timeout`` passed.
+
+        A cancellation always propagates, even one that arrives with the wake-up.
+        ``asyncio.wait_for`` before Python 3.12 returns the result instead when the
+        awaited future finished in the same loop step as the cancel (the user's
+        cancellation of a waiting ``acquire()`` lost, the task waiting on):
+        ``asyncio.wait`` only watches the future and lets the cancellation through.
+        """
         if not self.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._event.wait(), max(0.0, timeout))
+            waiting = asyncio.ensure_future(self._event.wait())
+            try:
+                await asyncio.wait((waiting,), timeout=max(0.0, timeout))
+            finally:
+                waiting.cancel()
         self._event.clear()
         return self._lock.acquire(blocking=False)
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from celery_redlock import AsyncRedlock, ConfigurationError, LockBusy, LockLost, Redlock
+from celery_redlock.engine.waiting import LoopWakeup
 from celery_redlock.exceptions import LockNotOwned, NodeUnavailable
 from tests.harness import wait_for
 
@@ -403,5 +404,26 @@ def test_a_waiter_cancelled_while_subscribing_leaves_no_registration(redis_node,
         await holder.release()
         assert await waiting_task
         assert time.monotonic() - started < 5.0, "woken by the release"
+
+    run(scenario())
+
+
+def test_a_cancel_that_arrives_with_the_wake_up_is_not_lost():
+    """A waiter woken and cancelled in the same loop step ends cancelled.
+
+    The shape of CI's one failure at a1f73a5: ``asyncio.wait_for`` (Python < 3.12)
+    returned the wake-up and dropped the cancel, and the cancelled ``acquire()``
+    went on waiting for a lock whose holder waited for it.
+    """
+
+    async def scenario() -> None:
+        wakeup = LoopWakeup(asyncio.get_running_loop())
+        waiting = asyncio.ensure_future(wakeup.wait_async(10))
+        await asyncio.sleep(0)  # it waits
+        wakeup.set()  # the wake-up runs in the loop's next step ...
+        await asyncio.sleep(0)
+        waiting.cancel()  # ... and the cancel is delivered in the step after, with it
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
 
     run(scenario())
