@@ -42,6 +42,14 @@ __all__ = ["AsyncNodeSet", "aclose_loop_clients", "settle"]
 _NODE_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 
 
+#: The least time an asyncio connection gives a connect or a reply (s). Not the node
+#: timeout: that is the fan-out's budget (:func:`_wait_budget`). A connection's
+#: timeouts are loop timers too, and one that a stalled loop reaches late throws away
+#: a reply already in the socket; past the budget they only bound how long a request
+#: left in flight keeps its connection.
+_CONNECTION_TIMEOUT = 2.0
+
+
 class _LoopClients:
     """One event loop's clients, one per node URL, shared by every lock in that loop.
 
@@ -57,7 +65,8 @@ class _LoopClients:
     def client(self, node: LockNode) -> aioredis.Redis:
         client = self.by_url.get(node.url)
         if client is None:
-            options = connection_options(node.timeout, AsyncConnection, Retry)
+            timeout = max(node.timeout, _CONNECTION_TIMEOUT)
+            options = connection_options(timeout, AsyncConnection, Retry)
             pool = aioredis.ConnectionPool.from_url(node.url, **options)
             client = self.by_url[node.url] = aioredis.Redis(connection_pool=pool)
         return client
@@ -161,9 +170,31 @@ class AsyncNodeSet:
             if inflight is not None:
                 inflight.append(request)
         if sent:
-            await asyncio.wait([request for _, request in sent], timeout=budget)
+            await _wait_budget([request for _, request in sent], budget)
         answers = iter([_reply(node, request) for node, request in sent])
         return [None if request is None else next(answers) for request in requests]
+
+
+#: How late the loop may reach a budget's end before the budget counts as its own (s).
+_STALL = 0.01
+
+
+async def _wait_budget(requests: list[asyncio.Future[list[Any]]], budget: float) -> None:
+    """Wait up to ``budget`` for ``requests``; again, once, if the loop itself spent it.
+
+    A coroutine that blocks the event loop (CPU-bound work, a synchronous call) past
+    the budget's end holds up the reading of replies that may have arrived in time:
+    the loop then reaches the end of the wait late, and the budget went to this
+    process, not to any node (as a pause while a request is written, in the threaded
+    fan-out). Those requests get the budget again, from now, so that a stall is not
+    reported as Redis being down. Safety is not touched: a lock's validity is counted
+    from before the fan-out.
+    """
+    loop = asyncio.get_running_loop()
+    due = loop.time() + budget
+    _, pending = await asyncio.wait(requests, timeout=budget)
+    if pending and loop.time() - due > _STALL:
+        await asyncio.wait(pending, timeout=budget)
 
 
 async def settle(inflight: list[asyncio.Future[Any]], timeout: float) -> bool:

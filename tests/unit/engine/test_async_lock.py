@@ -427,3 +427,52 @@ def test_a_cancel_that_arrives_with_the_wake_up_is_not_lost():
             await waiting
 
     run(scenario())
+
+
+def test_a_loop_blocked_past_the_node_timeout_is_not_a_node_failure(redis_node):
+    """A coroutine blocks the loop while an acquire waits for its reply: no outage.
+
+    The reply came in time and waits in the socket; the budget (and the connection's
+    read timeout, a loop timer too) ran out while the loop could not run. Before, every
+    one of these acquisitions failed with NodeUnavailable.
+    """
+
+    async def scenario() -> None:
+        lock = AsyncRedlock("stall", nodes=[redis_node.url], ttl=5, node_timeout=0.05)
+        await lock.try_acquire()  # a pooled connection, scripts loaded
+        await lock.release()
+        for yields in range(8):  # the stall lands at a different point of the call
+
+            async def block_the_loop(yields: int = yields) -> None:
+                for _ in range(yields):
+                    await asyncio.sleep(0)
+                time.sleep(0.3)  # the scenario: a synchronous call in a coroutine
+
+            blocker = asyncio.ensure_future(block_the_loop())
+            assert await lock.acquire(timeout=1), f"stall after {yields} loop steps"
+            await lock.release()
+            await blocker
+
+    run(scenario())
+
+
+def test_a_silent_node_still_fails_within_its_budget(redis_node, fault_proxy):
+    """A blackholed node is reported within the budget, not the connections' timeout.
+
+    The connections' own timeouts (2 s) are longer than the budget since they became
+    a bound for requests left in flight; the failure must come from the budget
+    (0.1 s for the acquisition, as much for its undo).
+    """
+    proxy = fault_proxy(redis_node)
+
+    async def scenario() -> None:
+        lock = AsyncRedlock("silent", nodes=[proxy.url], ttl=5, node_timeout=0.1)
+        await lock.try_acquire()
+        await lock.release()
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(NodeUnavailable):
+            await lock.acquire(blocking=False)
+        assert time.monotonic() - started < 1.5
+
+    run(scenario())
