@@ -292,8 +292,10 @@ def test_a_message_delivered_again_after_its_run_finished_does_not_run_again(
     accepted = worker_state.total_count.get("rated.exclusive", 0)
     broker.lpush("celery", json.dumps(message))
     wait_for(
-        lambda: worker_state.total_count.get("rated.exclusive", 0) > accepted
-        and not worker_state.active_requests,
+        lambda: (
+            worker_state.total_count.get("rated.exclusive", 0) > accepted
+            and not worker_state.active_requests
+        ),
         timeout=20,
     )
     assert [i for i, *_ in runs_of(out)] == [result.id]
