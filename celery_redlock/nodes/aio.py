@@ -1,8 +1,9 @@
 """The nodes of a lock for asyncio callers: :class:`AsyncNodeSet`.
 
 The same rules as :func:`~celery_redlock.nodes.fan_out`: every node's request goes
-out at once, one budget bounds the whole fan-out, a node that fails or does not
-answer in time becomes a :class:`Reply` with its ``error`` (a vote that did not
+out at once, one budget bounds the whole fan-out (the time the event loop was stalled not
+counted: :func:`_wait_budget`), a node that
+fails or does not answer in time becomes a :class:`Reply` with its ``error`` (a vote that did not
 come), and nothing is retried behind the caller's back. Scripts run by EVALSHA and
 are loaded (``SCRIPT LOAD``) only when a node answers NOSCRIPT.
 
@@ -175,26 +176,50 @@ class AsyncNodeSet:
         return [None if request is None else next(answers) for request in requests]
 
 
-#: How late the loop may reach a budget's end before the budget counts as its own (s).
-_STALL = 0.01
+#: How late the loop may wake from a wait before the difference counts as a stall (s):
+#: timers fire up to a millisecond late (epoll's resolution) on an idle loop.
+_STALL = 0.002
+#: Waits per budget: a stall is seen when the wait it spans wakes late.
+_TICKS = 4
+#: Loop steps of the last look at the sockets after the budget (:func:`_wait_budget`).
+_LOOK_STEPS = 4
 
 
 async def _wait_budget(requests: list[asyncio.Future[list[Any]]], budget: float) -> None:
-    """Wait up to ``budget`` for ``requests``; again, once, if the loop itself spent it.
+    """Wait up to ``budget`` for ``requests``, not counting the time the loop was stalled.
 
-    A coroutine that blocks the event loop (CPU-bound work, a synchronous call) past
-    the budget's end holds up the reading of replies that may have arrived in time:
-    the loop then reaches the end of the wait late, and the budget went to this
-    process, not to any node (as a pause while a request is written, in the threaded
-    fan-out). Those requests get the budget again, from now, so that a stall is not
-    reported as Redis being down. Safety is not touched: a lock's validity is counted
-    from before the fan-out.
+    A coroutine that blocks the event loop (CPU-bound work, a synchronous call)
+    spends this process's time, not any node's: before a request is written (it goes
+    out late, with too little budget left) or while replies that came in time wait
+    unread in the sockets. The wait is cut into :data:`_TICKS` shorter ones; one that
+    wakes more than :data:`_STALL` late was held up by the loop, and the budget is
+    extended by as much (as a pause before the write in the threaded fan-out). The
+    requests still get at most ``budget`` of the loop's running time, plus a last look
+    at what already reached the sockets. Safety is not touched: a lock's validity is
+    counted from before the fan-out.
     """
     loop = asyncio.get_running_loop()
+    pending = set(requests)
     due = loop.time() + budget
-    _, pending = await asyncio.wait(requests, timeout=budget)
-    if pending and loop.time() - due > _STALL:
-        await asyncio.wait(pending, timeout=budget)
+    tick = budget / _TICKS
+    while pending:
+        now = loop.time()
+        if now >= due:
+            break
+        step = min(tick, due - now)
+        _, pending = await asyncio.wait(pending, timeout=step)
+        late = loop.time() - (now + step)
+        if pending and late > _STALL:
+            due += late
+    # A last look: replies already in the sockets are read before their requests count
+    # as unanswered. A stall that ends just after the budget's end, too soon to count as
+    # one, leaves them there; reading one takes a few loop steps (the socket's event,
+    # then the request's task).
+    for _ in range(_LOOK_STEPS):
+        if not pending:
+            return
+        await asyncio.sleep(0)
+        pending = {request for request in pending if not request.done()}
 
 
 async def settle(inflight: list[asyncio.Future[Any]], timeout: float) -> bool:

@@ -6,6 +6,7 @@ Each test runs its scenario with ``asyncio.run``; the servers are the suite's ow
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 import time
@@ -441,15 +442,43 @@ def test_a_loop_blocked_past_the_node_timeout_is_not_a_node_failure(redis_node):
         lock = AsyncRedlock("stall", nodes=[redis_node.url], ttl=5, node_timeout=0.05)
         await lock.try_acquire()  # a pooled connection, scripts loaded
         await lock.release()
-        for yields in range(8):  # the stall lands at a different point of the call
+        # Far past the budget, and just past it (too little to count as a stall).
+        for stall, yields in itertools.product((0.3, 0.051), range(8)):
 
-            async def block_the_loop(yields: int = yields) -> None:
-                for _ in range(yields):
+            async def block_the_loop(yields: int = yields, stall: float = stall) -> None:
+                for _ in range(yields):  # the stall lands at a different point of the call
                     await asyncio.sleep(0)
-                time.sleep(0.3)  # the scenario: a synchronous call in a coroutine
+                time.sleep(stall)  # the scenario: a synchronous call in a coroutine
 
             blocker = asyncio.ensure_future(block_the_loop())
-            assert await lock.acquire(timeout=1), f"stall after {yields} loop steps"
+            assert await lock.acquire(timeout=1), f"{stall} s after {yields} loop steps"
+            await lock.release()
+            await blocker
+
+    run(scenario())
+
+
+def test_a_request_that_goes_out_late_gets_its_whole_budget(redis_node, fault_proxy):
+    """A loop blocked before the request is written, up to just before the node timeout.
+
+    The request goes out with almost none of the budget left and the node needs 10 ms
+    (a slow path): the stall is not the node's time. Before, the stalls of 40 ms and
+    more (budget 50 ms) failed with NodeUnavailable.
+    """
+    proxy = fault_proxy(redis_node)
+    proxy.delay(0.005)
+
+    async def scenario() -> None:
+        lock = AsyncRedlock("late", nodes=[proxy.url], ttl=5, node_timeout=0.05)
+        await lock.try_acquire()
+        await lock.release()
+        for stall in (0.02, 0.04, 0.045, 0.048):
+
+            async def block_the_loop(stall: float = stall) -> None:
+                time.sleep(stall)  # runs before the request's task: it was scheduled first
+
+            blocker = asyncio.ensure_future(block_the_loop())
+            await lock.try_acquire()
             await lock.release()
             await blocker
 
