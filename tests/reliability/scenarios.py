@@ -45,23 +45,31 @@ MAX_RUN = 3 * (handoff.TURN.handoffs + 1)
 
 
 def mixed(
-    lab: Lab, nodes: int, processes: int = 3, threads: int = 3, iterations: int = 20
+    lab: Lab,
+    nodes: int,
+    processes: int = 3,
+    threads: int = 3,
+    iterations: int = 20,
+    *,
+    aio: bool = False,
 ) -> Outcome:
     """``processes`` OS processes of ``threads`` threads each take one lock ``iterations``
     times per thread: in-process handoffs meet waiters of other processes. Besides
     the safety checks, no process may keep the lock among its threads while another
     process waits (at most :data:`MAX_RUN` of its sections in a row), and the
-    processes' shares are reported as Jain's index."""
+    processes' shares are reported as Jain's index. ``aio``: asyncio tasks with
+    ``AsyncRedlock`` instead of threads."""
     servers = lab.servers(nodes)
     urls = [s.url for s in servers]
     return run_holders(
-        f"mixed-{nodes}",
+        f"mixed-{'aio-' if aio else ''}{nodes}",
         lab,
         urls,
         processes,
         threads=threads,
         iterations=iterations,
         max_run=MAX_RUN,
+        aio=aio,
     )
 
 
@@ -196,8 +204,11 @@ def _granted_within(lock: Redlock, seconds: float) -> bool:
         time.sleep(0.02)
 
 
-def network(lab: Lab, processes: int = 4, rounds: int = 1) -> Outcome:
-    """Delay and blackhole one node, then a majority, through fault proxies."""
+def network(lab: Lab, processes: int = 4, rounds: int = 1, **spec: Any) -> Outcome:
+    """Delay and blackhole one node, then a majority, through fault proxies.
+
+    ``spec``: more of the holders' :class:`~tests.reliability.workload.Spec` (``aio``,
+    ``threads``)."""
     servers = lab.servers(3)
     proxies = lab.proxies(servers)
 
@@ -229,7 +240,9 @@ def network(lab: Lab, processes: int = 4, rounds: int = 1) -> Outcome:
             restore(majority)
             progress.advance(5)  # and works again once the network heals
 
-    return run_holders("network", lab, [p.url for p in proxies], processes, faults=script, ttl=TTL)
+    name = "network-aio" if spec.get("aio") else "network"
+    urls = [p.url for p in proxies]
+    return run_holders(name, lab, urls, processes, faults=script, ttl=TTL, **spec)
 
 
 def _paused_holder(

@@ -51,6 +51,10 @@ def soak_scenarios(root: Path) -> list[tuple[str, Callable[[Lab], Outcome]]]:
             "threads x processes, 3 nodes, 3 x 3",
             lambda lab: scenarios.mixed(lab, 3, processes=3, threads=3, iterations=50),
         ),
+        (
+            "asyncio tasks x processes, 3 nodes, 3 x 3",
+            lambda lab: scenarios.mixed(lab, 3, processes=3, threads=3, iterations=50, aio=True),
+        ),
         ("SIGKILL 1 of 3 nodes", lambda lab: scenarios.node_kill(lab, 3, 1, 6, rounds=3)),
         ("SIGKILL 2 of 5 nodes", lambda lab: scenarios.node_kill(lab, 5, 2, 6, rounds=3)),
         ("2 of 3 nodes down", scenarios.majority_down),
@@ -59,6 +63,10 @@ def soak_scenarios(root: Path) -> list[tuple[str, Callable[[Lab], Outcome]]]:
             lambda lab: scenarios.restart_without_persistence(lab, delayed=True),
         ),
         ("network delay and blackhole", lambda lab: scenarios.network(lab, 6, rounds=3)),
+        (
+            "network delay and blackhole, asyncio 6 x 2",
+            lambda lab: scenarios.network(lab, 6, rounds=3, aio=True, threads=2),
+        ),
         ("SIGSTOP holder, 1 node", lambda lab: scenarios.process_pause(lab, 1)),
         ("SIGSTOP holder, 3 nodes", lambda lab: scenarios.process_pause(lab, 3)),
         ("wall clock jumps", lambda lab: scenarios.wall_clock_jump(lab, renewals=10)),

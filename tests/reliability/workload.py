@@ -6,7 +6,9 @@
   shares nothing with the test process): take the lock, run a recorded critical
   section (fenced write, non-atomic counter increment), release, again; in one thread,
   or in ``threads`` threads with a lock object each (threads x processes, where
-  in-process handoffs meet waiters of other processes).
+  in-process handoffs meet waiters of other processes); or, with ``aio``, as
+  ``threads`` asyncio tasks of one event loop with an ``AsyncRedlock`` each (the
+  section's blocking calls stall the loop while the other tasks wait in it).
 * :func:`run_holders` starts ``processes`` of them, runs a fault script in the test
   process meanwhile, and returns an :class:`Outcome` with the checker's verdict.
 
@@ -15,6 +17,7 @@ The same code serves the quick tests (small counts) and the soak command.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import multiprocessing
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery_redlock import LockLost, NodeUnavailable, Redlock
+from celery_redlock import AsyncRedlock, LockLost, NodeUnavailable, Redlock
 from celery_redlock.engine.lease import clock
 from tests.harness.faultproxy import FaultProxy
 from tests.harness.history import History, Section, Violation, jain, service
@@ -126,10 +129,12 @@ class Spec:
     node_timeout: float | None = None
     #: Threads per process, each with its own lock object and ``iterations``.
     threads: int = 1
+    #: Run the ``threads`` as asyncio tasks of one event loop, with ``AsyncRedlock``.
+    aio: bool = False
 
 
 def run_section(
-    lock: Redlock,
+    lock: Redlock | AsyncRedlock,
     history: History,
     key: str,
     stats: Counter,
@@ -142,6 +147,7 @@ def run_section(
     """One recorded critical section; the lock is held on entry (and released if asked).
 
     ``asked``: when the holder called ``acquire()`` for it (for the service check).
+    An ``AsyncRedlock`` is released by its caller (``release=False``), in its loop.
 
     ``lock.check()`` comes before every write, as a correct task does; a lease lost in
     between is caught by the lease's own margin, or else by the checker. A LockLost
@@ -169,6 +175,7 @@ def run_section(
     end = clock()
     valid_until = lease_deadline(lock)
     if release:
+        assert isinstance(lock, Redlock)
         try:
             lock.release()
         except NodeUnavailable:
@@ -178,7 +185,7 @@ def run_section(
     )
 
 
-def lease_deadline(lock: Redlock) -> float:
+def lease_deadline(lock: Redlock | AsyncRedlock) -> float:
     """The last lease deadline the holder knew (confirmed by a quorum).
 
     Read from the lease itself: ``remaining()`` says 0 once the loss is known, but the
@@ -193,6 +200,12 @@ def holder(spec: Spec, ready: Any, start: Any, stop: Any, results: Any) -> None:
     until stop; the threads' stats summed. Each thread says ``ready`` before it waits
     for ``start``."""
     stats: list[Counter[str]] = [Counter() for _ in range(spec.threads)]
+    if spec.aio:
+        try:
+            asyncio.run(_holder_async(spec, ready, start, stop, stats))
+        finally:
+            results.put((os.getpid(), dict(sum(stats, Counter()))))
+        return
     threads = [
         threading.Thread(target=contend, args=(spec, ready, start, stop, counts))
         for counts in stats
@@ -206,6 +219,13 @@ def holder(spec: Spec, ready: Any, start: Any, stop: Any, results: Any) -> None:
         results.put((os.getpid(), dict(sum(stats, Counter()))))
 
 
+def counted(acquired: bool | None, stats: Counter[str]) -> bool:
+    """Count one ``acquire()``: held, timed out busy, or ``None`` for NodeUnavailable
+    (fail closed: no section without the lock). True when the lock is held."""
+    stats[{True: "acquired", False: "busy_timeouts", None: "unavailable"}[acquired]] += 1
+    return acquired is True
+
+
 def contend(spec: Spec, ready: Any, start: Any, stop: Any, stats: Counter[str]) -> None:
     """One thread of a holder process: take the lock, run a section, release, again."""
     lock = Redlock(spec.key, nodes=list(spec.urls), ttl=spec.ttl, node_timeout=spec.node_timeout)
@@ -215,19 +235,67 @@ def contend(spec: Spec, ready: Any, start: Any, stop: Any, stats: Counter[str]) 
     while stats["acquired"] < spec.iterations and not stop.is_set():
         asked = clock() if asked is None else asked  # a timed-out wait goes on waiting
         try:
-            acquired = lock.acquire(timeout=min(1.0, spec.ttl))
+            acquired: bool | None = lock.acquire(timeout=min(1.0, spec.ttl))
         except NodeUnavailable:
-            stats["unavailable"] += 1  # fail closed: no section without the lock
-            asked = None
-            stop.wait(0.05)  # back off; a stop ends the wait at once
+            acquired = None
+        if not counted(acquired, stats):
+            if acquired is None:
+                asked = None
+                stop.wait(0.05)  # back off; a stop ends the wait at once
             continue
-        if not acquired:
-            stats["busy_timeouts"] += 1
-            continue
-        stats["acquired"] += 1
         run_section(
             lock, spec.history, spec.key, stats, pause=spec.pause, hold=spec.hold, asked=asked
         )
+        asked = None
+
+
+async def _holder_async(
+    spec: Spec, ready: Any, start: Any, stop: Any, stats: list[Counter[str]]
+) -> None:
+    """An asyncio holder process: one task per ``stats``, each with an ``AsyncRedlock``."""
+    locks = [
+        AsyncRedlock(spec.key, nodes=list(spec.urls), ttl=spec.ttl, node_timeout=spec.node_timeout)
+        for _ in stats
+    ]
+    for _ in locks:
+        ready.release()
+    start.wait(60)  # blocks the loop, before any task runs
+    await asyncio.gather(
+        *(
+            contend_async(lock, spec, stop, counts)
+            for lock, counts in zip(locks, stats, strict=True)
+        )
+    )
+
+
+async def contend_async(lock: AsyncRedlock, spec: Spec, stop: Any, stats: Counter[str]) -> None:
+    """One task of an asyncio holder: :func:`contend`, awaited."""
+    asked = None
+    while stats["acquired"] < spec.iterations and not stop.is_set():
+        asked = clock() if asked is None else asked  # a timed-out wait goes on waiting
+        try:
+            acquired: bool | None = await lock.acquire(timeout=min(1.0, spec.ttl))
+        except NodeUnavailable:
+            acquired = None
+        if not counted(acquired, stats):
+            if acquired is None:
+                asked = None
+                await asyncio.sleep(0.05)
+            continue
+        run_section(
+            lock,
+            spec.history,
+            spec.key,
+            stats,
+            pause=spec.pause,
+            hold=spec.hold,
+            release=False,
+            asked=asked,
+        )
+        try:
+            await lock.release()
+        except NodeUnavailable:
+            stats["release_failed"] += 1
         asked = None
 
 
