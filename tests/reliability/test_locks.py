@@ -111,14 +111,6 @@ def test_network_delay_and_blackhole_on_one_node_and_on_a_majority(lab):
     assert outcome.stats["unavailable"] > 0, "the majority blackhole failed closed"
 
 
-def test_network_faults_with_asyncio_holders(lab):
-    """The network scenario with AsyncRedlock holders (2 tasks per process)."""
-    outcome = scenarios.network(lab, aio=True, threads=2)
-    assert_clean(outcome)
-    assert outcome.stats["unavailable"] > 0, "the majority blackhole failed closed"
-    assert outcome.stats["acquired"] > 0
-
-
 @pytest.mark.parametrize("nodes", [1, 3])
 def test_paused_holder_is_fenced_off(lab, nodes):
     """SIGSTOP past the lease, SIGCONT: check() raises, the late write is refused."""
