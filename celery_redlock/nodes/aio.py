@@ -1,10 +1,10 @@
 """The nodes of a lock for asyncio callers: :class:`AsyncNodeSet`.
 
 The same rules as :func:`~celery_redlock.nodes.fan_out`: every node's request goes
-out at once, one budget bounds the whole fan-out (the time the event loop was stalled not
-counted: :func:`_wait_budget`), a node that
-fails or does not answer in time becomes a :class:`Reply` with its ``error`` (a vote that did not
-come), and nothing is retried behind the caller's back. Scripts run by EVALSHA and
+out at once, one budget bounds the whole fan-out (the time the event loop was stalled
+not counted: :func:`_wait_budget`), a node that fails or does not answer in time
+becomes a :class:`Reply` with its ``error`` (a vote that did not come), and nothing is
+retried behind the caller's back. Scripts run by EVALSHA and
 are loaded (``SCRIPT LOAD``) only when a node answers NOSCRIPT.
 
 Connections are ``redis.asyncio`` pools, one per node URL and event loop (an

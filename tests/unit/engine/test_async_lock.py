@@ -29,6 +29,20 @@ def queued(client, key: str) -> int:
 
 
 @pytest.mark.smoke
+async def warm_up(lock: AsyncRedlock) -> None:
+    """One acquire and release: a pooled connection per node, the scripts loaded."""
+    await lock.try_acquire()
+    await lock.release()
+
+
+async def block_the_loop(stall: float, yields: int = 0) -> None:
+    """After ``yields`` loop steps, block the loop ``stall`` seconds (the scenario: a
+    synchronous call in a coroutine)."""
+    for _ in range(yields):
+        await asyncio.sleep(0)
+    time.sleep(stall)
+
+
 def test_acquire_release_and_fences_continue_the_sync_sequence(redis_node):
     url = redis_node.url
 
@@ -277,8 +291,7 @@ def test_an_undo_still_on_its_way_cannot_delete_the_next_attempts_lock(redis_fac
         other = AsyncRedlock("undo", nodes=urls)
         # Two pooled connections to node 1, for the first attempt and its undo; and the
         # scripts loaded (else the undo comes back NOSCRIPT, and is sent again later).
-        await lock.try_acquire()
-        await lock.release()
+        await warm_up(lock)
         await asyncio.gather(lock.locked(), other.locked())
         holder = Redlock("undo", nodes=urls, ttl=0.35, auto_renew=False)
         holder.acquire()
@@ -483,17 +496,11 @@ def test_a_loop_blocked_past_the_node_timeout_is_not_a_node_failure(redis_node):
 
     async def scenario() -> None:
         lock = AsyncRedlock("stall", nodes=[redis_node.url], ttl=5, node_timeout=0.05)
-        await lock.try_acquire()  # a pooled connection, scripts loaded
-        await lock.release()
-        # Far past the budget, and just past it (too little to count as a stall).
+        await warm_up(lock)
+        # Far past the budget, and just past it (too little to count as a stall), landing
+        # at a different point of the call each time.
         for stall, yields in itertools.product((0.3, 0.051), range(8)):
-
-            async def block_the_loop(yields: int = yields, stall: float = stall) -> None:
-                for _ in range(yields):  # the stall lands at a different point of the call
-                    await asyncio.sleep(0)
-                time.sleep(stall)  # the scenario: a synchronous call in a coroutine
-
-            blocker = asyncio.ensure_future(block_the_loop())
+            blocker = asyncio.ensure_future(block_the_loop(stall, yields))
             assert await lock.acquire(timeout=1), f"{stall} s after {yields} loop steps"
             await lock.release()
             await blocker
@@ -513,14 +520,10 @@ def test_a_request_that_goes_out_late_gets_its_whole_budget(redis_node, fault_pr
 
     async def scenario() -> None:
         lock = AsyncRedlock("late", nodes=[proxy.url], ttl=5, node_timeout=0.05)
-        await lock.try_acquire()
-        await lock.release()
+        await warm_up(lock)
         for stall in (0.02, 0.04, 0.045, 0.048):
-
-            async def block_the_loop(stall: float = stall) -> None:
-                time.sleep(stall)  # runs before the request's task: it was scheduled first
-
-            blocker = asyncio.ensure_future(block_the_loop())
+            # Runs before the request's task: it was scheduled first.
+            blocker = asyncio.ensure_future(block_the_loop(stall))
             await lock.try_acquire()
             await lock.release()
             await blocker
@@ -539,8 +542,7 @@ def test_a_silent_node_still_fails_within_its_budget(redis_node, fault_proxy):
 
     async def scenario() -> None:
         lock = AsyncRedlock("silent", nodes=[proxy.url], ttl=5, node_timeout=0.1)
-        await lock.try_acquire()
-        await lock.release()
+        await warm_up(lock)
         proxy.blackhole()
         started = time.monotonic()
         with pytest.raises(NodeUnavailable):
