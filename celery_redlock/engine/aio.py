@@ -46,7 +46,7 @@ from .holds import Holds
 from .keys import DEFAULT_PREFIX
 from .kinds import Holder, Waiter
 from .lease import Lease, clock, renew_call
-from .lock import _HOST, Redlock, Step, _agreeing, _report_release, _view, wake_granted
+from .lock import _HOST, Redlock, Step, _agreeing, _report_release, _view
 from .scripts import INSPECT
 from .timing import Timing
 from .vote import Attempt, budget, fence_requests, fences_stored, tally, vote_calls
@@ -157,7 +157,7 @@ class AsyncRedlock:
             return True
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
-        waiter = self.kind.new_waiter(blocking, len(self.nodeset), self._sync.takes_grants)
+        waiter = self.kind.new_waiter(blocking, len(self.nodeset))
         subscription: Subscription | None = None
         wakeup = LoopWakeup(asyncio.get_running_loop())
         inflight: list[asyncio.Future[Any]] = []
@@ -242,13 +242,6 @@ class AsyncRedlock:
         for them, so that it cannot overtake what it undoes.
         """
         sync, token, quorum = self._sync, waiter.token, self.quorum
-        granted = sync._granted(waiter)
-        if granted is not None:  # a release granted it the lock in place
-            if sync._won(token, granted.fences, granted.sent_at, 1, self._loss_reporter()):
-                return None
-            await self.nodeset.call([self.kind.undo_call(token)])
-            granted.attempt.errors.append("lease spent while waking up")
-            return granted.attempt
         holder = Holder("", _HOST, forksafe.pid(), f"{time.time():.3f}", self.task_name or "")
         calls = vote_calls(
             self.kind.acquire_call(waiter, self.timing.ttl_ms, holder),
@@ -261,6 +254,7 @@ class AsyncRedlock:
             calls, timeout=budget(self.timing.node_timeout, sync.min_replicas), inflight=inflight
         )
         attempt = tally(replies, clock() - sent_at, sync.min_replicas)
+        attempt.number = waiter.attempt
         if attempt.failed():
             waiter.in_doubt = True  # an undo may overtake what did not answer
         validity = self.timing.ttl - attempt.elapsed - self.timing.drift
@@ -275,7 +269,7 @@ class AsyncRedlock:
             if not await settle(inflight, self.timing.node_timeout):
                 waiter.in_doubt = True  # the unlock below may overtake those
             # Everywhere: a silent node may have granted it. The waiter keeps its place.
-            await self.nodeset.call([self.kind.undo_call(token)])
+            await self.nodeset.call([self.kind.undo_call(token, attempt.number)])
         if len(attempt.granted) >= quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
@@ -326,17 +320,9 @@ class AsyncRedlock:
         except Exception:  # the original exception matters more; the lease ends by itself
             self._sync._undo_failed()
 
-    async def _unlock(self, token: str, *, here: bool = False) -> list[Reply | None]:
-        """Release ``token`` on every node.
-
-        ``here``: wake a waiter of this process granted the lock (as
-        :meth:`Redlock._unlock`).
-        """
-        here = here and self._sync.takes_grants  # else no release grants in place
-        replies = await self.nodeset.call([self.kind.release_call(token, here=here)])
-        if here:
-            wake_granted(replies, self.keys.channel)
-        return replies
+    async def _unlock(self, token: str) -> list[Reply | None]:
+        """Release ``token`` on every node."""
+        return await self.nodeset.call([self.kind.release_call(token)])
 
     async def _reenter(self) -> bool:
         """Count one more hold if this task holds the lock on a lease still valid."""
@@ -360,7 +346,7 @@ class AsyncRedlock:
             return
         lease = hold.lease
         lease.released = True
-        replies = await _unless_cancelled(self._unlock(lease.token, here=True))
+        replies = await _unless_cancelled(self._unlock(lease.token))
         _report_release(self._sync, lease, replies)
 
     async def extend(self) -> float:

@@ -2,8 +2,9 @@ r"""Redis key names: the only module that builds them.
 
 A lock named ``NAME`` under the prefix ``redlock:`` uses::
 
-    redlock:{NAME}            hash: token, fence, task_id, task_name, host, pid,
-                              acquired_at, ttl
+    redlock:{NAME}            hash: token, attempt (the largest attempt number of
+                              that token that counted it), fence, task_id,
+                              task_name, host, pid, acquired_at, ttl
     redlock:{NAME}:fence      fence counter: the last fence granted; expires
                               FENCE_HORIZON_LEASES leases (at least FENCE_HORIZON_MIN
                               seconds) after it, and the next fence then starts from
@@ -23,9 +24,6 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
     redlock:{NAME}:waiting    sorted set: the same waiters, token -> deadline in ms
                               (the place lapses unless refreshed)
     redlock:{NAME}:wake       hash: the same waiters, token -> their process channel
-    redlock:{NAME}:grant      hash: the same waiters (those on one node), token -> the
-                              holder fields a release grants them the lock with
-                              (JSON: ttl, task id, host, pid, task name)
     redlock:{NAME}:claim:TAG  hash: task_id, task_name, claimed_at (with debounce, due
                               and args); the send-time claim of a task with
                               ``lock_unique`` (one queued copy per task and name).
@@ -152,7 +150,6 @@ class LockKeys(NamedTuple):
     budget: str
     queued: str
     wake: str
-    grant: str
 
     @property
     def resource(self) -> tuple[str, str, str, str]:
@@ -160,21 +157,9 @@ class LockKeys(NamedTuple):
         return (self.lock, self.fence, self.shared, self.holders)
 
     @property
-    def record(self) -> tuple[str, str, str, str]:
-        """The record of blocked waiters.
-
-        Queue (arrival), deadlines, process channels, holder fields to grant them the
-        lock with.
-        """
-        return (self.queue, self.waiting, self.wake, self.grant)
-
-    @property
-    def grants(self) -> tuple[str, str]:
-        """What a release that grants a waiter the lock needs.
-
-        The fence counter, and the abandoned tokens (never granted).
-        """
-        return (self.fence, self.abandoned)
+    def record(self) -> tuple[str, str, str]:
+        """The record of blocked waiters: queue (arrival), deadlines, process channels."""
+        return (self.queue, self.waiting, self.wake)
 
     @property
     def release_shared(self) -> tuple[str, str, str]:
@@ -183,12 +168,8 @@ class LockKeys(NamedTuple):
 
     @property
     def fair_leave(self) -> tuple[str, ...]:
-        """KEYS of ``fair_leave.lua``.
-
-        The lock, the record of waiters, the channel, and what a grant to the next
-        waiter needs.
-        """
-        return (self.lock, *self.record, self.channel, *self.grants)
+        """KEYS of ``fair_leave.lua``: the lock, the record of waiters, the channel."""
+        return (self.lock, *self.record, self.channel)
 
     @property
     def release_if(self) -> tuple[str, ...]:
@@ -221,11 +202,10 @@ SUFFIXES: dict[str, str] = {
 def release_keys(resources: Sequence[LockKeys], *, record: bool = False) -> tuple[str, ...]:
     """KEYS of ``release.lua``.
 
-    Each lock with its channel (then the record of waiters, and what a grant to one of
-    them needs).
+    Each lock with its channel (then the record of waiters).
     """
     keys = tuple(key for resource in resources for key in (resource.lock, resource.channel))
-    return keys + resources[0].record + resources[0].grants if record else keys
+    return keys + resources[0].record if record else keys
 
 
 def process_channel(channel: str, host: str, pid: int) -> str:

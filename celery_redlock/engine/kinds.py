@@ -63,23 +63,27 @@ class Holder(NamedTuple):
 class Waiter:
     """One acquire call's identity across its attempts (a fair waiter keeps its place)."""
 
-    __slots__ = ("arrival", "blocking", "granted", "grants", "in_doubt", "sent", "sent_at", "token")
+    __slots__ = ("arrival", "attempt", "blocking", "in_doubt", "sent", "sent_at", "token")
 
-    def __init__(self, blocking: bool, arrival: str = "", grants: bool = False) -> None:
+    def __init__(self, blocking: bool, arrival: str = "") -> None:
         self.token = secrets.token_hex(16)
         self.blocking = blocking
         self.sent = False  # a request with this token went out
         #: When the last request with this token was sent (:func:`.lease.clock`).
         self.sent_at = 0.0
-        #: A release may grant this waiter the lock in place (decided by
-        #: :meth:`Kind.new_waiter`: one node, and a lock that can take it).
-        self.grants = grants
-        #: Set by the listener when a release granted the lock: (token, fence).
-        self.granted: tuple[str, int] | None = None
+        #: The number of the last attempt built (:meth:`next_attempt`): the attempts of
+        #: one acquisition share its token, and an attempt's undo names its number, so
+        #: that it can remove only what that attempt (or an earlier one) wrote.
+        self.attempt = 0
         #: A request with this token got no reply (a node failed or timed out): it may
         #: still be on its way, and may reach its node after any undo sent since.
         self.in_doubt = False
         self.arrival = arrival
+
+    def next_attempt(self) -> int:
+        """Number a new attempt of this acquisition (1, 2, ...)."""
+        self.attempt += 1
+        return self.attempt
 
 
 def majority(nodes: int) -> int:
@@ -142,13 +146,8 @@ class Kind(abc.ABC):
         """Nodes of ``nodes`` that must grant (and renew) a hold."""
         return majority(nodes)
 
-    def new_waiter(self, blocking: bool, nodes: int, grants: bool = True) -> Waiter:
-        """The identity of one acquire call on ``nodes`` nodes.
-
-        ``grants``: the lock can take a lock a release grants it (False where it
-        cannot, :attr:`.lock.Redlock.takes_grants`); the kind decides whether its
-        waiters are granted at all.
-        """
+    def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
+        """The identity of one acquire call on ``nodes`` nodes."""
         return Waiter(blocking)
 
     def wake_token(self, waiter: Waiter) -> Named | None:
@@ -172,7 +171,7 @@ class Kind(abc.ABC):
     def acquire_call(
         self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""
     ) -> Call:
-        """One attempt of ``waiter`` to take a ``ttl_ms`` lease.
+        """A new attempt of ``waiter`` to take a ``ttl_ms`` lease (numbered by the waiter).
 
         ``predecessor``: the token of a holder handing the lock over (kinds that
         :attr:`hands_over` only), whose hold counts as free within its process's
@@ -180,22 +179,21 @@ class Kind(abc.ABC):
         """
 
     @abc.abstractmethod
-    def release_call(self, token: str, *, here: bool = False) -> Call:
+    def release_call(self, token: str) -> Call:
         """The call that releases ``token``'s hold.
 
-        ``here``: the caller wakes a waiter of its own process that the release grants
-        the lock to (kinds whose releases grant). A lock's finalizer keeps this bound
-        method, so a kind never refers to its lock object (the lock could then never be
-        garbage-collected).
+        A lock's finalizer keeps this bound method, so a kind never refers to its lock
+        object (the lock could then never be garbage-collected).
         """
 
-    def undo_call(self, token: str) -> Call:
-        """The call that frees what an attempt of ``token`` that lost the vote was granted.
+    @abc.abstractmethod
+    def undo_call(self, token: str, attempt: int) -> Call:
+        """The call that frees what attempt number ``attempt`` of ``token`` was granted.
 
-        The waiter tries again in a moment, so it keeps its place among the recorded
-        waiters (an exclusive lock on one resource).
+        It frees nothing that a later attempt of the token wrote or found held (an
+        undo can arrive after the next attempt, on another connection), and the waiter
+        keeps its place among the recorded waiters: it tries again in a moment.
         """
-        return self.release_call(token)
 
     @abc.abstractmethod
     def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
@@ -252,7 +250,7 @@ class Exclusive(Kind):
         )
         self._release_keys = release_keys(self.resources, record=self.records)
 
-    def new_waiter(self, blocking: bool, nodes: int, grants: bool = True) -> Waiter:
+    def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
         """A waiter with its arrival stamped, when several nodes must agree on the order.
 
         One node numbers arrivals itself; several cannot, so the waiter stamps its
@@ -261,8 +259,7 @@ class Exclusive(Kind):
         """
         stamped = self.records and nodes > 1
         arrival = f"{time.time() * 1000:.3f}" if stamped else ""
-        # A grant comes from one node: with several, a quorum would have to grant alike.
-        return Waiter(blocking, arrival, grants=grants and blocking and self.records and nodes == 1)
+        return Waiter(blocking, arrival)
 
     def acquire_call(
         self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""
@@ -274,7 +271,7 @@ class Exclusive(Kind):
             record = (
                 str(ttl_ms if waiter.blocking else 0),
                 waiter.arrival,
-                f"{self.naming} grant" if waiter.grants else self.naming,
+                self.naming,
                 process_channel(self.keys.channel),
             )
         else:
@@ -283,35 +280,31 @@ class Exclusive(Kind):
             ACQUIRE,
             self._acquire_keys,
             (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "", *record,
-             *((predecessor, *handoff.TURN) if predecessor else ())),
+             *((predecessor, *handoff.TURN) if predecessor else ()), waiter.next_attempt()),
         )  # fmt: skip
 
-    def release_call(self, token: str, *, here: bool = False) -> Call:
+    def release_call(self, token: str) -> Call:
         """``release.lua`` on every resource; on one, it names a recorded waiter.
 
         ``token`` also leaves the record: a Redlock holder stays recorded on a node that
         refused it (still held there by its predecessor) while the others granted it.
-        ``here``: the caller wakes a waiter of its own process that the release grants
-        the lock to (the reply names it; nothing is published for it).
         """
-        if not self.records:
-            return self.encoded(RELEASE, self._release_keys, (token,))
-        return self.encoded(
-            RELEASE,
-            self._release_keys,
-            (token, self.naming, named_reserve_ms(), process_channel(self.keys.channel),
-             *(("", "local") if here else ())),
-        )  # fmt: skip
+        return self.encoded(RELEASE, self._release_keys, self._release_args(token))
 
-    def undo_call(self, token: str) -> Call:
-        """As :meth:`release_call`, but ``token`` keeps its place: it tries again.
+    def _release_args(self, token: str) -> tuple[str | int, ...]:
+        if not self.records:
+            return (token,)
+        return (token, self.naming, named_reserve_ms(), process_channel(self.keys.channel))
+
+    def undo_call(self, token: str, attempt: int) -> Call:
+        """As :meth:`release_call`, but only up to ``attempt``, and ``token`` keeps its place.
 
         A split vote's loser dropping out of the record on every node would leave the
         nodes nobody to name for a moment, and each would wake one waiter per process
         (measured with 6 processes on 3 nodes: the split votes then fed themselves).
         """
-        call = self.release_call(token)
-        return Call(call.script, call.keys, (*call.args, "keep")) if self.records else call
+        args = self._release_args(token)
+        return self.encoded(RELEASE, self._release_keys, (*args, *[""] * (4 - len(args)), attempt))
 
     def wake_token(self, waiter: Waiter) -> Named | None:
         """A recorded waiter is woken by the release that names it (or by ``''``)."""
@@ -413,12 +406,16 @@ class Shared(Kind):
         return Call(
             ACQUIRE_SHARED,
             (*self.keys.resource, self.keys.abandoned),
-            (waiter.token, ttl_ms, self.limit or 0, *holder),
+            (waiter.token, ttl_ms, self.limit or 0, *holder, waiter.next_attempt()),
         )
 
-    def release_call(self, token: str, *, here: bool = False) -> Call:
-        """Give back the share (a share's release grants nothing: ``here`` changes nothing)."""
+    def release_call(self, token: str) -> Call:
+        """Give back the share."""
         return Call(RELEASE_SHARED, self.keys.release_shared, (token,))
+
+    def undo_call(self, token: str, attempt: int) -> Call:
+        """Give back the share unless a later attempt of ``token`` counted it."""
+        return Call(RELEASE_SHARED, self.keys.release_shared, (token, attempt))
 
     def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
         """Store the share's fence back (in its details, not the exclusive lock)."""

@@ -88,7 +88,7 @@ from .renewal import get_renewer
 from .scripts import INSPECT, ReleaseStatus
 from .timing import Timing
 from .vote import Attempt, budget, sync_fences, vote
-from .waiting import HOST, Subscription, grant_here, subscribed
+from .waiting import HOST, Subscription, subscribed
 
 __all__ = ["DEFAULT_URL", "Redlock", "Step"]
 
@@ -200,13 +200,6 @@ class Redlock:
                 "cannot take keys in several slots; use independent nodes, or one resource"
             )
         self.quorum = self.kind.quorum(len(self.nodeset))
-        #: A release may grant a blocked waiter the lock in place (:meth:`_granted`):
-        #: not where replicas must acknowledge an acquisition first (a release cannot
-        #: wait for them), nor on Redis Cluster (a script's PUBLISH counts only the
-        #: subscribers of its own shard, so a grant cannot tell a live waiter).
-        self.takes_grants = not min_replicas and not any(
-            is_cluster_url(n.url) for n in self.nodeset.nodes
-        )
         #: This lock as :mod:`.handoff` finds it among the process's holds and waiters.
         self.local_key = (
             tuple(node.url for node in self.nodeset.nodes),
@@ -246,7 +239,7 @@ class Redlock:
             return True
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
-        waiter = self.kind.new_waiter(blocking, len(self.nodeset), self.takes_grants)
+        waiter = self.kind.new_waiter(blocking, len(self.nodeset))
         subscription: Subscription | None = None
         offer: handoff.Offer | None = None
         handed: Grant | Attempt | None = None
@@ -278,12 +271,9 @@ class Redlock:
                         handed = offer.withdraw(self._patience())
                         offer = None
                     if handed is None:
-                        handed = self._granted(waiter)
-                    if handed is None:
                         attempt = self._attempt(waiter)
                     elif isinstance(handed, Grant):
-                        # Handed over by a releasing thread, or granted by a release.
-                        attempt = self._record(handed)
+                        attempt = self._record(handed)  # handed over by a releasing thread
                     else:
                         attempt = handed
                     if attempt is None:
@@ -340,22 +330,6 @@ class Redlock:
                 # exception landed before the undo above was done. End it here.
                 self._abandon(waiter)
             raise
-
-    def _granted(self, waiter: Waiter) -> Grant | None:
-        """The lock a release granted ``waiter`` in place, if one did (issue 27, change C).
-
-        The release wrote the lock for the waiter's token with a new fence and the
-        lease the waiter asked for, on the node's clock at the grant; the waiter's lease
-        is counted from when it sent its last request, which is earlier, so it ends
-        before the node's (invariant 4). Only one node grants (:attr:`takes_grants`).
-        """
-        granted, waiter.granted = waiter.granted, None
-        if granted is None or granted[0] != waiter.token:
-            return None
-        attempt = Attempt([None] * len(self.nodeset), clock() - waiter.sent_at)
-        attempt.granted.append(0)
-        attempt.fences.append((granted[1],))
-        return Grant(waiter.token, (granted[1],), waiter.sent_at, attempt)
 
     def _subscribe(self, waiter: Waiter) -> Subscription:
         """Listen for this lock's release announcements (and those naming ``waiter``).
@@ -504,6 +478,7 @@ class Redlock:
         attempt, sent_at = vote(
             self.nodeset, acquire, quorum, self.min_replicas, self.timing.node_timeout, wait_all
         )
+        attempt.number = waiter.attempt
         waiter.sent_at = sent_at
         if attempt.failed():
             # Those connections are closed: an undo goes out on others, and may
@@ -525,7 +500,7 @@ class Redlock:
             # The undo is queued behind the acquisition on the same connection of each
             # node, so it cannot overtake it; wait for every node that may be reachable
             # (the failure path may thus cost one more budget), not for failed ones.
-            self._unlock(token, wait_for=attempt.reachable(), undo=True)
+            self._unlock(token, wait_for=attempt.reachable(), undo=attempt.number)
         if len(attempt.granted) >= self.quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
@@ -602,26 +577,20 @@ class Redlock:
         token: str,
         wait_for: Sequence[int] | None = None,
         *,
-        undo: bool = False,
-        here: bool = False,
+        undo: int = 0,
     ) -> list[Reply | None]:
         """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all).
 
-        ``undo``: what an attempt that lost the vote was granted (it tries again, so it
-        keeps its place among the recorded waiters). ``here``: a release that grants the
-        lock to a waiter of this process says so, and that waiter is woken from here
-        (:func:`wake_granted`).
+        ``undo``: only what attempt number ``undo`` (or an earlier one) was granted, for
+        an attempt that lost the vote (it tries again, so it keeps its place among the
+        recorded waiters).
         """
 
         def decided(replies: list[Reply | None]) -> bool:
             return all(replies[i] is not None for i in wait_for)  # type: ignore[union-attr]
 
-        here = here and not undo and self.takes_grants  # else no release grants in place
-        call = self.kind.undo_call(token) if undo else self.kind.release_call(token, here=here)
-        replies = self.nodeset.call([call], decided=None if wait_for is None else decided)
-        if here:
-            wake_granted(replies, self.keys.channel)
-        return replies
+        call = self.kind.undo_call(token, undo) if undo else self.kind.release_call(token)
+        return self.nodeset.call([call], decided=None if wait_for is None else decided)
 
     # -- holding -----------------------------------------------------------------
 
@@ -690,7 +659,7 @@ class Redlock:
             if handed.handed:
                 replies = self._unlock_elsewhere(lease.token, handed.granted)
             else:
-                replies = self._unlock(lease.token, here=True)
+                replies = self._unlock(lease.token)
             handoff.released(self, lease)
             done = True
         finally:
@@ -869,25 +838,6 @@ def _view(reply: Reply | None) -> dict[str, Any]:
         "fence_counter": value[1],
         **dict(zip(fields[::2], fields[1::2], strict=True)),
     }
-
-
-def wake_granted(replies: list[Reply | None], channel: str) -> None:
-    """Wake the waiter of this process that a release granted the lock to, if one.
-
-    The release said so in its reply (``{code, token, fence}``, ``release.lua``
-    'local') instead of publishing the grant: the waiter is woken by the releasing
-    thread, not by the listener reading a message (a listener wake-up and a message
-    read less per handoff between threads of one process, issue 27). The reply is left
-    as the plain status code.
-    """
-    for reply in replies:
-        if reply is None or not reply.ok or not reply.values:
-            continue
-        value = reply.values[0]
-        if isinstance(value, list) and len(value) == 3:
-            code, token, fence = value
-            reply.values[0] = code
-            grant_here(reply.node, channel, str(token), int(fence))
 
 
 def _report_release(lock: Redlock, lease: Lease, replies: list[Reply | None]) -> None:

@@ -40,7 +40,16 @@ __all__ = [
 class Attempt:
     """What one acquisition attempt learned from the nodes."""
 
-    __slots__ = ("busy_ttl", "elapsed", "errors", "fences", "granted", "holder", "replies")
+    __slots__ = (
+        "busy_ttl",
+        "elapsed",
+        "errors",
+        "fences",
+        "granted",
+        "holder",
+        "number",
+        "replies",
+    )
 
     def __init__(self, replies: list[Reply | None], elapsed: float) -> None:
         #: Each node's reply, or None where it did not answer before the vote was decided.
@@ -52,6 +61,9 @@ class Attempt:
         self.busy_ttl: list[float] = []  # per node that found it held: when that may change
         self.holder: str | None = None
         self.errors: list[str] = []
+        #: The attempt's number among its acquisition's (:meth:`.kinds.Waiter.next_attempt`):
+        #: its undo names it.
+        self.number = 0
 
     def top_fences(self) -> tuple[int, ...]:
         """Per resource, the largest fence among the granting nodes."""

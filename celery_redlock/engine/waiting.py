@@ -21,20 +21,22 @@ third of the released lease): a requester that did not wait (the releaser coming
 straight back, a new arrival) is refused and recorded behind it, so the named waiter's
 try does not fail, and waiters are served in arrival order. The named waiter leaves
 the record; a refused try, a timeout or a refresh records it again. A waiter that
-gives up removes itself (``fair_leave.lua``), passing on a reservation made for it; a
-named waiter that died costs its reservation, and the others come back by themselves
-within a renewal interval (they refresh their places). On the lock's own channel a
+gives up removes itself (``fair_leave.lua``), passing on a reservation made for it.
+
+**A named waiter that does not come keeps the lock idle for its reservation only.**
+The reservation is the named waiter's take-up bound: its process may be stopped
+(SIGSTOP, a debugger, a swapped-out host) or dead. With the name, the release tells the
+oldest recorded waiter of *another* process ``"TOKEN MS"`` on that process's channel:
+its stand-by. That waiter's listener wakes it ``MS`` (the reservation) later, unless a
+release names it first: it tries then, and takes the lock if the named waiter never
+came, or is refused (and waits again) if it did. A lock whose named waiter is frozen
+therefore passes on within one reservation (:data:`NAMED_RESERVE`), not one lease. A
+waiter's lease is always counted from a request of its own (a reservation is taken by
+the named waiter's own try): a waiter frozen past its place holds nothing when it
+resumes, and asks again. On the lock's own channel a
 release says ``''`` only when nobody is recorded; the listener then wakes the process's
 longest waiter (one per process), as do a share's release and a lock of several
 resources, whose waiters are not recorded.
-
-**On one node the release grants the lock.** A waiter on one node also records the
-holder fields it would write; the release then writes the lock for the waiter it names
-(a new fence, the waiter's lease) and publishes ``"TOKEN FENCE"``: the listener hands
-the fence to the waiter (:attr:`Named.granted`) as it wakes it, and the waiter holds
-the lock without trying again (:meth:`.lock.Redlock._granted`): one script call per
-acquisition instead of two. A grant that ``PUBLISH`` delivers to nobody is taken back
-in the same script, and the next waiter granted (``scripts/wake.lua``).
 
 With Redlock each node names its own oldest waiter (arrivals are stamped by the
 waiter, so the nodes agree), and a waiter tries once a quorum of nodes announced the
@@ -82,7 +84,6 @@ __all__ = [
     "Subscription",
     "Wakeup",
     "get_listener",
-    "grant_here",
     "process_channel",
 ]
 
@@ -107,6 +108,12 @@ LINGER = SYNC_INTERVAL
 #: interval). It covers the named waiter's wake-up and try; a named waiter that died
 #: costs it (the others refresh their places within their renewal interval anyway).
 NAMED_RESERVE = 0.5
+
+#: How much later than its reservation ends a stand-by wakes (seconds): the
+#: reservation is counted from the release on the node, the stand-by from when its
+#: listener read the announcement, which is later; this covers the rest (a node
+#: clock's granularity, the reservation's expiry on the node's next look).
+STANDBY_MARGIN = 0.005
 
 #: This host's name, as the acquire scripts record a holder's and a waiter's.
 HOST = socket.gethostname()
@@ -140,12 +147,10 @@ class Named(Protocol):
     """A waiter a release can name, by its token.
 
     The token is read when an announcement arrives: an acquisition may change it
-    (:meth:`.handoff.Offer.withdraw`). A release that granted it the lock in place
-    says so with the fence: the listener sets ``granted`` before waking it.
+    (:meth:`.handoff.Offer.withdraw`).
     """
 
     token: str
-    granted: tuple[str, int] | None
 
 
 class Wakeup:
@@ -300,6 +305,8 @@ class _Listener:
         self._reader: PubSubReader | None = None
         # A waiter asked for a subscription (a poke for anything else syncs nothing).
         self._resync = True
+        # Stand-bys (_stand_by): (due on the monotonic clock, lock channel, token).
+        self._standby: list[tuple[float, str, str]] = []
 
     def start(self) -> None:
         """Start the listener thread unless it runs, or was started just now."""
@@ -442,7 +449,9 @@ class _Listener:
                 if left <= 0:
                     break
                 reads = self._reads
-                ready = readable([sock, self._direct_r], left)
+                standby = self._next_standby() - time.monotonic()
+                ready = readable([sock, self._direct_r], max(0.0, min(left, standby)))
+                self._fire_standbys()
                 if self._direct_r in ready:
                     self._drain(self._direct_r)
                 if sock in ready:
@@ -548,31 +557,44 @@ class _Listener:
                 waiter.set()
                 return
 
-    def grant(self, channel: str, token: str, fence: int) -> bool:
-        """Wake ``token``'s waiter holding the lock a release of this process granted it.
-
-        The release's script told the releasing thread instead of publishing the grant
-        (``release.lua``, 'local'): the waiter wakes without this listener reading a
-        message. False if it no longer waits here (it has left, or is trying again:
-        then its try finds the lock held by its own token).
-        """
-        with self._mutex:
-            return self._wake_named(self._waiters.get(channel, {}), token, fence)
-
-    def _wake_named(
-        self, waiters: dict[weakref.ref[Wakeup], _Entry], token: str, fence: int | None
-    ) -> bool:
-        """Wake the waiter registered as ``token``, with the fence of a grant if any."""
+    def _wake_named(self, waiters: dict[weakref.ref[Wakeup], _Entry], token: str) -> bool:
+        """Wake the waiter registered as ``token`` (mutex held); its stand-by is moot."""
+        if self._standby:
+            self._standby = [s for s in self._standby if s[2] != token]
         for ref, entry in waiters.items():
             waiter = ref()
             named = entry.named
             if waiter is not None and named is not None and named.token == token:
-                if fence is not None:
-                    named.granted = (token, fence)
                 entry.heard.add(self.node.url)
                 waiter.set()
                 return True
         return False
+
+    def _stand_by(self, channel: str, token: str, ms: int) -> None:
+        """Wake ``token``'s waiter ``ms`` from now unless a release names it first (mutex held).
+
+        The release that said so named another waiter and reserved the lock for it
+        for ``ms``: if that one never comes (stopped, or dead), this one takes the
+        lock when the reservation ends, instead of when its own wait runs out.
+        """
+        self._standby.append((time.monotonic() + ms / 1000 + STANDBY_MARGIN, channel, token))
+        self._poke()  # the listener thread's poll ends by the earliest stand-by
+
+    def _next_standby(self) -> float:
+        """When the earliest stand-by is due (monotonic clock); infinity if none."""
+        standby = self._standby
+        return min(due for due, _, _ in standby) if standby else float("inf")
+
+    def _fire_standbys(self) -> None:
+        """Wake the waiters whose stand-by is due."""
+        if not self._standby or self._next_standby() > time.monotonic():
+            return
+        with self._mutex:
+            now = time.monotonic()
+            due = [s for s in self._standby if s[0] <= now]
+            self._standby = [s for s in self._standby if s[0] > now]
+            for _, channel, token in due:
+                self._wake_named(self._waiters.get(channel, {}), token)
 
     def _poke(self) -> None:
         with contextlib.suppress(OSError):
@@ -697,10 +719,12 @@ class _Listener:
             self._watching = not direct
             watched = [self._wake_r] if direct else [conn._sock, self._wake_r]
             reads = self._reads
-            ready = readable(watched, max(0.0, synced + SYNC_INTERVAL - time.monotonic()))
+            until = min(synced + SYNC_INTERVAL, self._next_standby())
+            ready = readable(watched, max(0.0, until - time.monotonic()))
             polled = reads if conn._sock in ready else None
             if self._wake_r in ready:
                 self._drain(self._wake_r)
+            self._fire_standbys()
 
     def _sync(self, conn: AbstractConnection) -> None:
         """Subscribe to the channels of locks that have waiters, unsubscribe from the others."""
@@ -744,10 +768,13 @@ class _Listener:
                 if not text:
                     self._wake_one(waiters, self.node.url)
                     return
-                # The release named the waiter whose turn it is ("TOKEN"), or granted
-                # it the lock ("TOKEN FENCE").
-                token, _, fence = str(text).partition(" ")
-                self._wake_named(waiters, token, int(fence) if fence.isdigit() else None)
+                # The release named the waiter whose turn it is ("TOKEN"), or made it
+                # the stand-by of the waiter it named ("TOKEN MS").
+                token, _, ms = str(text).partition(" ")
+                if ms.isdigit():
+                    self._stand_by(lock_channel, token, int(ms))
+                else:
+                    self._wake_named(waiters, token)
             elif kind == "subscribe":
                 left = self._pending.pop(channel, 1) - 1
                 if left > 0:
@@ -871,12 +898,6 @@ def subscribed(nodes: tuple[LockNode, ...], channel: str) -> bool:
     """Whether this process listens to ``channel`` already, confirmed on some node."""
     listeners = (_listeners.get(node.url) for node in nodes)
     return any(listener is not None and listener.subscribed(channel) for listener in listeners)
-
-
-def grant_here(node: LockNode, channel: str, token: str, fence: int) -> bool:
-    """Wake a waiter of this process that a release here granted ``channel``'s lock."""
-    listener = _listeners.get(node.url)
-    return listener is not None and listener.grant(channel, token, fence)
 
 
 def get_listener(node: LockNode) -> _Listener:

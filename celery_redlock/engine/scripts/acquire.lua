@@ -1,16 +1,15 @@
 -- acquire: take an exclusive lock on one or more resources, all of them or none.
 --
 -- Four keys per resource i (taken together in one script, so no lock-order deadlock):
--- KEYS[4i-3]  lock hash (fields: token, fence, task_id, task_name, host, pid,
---             acquired_at, ttl)
+-- KEYS[4i-3]  lock hash (fields: token, attempt, fence, task_id, task_name, host,
+--             pid, acquired_at, ttl)
 -- KEYS[4i-2]  fence counter (next_fence, fence.lua: fences only grow for a resource,
 --             and the counter expires a horizon after the last one)
 -- KEYS[4i-1]  shared holders (sorted set token -> lease deadline, node clock, ms)
 -- KEYS[4i]    shared holders' details (hash token -> json)
--- With a record of blocked waiters (one resource only, see wake.lua) four more keys:
+-- With a record of blocked waiters (one resource only, see wake.lua) three more keys:
 -- KEYS[5]     queue (sorted set token -> arrival)   KEYS[6]  waiter deadlines
 -- KEYS[7]     wake (hash token -> the waiter's process channel)
--- KEYS[8]     grant (hash token -> the holder fields a release grants it with)
 -- Then, optional (the library always sends it): the lock's abandoned tokens
 -- (abandon.lua), whose requests are refused
 --
@@ -28,9 +27,7 @@
 -- ARGV[10] arrival order for the queue ('' : this node numbers arrivals)
 -- ARGV[11] with a record: 'fair', only the head of the queue may take a free lock;
 --          'wake', anyone may, but a lock that a release reserved for the waiter it
---          named (wake.lua) is refused to everyone else. Either followed by ' grant':
---          a refused requester also records its holder fields, and a release may
---          grant it the lock in place (wake.lua name_next)
+--          named (wake.lua) is refused to everyone else
 -- ARGV[12] the requester's process channel, recorded with its place ('' : none)
 -- ARGV[13..16] optional, all four: a handoff. ARGV[13] the token of the holder that
 --          hands its locks over (a release in the same process); a lock it holds
@@ -41,6 +38,12 @@
 --          holder's process may hand the lock over ARGV[14] more times, for at most
 --          ARGV[15] ms; then a takeover is refused, and the lock's release reserves
 --          it for ARGV[16] ms against that process (see release.lua).
+--
+-- ARGV[#ARGV] (13th, or 17th with a handoff) this attempt's number: the attempts of
+--          one acquisition share its token and are numbered 1, 2, ...; a lock written
+--          or found held by the token records the largest number that counted it
+--          (field 'attempt'), and the undo of an earlier attempt leaves it alone
+--          (release.lua), however late that undo arrives.
 --
 -- Fields a turn keeps in the lock hash (a takeover keeps them, a release drops them):
 --   waited    node ms when a blocking attempt of another process was first refused
@@ -61,15 +64,19 @@
 --                                       may change
 --          {3}                          refused: this token's acquisition was
 --                                       abandoned (nothing written)
-if #ARGV ~= 12 and #ARGV ~= 16 then
-    return redis.error_reply('ERR celery_redlock acquire: expected 12 or 16 arguments, got ' .. #ARGV)
+if #ARGV ~= 13 and #ARGV ~= 17 then
+    return redis.error_reply('ERR celery_redlock acquire: expected 13 or 17 arguments, got ' .. #ARGV)
 end
-local predecessor = ARGV[13]
+local attempt = tonumber(ARGV[#ARGV])
+if not attempt or attempt < 1 or attempt ~= math.floor(attempt) then
+    return redis.error_reply('ERR celery_redlock acquire: the attempt number must be a positive integer')
+end
+local predecessor = #ARGV == 17 and ARGV[13] or ''
 if predecessor == '' or predecessor == ARGV[1] then
     predecessor = nil
 end
 local turn = {}
-if #ARGV == 16 then
+if #ARGV == 17 then
     for j = 14, 16 do
         local value = tonumber(ARGV[j])
         if not value or value < 0 or value > 2592000000 or value ~= math.floor(value) then
@@ -86,17 +93,14 @@ if not ttl or ttl <= 0 or ttl > MAX_LEASE or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire: lease must be a positive integer of ms, at most 30 days')
 end
 local record = ARGV[9] ~= ''
--- How the record names waiters, and whether this requester takes a lock granted to it.
-local NAMINGS = {fair = {'fair', false}, wake = {'wake', false},
-                 ['fair grant'] = {'fair', true}, ['wake grant'] = {'wake', true}}
 if record then
     local waiter_lease = tonumber(ARGV[9])
     if not waiter_lease or waiter_lease < 0 or waiter_lease > MAX_LEASE
             or waiter_lease ~= math.floor(waiter_lease) then
         return redis.error_reply('ERR celery_redlock acquire: the place of a waiter must last an integer of ms, 0 to 30 days')
     end
-    if not NAMINGS[ARGV[11]] then
-        return redis.error_reply("ERR celery_redlock acquire: with a record of waiters, ARGV[11] must be 'fair' or 'wake', optionally followed by ' grant'")
+    if ARGV[11] ~= 'fair' and ARGV[11] ~= 'wake' then
+        return redis.error_reply("ERR celery_redlock acquire: with a record of waiters, ARGV[11] must be 'fair' or 'wake'")
     end
 end
 if ARGV[10] ~= nil and ARGV[10] ~= '' then
@@ -112,9 +116,8 @@ end
 if ARGV[1] == YIELD_MARK then
     return redis.error_reply('ERR celery_redlock acquire: the owner token is the reservation mark')
 end
-local naming = record and NAMINGS[ARGV[11]] or {'', false}
-local fair = naming[1] == 'fair'
-local rest = #KEYS - (record and 4 or 0)
+local fair = record and ARGV[11] == 'fair'
+local rest = #KEYS - (record and 3 or 0)
 local abandoned
 if rest % 4 == 1 then
     abandoned = KEYS[#KEYS]
@@ -123,7 +126,7 @@ end
 local n = rest / 4
 if n < 1 or n ~= math.floor(n) or (record and n ~= 1) then
     return redis.error_reply('ERR celery_redlock acquire: expected 4 keys per resource '
-        .. '(and 4 record keys with a record of waiters, one resource only), then 1 optional')
+        .. '(and 3 record keys with a record of waiters, one resource only), then 1 optional')
 end
 local channel = ARGV[12]
 local token = ARGV[1]
@@ -226,8 +229,8 @@ end
 
 -- The record of waiters: a refused blocking requester keeps (or takes) its place, with
 -- its process channel; one that gets in leaves it.
-local queue, waiting, wake, grant = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local parts = {queue, waiting, wake, grant}
+local queue, waiting, wake = KEYS[5], KEYS[6], KEYS[7]
+local parts = {queue, waiting, wake}
 local named_here = false  -- taking a reservation made for this token
 for i = 1, n do
     if reserved[i] and reserved[i] ~= true then
@@ -265,11 +268,6 @@ if record then
         if channel ~= '' then
             redis.call('HSET', wake, token, channel)
             keys[#keys + 1] = wake
-            if naming[2] then
-                redis.call('HSET', grant, token, cjson.encode({ttl, ARGV[3], ARGV[4], ARGV[5],
-                                                               ARGV[7] or ''}))
-                keys[#keys + 1] = grant
-            end
         end
         -- Each record key outlives its places: extended, when it would not, by twice a
         -- place's life, so that a waiter refreshing its place every try costs one
@@ -303,7 +301,13 @@ for i = 1, n do
     local lock = KEYS[4 * i - 3]
     local fence
     if mine[i] then
-        fence = tonumber(redis.call('HGET', lock, 'fence'))
+        -- Granted to an earlier attempt of this token (its reply lost or late): this
+        -- attempt counts it now, so that attempt's undo must leave it.
+        local held = redis.call('HMGET', lock, 'fence', 'attempt')
+        fence = tonumber(held[1])
+        if (tonumber(held[2]) or 0) < attempt then
+            redis.call('HSET', lock, 'attempt', attempt)
+        end
     else
         if reserved[i] then
             local asked = redis.call('HGET', lock, 'waited')
@@ -315,7 +319,8 @@ for i = 1, n do
             redis.call('HINCRBY', lock, 'handoffs', 1)
         end
         fence = next_fence(KEYS[4 * i - 2], ttl)
-        redis.call('HSET', lock, 'token', token, 'fence', fence_text(fence), 'task_id', ARGV[3],
+        redis.call('HSET', lock, 'token', token, 'attempt', attempt, 'fence', fence_text(fence),
+                   'task_id', ARGV[3],
                    'task_name', ARGV[7] or '', 'host', ARGV[4], 'pid', ARGV[5],
                    'acquired_at', ARGV[6], 'ttl', ttl)
         if others_waited then

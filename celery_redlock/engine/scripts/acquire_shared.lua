@@ -15,13 +15,19 @@
 -- ARGV[4]  holder task id ('' when the holder is not a task; a task id that holds a
 --          share already is refused: a redelivered message must not overlap itself)
 -- ARGV[5]  holder host   ARGV[6]  holder pid   ARGV[7]  acquired-at   ARGV[8]  task name
+-- ARGV[9]  this attempt's number (acquire.lua's last argument): the share records the
+--          largest that counted it, and the undo of an earlier one leaves it alone
 --
 -- Returns  {1, fence}                  acquired a share
 --          {2, fence}                  this token held one already; lease refreshed
 --          {0, wait_ms, holder_task}   kept out; wait_ms: when that may change
 --          {3}                         refused: this token's acquisition was abandoned
-if #ARGV ~= 8 then
-    return redis.error_reply('ERR celery_redlock acquire_shared: expected 8 arguments, got ' .. #ARGV)
+if #ARGV ~= 9 then
+    return redis.error_reply('ERR celery_redlock acquire_shared: expected 9 arguments, got ' .. #ARGV)
+end
+local attempt = tonumber(ARGV[9])
+if not attempt or attempt < 1 or attempt ~= math.floor(attempt) then
+    return redis.error_reply('ERR celery_redlock acquire_shared: the attempt number must be a positive integer')
 end
 -- Capped at 30 days, as in acquire.lua (PEXPIRE refuses what Lua writes as '1e+14').
 local ttl = tonumber(ARGV[2])
@@ -62,8 +68,14 @@ end
 
 if redis.call('ZSCORE', shared, token) then
     redis.call('ZADD', shared, now + ttl, token)
+    local stored = redis.call('HGET', holders, token)
+    local details = cjson.decode(stored or '{"fence":0}')
+    if stored and (tonumber(details.attempt) or 0) < attempt then
+        details.attempt = attempt  -- this attempt counts it now: an earlier one's undo must leave it
+        redis.call('HSET', holders, token, cjson.encode(details))
+    end
     extend_keys()
-    return {2, tonumber(cjson.decode(redis.call('HGET', holders, token) or '{"fence":0}').fence)}
+    return {2, tonumber(details.fence)}
 end
 local writer = redis.call('ZSCORE', shared, WRITER_MARK)
 if writer then
@@ -87,6 +99,6 @@ local fence = next_fence(KEYS[2], ttl)
 redis.call('ZADD', shared, now + ttl, token)
 redis.call('HSET', holders, token, cjson.encode({
     fence = fence_text(fence), task_id = ARGV[4], host = ARGV[5], pid = ARGV[6],
-    acquired_at = ARGV[7], task_name = ARGV[8], ttl = ttl}))
+    acquired_at = ARGV[7], task_name = ARGV[8], ttl = ttl, attempt = attempt}))
 extend_keys()
 return {1, fence}

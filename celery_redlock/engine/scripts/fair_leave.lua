@@ -2,16 +2,15 @@
 -- lock's queue, or the record an exclusive lock's releases name waiters from).
 --
 -- KEYS[1]  lock hash   KEYS[2]  queue   KEYS[3]  waiter deadlines
--- KEYS[4]  wake (process channels)   KEYS[5]  grant (holder fields)
--- KEYS[6]  release channel   KEYS[7]  fence counter   KEYS[8]  abandoned tokens
+-- KEYS[4]  wake (process channels)   KEYS[5]  release channel
 -- ARGV[1]  the waiter's token
 -- ARGV[2]  'fair' (default) or 'wake': how the next waiter is named (wake.lua)
 -- ARGV[3]  ('wake') the reservation for the waiter named, in ms (non-negative integer)
 --
 -- A waiter that a release named and that leaves instead of taking the lock passes
--- the reservation on, and one that a release granted the lock to as it gave up (the
--- grant on its way while its last try was refused) releases it: the next waiter is
--- named (or, with nobody recorded, '' is published on KEYS[6]). When the lock is free,
+-- the reservation on, and one that holds the lock as it gives up (its last try was
+-- granted here but not by a quorum) releases it: the next waiter is named (or, with
+-- nobody recorded, '' is published on KEYS[5]). When the lock is free,
 -- the oldest recorded waiter is named so that it does not wait for its next refresh.
 -- Returns  1  left the record    0  was not in it
 if ARGV[1] == nil or ARGV[1] == '' then
@@ -22,7 +21,7 @@ local reserve, wrong = naming_args(how, ARGV[3])
 if not reserve then
     return redis.error_reply('ERR celery_redlock fair_leave: ' .. wrong)
 end
-local lock, record, channel = KEYS[1], {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}, KEYS[6]
+local lock, record, channel = KEYS[1], {KEYS[2], KEYS[3], KEYS[4]}, KEYS[5]
 local left = redis.call('ZREM', KEYS[2], ARGV[1])
 forget(record, {ARGV[1]})
 local held = redis.call('HMGET', lock, 'token', 'for', 'fence', 'ttl')
@@ -32,8 +31,7 @@ if passed_on then
     reserve = math.min(reserve, tonumber(held[4]) or 0)
 end
 if passed_on or not held[1] then
-    local named = name_next(lock, channel, record, how, reserve, false, held[3] or '0',
-                            {KEYS[7], KEYS[8]})
+    local named = name_next(lock, channel, record, how, reserve, false, held[3] or '0')
     if not named and passed_on then
         redis.call('PUBLISH', channel, '')
     end

@@ -2,10 +2,7 @@
 --
 -- KEYS[2i-1]  lock hash of resource i (i = 1..n)   KEYS[2i]  its release channel
 -- With a record of waiters (ARGV[2] 'fair' or 'wake', one resource, see wake.lua):
---             KEYS[3] queue, KEYS[4] waiter deadlines, KEYS[5] wake (process channels),
---             KEYS[6] grant (holder fields), KEYS[7] fence counter, KEYS[8] abandoned
---             tokens: a waiter that recorded its holder fields is granted the lock in
---             place (wake.lua name_next), unless its token was abandoned
+--             KEYS[3] queue, KEYS[4] waiter deadlines, KEYS[5] wake (process channels)
 -- ARGV[1]     owner token
 -- ARGV[2]     '' (or absent): publish '' on each KEYS[2i] (one waiter per subscribed
 --             process wakes). 'fair': name the head of the queue, which keeps its
@@ -16,13 +13,14 @@
 --             of the released lease (the default renewal interval) is used
 -- ARGV[4]     ('wake') the releasing process's channel: when this release yields the
 --             process's turn (below), its own recorded waiters are passed over
--- ARGV[5]     optional: 'keep', the undo of an attempt that lost the vote: the token
---             keeps its place in the record (it tries again)
--- ARGV[6]     optional: 'local', the releaser wakes a waiter of its own process (ARGV[4])
---             itself: a grant to one is not published, and the reply says whom it
---             granted (below)
+-- ARGV[5]     optional: the undo of an acquisition attempt that lost the vote, by its
+--             number (a positive integer): a lock is deleted only if no later attempt
+--             of the token wrote or claimed it (its field 'attempt' is at most this
+--             one), so an undo that arrives late, behind the next attempt, cannot
+--             delete what that attempt counts; and the token keeps its place in the
+--             record (it tries again)
 --
--- With a record, the token also leaves it, unless 'keep' (a Redlock holder this node
+-- With a record, the token also leaves it (unless an undo: a Redlock holder this node
 -- refused stays recorded here), and a reservation made for it here (named by this
 -- node while it won on others) is passed on to the next waiter, as fair_leave.lua does.
 -- A lock whose turn is over (field 'yield', see acquire.lua) is reserved for the oldest
@@ -31,9 +29,8 @@
 -- another process's woken waiter gets it.
 -- Returns  1  released (every lock was held by this token)
 --          0  gone already (expired or released), wholly or in part
---         -1  a lock is held by another token: that one is left alone
---         {code, token, fence}  with 'local', when the lock was granted to a waiter of
---             the releasing process: the code above, that waiter's token and its fence
+--         -1  a lock is held by another token (or, for an undo, by a later attempt of
+--             this one): that one is left alone
 if ARGV[1] == nil or ARGV[1] == '' then
     return redis.error_reply('ERR celery_redlock release: empty owner token')
 end
@@ -50,12 +47,17 @@ if not reserve then
     return redis.error_reply('ERR celery_redlock release: ' .. wrong)
 end
 local record = how ~= ''
-if record and #KEYS ~= 8 then
-    return redis.error_reply('ERR celery_redlock release: a record of waiters takes 8 keys')
+if record and #KEYS ~= 5 then
+    return redis.error_reply('ERR celery_redlock release: a record of waiters takes 5 keys')
 end
-local parts = {KEYS[3], KEYS[4], KEYS[5], KEYS[6]}
-local here = ARGV[6] == 'local' and ARGV[4] ~= '' and ARGV[4] or nil
-local granted_here = nil  -- {token, fence} of a waiter of this process granted the lock
+local undo = nil
+if ARGV[5] ~= nil and ARGV[5] ~= '' then
+    undo = tonumber(ARGV[5])
+    if not undo or undo < 1 or undo ~= math.floor(undo) then
+        return redis.error_reply('ERR celery_redlock release: an attempt number must be a positive integer')
+    end
+end
+local parts = {KEYS[3], KEYS[4], KEYS[5]}
 
 -- Name the next waiter of a freed lock (with a record), keeping the lock for it at most
 -- `cap` ms; nil when nobody is recorded.
@@ -63,25 +65,23 @@ local function name_after(lock, held, cap, skip)
     if not record then
         return nil
     end
-    local named, fence = name_next(lock, KEYS[2], parts, how, math.min(reserve, cap), skip,
-                                   held.fence or '0', {KEYS[7], KEYS[8], here})
-    if fence then
-        granted_here = {named, fence_text(fence)}
-    end
-    return named
+    return name_next(lock, KEYS[2], parts, how, math.min(reserve, cap), skip, held.fence or '0')
 end
 
-if record and ARGV[5] ~= 'keep' then
+if record and not undo then
     leave(parts, token)
 end
 local n = record and 1 or #KEYS / 2
 local released, taken = 0, false
 for i = 1, n do
     local lock = KEYS[2 * i - 1]
-    local fields = redis.call('HMGET', lock, 'token', 'yield', 'host', 'pid', 'fence', 'ttl', 'for')
+    local fields = redis.call('HMGET', lock, 'token', 'yield', 'host', 'pid', 'fence', 'ttl', 'for',
+                              'attempt')
     local held = {yield = tonumber(fields[2]), host = fields[3], pid = fields[4],
                   fence = fields[5], ttl = fields[6]}
-    if fields[1] == token then
+    if fields[1] == token and undo and (tonumber(fields[8]) or 0) > undo then
+        taken = true  -- written or claimed by a later attempt of this token: it counts it
+    elseif fields[1] == token then
         redis.call('DEL', lock)
         local skip = held.yield and ARGV[4] ~= nil and ARGV[4] ~= '' and ARGV[4]
         local named = name_after(lock, held, math.floor((tonumber(held.ttl) or 0) / 3), skip)
@@ -107,8 +107,5 @@ end
 local code = released == n and 1 or 0
 if taken then
     code = -1
-end
-if granted_here then
-    return {code, granted_here[1], granted_here[2]}
 end
 return code

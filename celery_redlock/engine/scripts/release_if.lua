@@ -7,9 +7,8 @@
 --
 -- KEYS[1]  lock hash   KEYS[2]  its release channel
 -- KEYS[3]  shared set, KEYS[4] shared holders' details (optional: shares too)
--- KEYS[5]  queue, KEYS[6] waiter deadlines, KEYS[7] wake, KEYS[8] grant (optional:
---          the record of blocked waiters, see wake.lua; the waiter named is not
---          granted the lock, only reserved it)
+-- KEYS[5]  queue, KEYS[6] waiter deadlines, KEYS[7] wake (optional: the record of
+--          blocked waiters, see wake.lua)
 -- ARGV[1]  task id   ARGV[2]  pid
 -- ARGV[3]  optional: the reservation for the waiter a release names, in ms (at most a
 --          third of the released lease is used; default 0)
@@ -34,9 +33,9 @@ if holder[1] ~= false then
     end
     redis.call('DEL', KEYS[1])
     local named
-    if #KEYS >= 8 then
+    if #KEYS >= 7 then
         local lease_third = math.floor((tonumber(holder[4]) or 0) / 3)
-        named = name_next(KEYS[1], KEYS[2], {KEYS[5], KEYS[6], KEYS[7], KEYS[8]}, 'wake',
+        named = name_next(KEYS[1], KEYS[2], {KEYS[5], KEYS[6], KEYS[7]}, 'wake',
                           math.min(reserve, lease_third), false, holder[3] or '0')
     end
     if not named then

@@ -3,11 +3,8 @@
 -- prelude; not a script of its own.
 --
 -- The record (one resource): queue (sorted set token -> arrival), waiting (sorted set
--- token -> deadline, node ms: the place lapses unless refreshed), wake (hash token ->
--- the waiter's process channel, where a release names it) and grant (hash token -> the
--- holder fields a release writes when it grants the lock to that waiter in place, a
--- JSON array [ttl ms, task_id, host, pid, task_name]; only waiters that can take a
--- lock granted this way record it: one node, see Redlock.acquire).
+-- token -> deadline, node ms: the place lapses unless refreshed) and wake (hash token
+-- -> the waiter's process channel, where a release names it).
 --
 -- ms_arg(value)  a reservation argument: a non-negative integer of ms (at most 30
 --          days), or nil (the caller answers with its own error).
@@ -19,42 +16,33 @@
 -- leave(record, token)  take a token out of the record if it is in it (one call if not).
 -- drop_lapsed(record, now)  forget the waiters whose place lapsed.
 -- first_waiter(queue, wake, skip)  the oldest recorded token whose process channel is
---          not `skip` (false: any), its channel (false if it recorded none), and what
---          was read to find it ({page of tokens, their channels, whether the page was
---          the whole queue}), for other_process_waits.
--- other_process_waits(queue, wake, channel, seen, named)  a waiter of another process
---          than `channel`'s is recorded. With `seen` (first_waiter's third value,
---          `named` its token, which has left the record since) answered from that page
---          when it can be, else read.
--- name_next(lock, channel, record, how, reserve, skip, fence, grants)  announce
---          that `lock` (deleted by the caller) is free to the oldest recorded waiter,
---          on its process channel (one delivery, one process), with its token as the
---          message (one waiter woken); on the lock's channel if it recorded no process
---          channel. `record` = {queue, waiting, wake, grant}. Nobody recorded costs
---          one read; the record is cleared of lapsed waiters when the one found first
---          has lapsed (a refused requester clears it too, acquire.lua).
---          With `grants` = {fence counter, abandoned tokens} and a waiter that
---          recorded its holder fields, the lock is *granted*: written for that waiter
---          in place (a new fence, a lease of the ttl it asked for) and the message is
---          its token and the fence, so the waiter wakes holding it, with no try of its
---          own (issue 27, change C). With grants[3], the caller's own process channel:
---          a waiter on that channel is granted without a message (the caller wakes it
---          in its own process), and its fence is returned second. Nobody subscribed to
---          its process channel (the process died, or its listener is reconnecting,
---          when every waiter there retries anyway): the grant is taken back and the
---          next waiter named. An abandoned token is passed over. Either way the
---          waiter leaves the record.
---          Otherwise: how 'fair': the waiter keeps its place (only the head of the
---          queue may take a free lock anyway). how 'wake': the waiter leaves the
---          record (it comes back, or it is gone: either way it is named once) and, if
---          `reserve` > 0, the lock is reserved for it for `reserve` ms: a YIELD_MARK
---          hash whose field 'for' names it, refused to any other token, so a requester
---          that did not wait (the releaser coming straight back) cannot take the lock
---          between the release and the named waiter's try.
---          Field 'waited' is set (on the grant or the reservation) when a waiter of
---          another process is still recorded: the named waiter's process then has a
---          bounded turn (handoff.TURN). Returns the named token, or nil when nobody is
---          recorded (the caller publishes then).
+--          not `skip` (false: any), and its channel (false if it recorded none).
+-- other_process_waits(queue, wake, channel)  a waiter of another process than
+--          `channel`'s is recorded.
+-- name_next(lock, channel, record, how, reserve, skip, fence)  announce that `lock`
+--          (deleted by the caller) is free to the oldest recorded waiter, on its
+--          process channel (one delivery, one process), with its token as the message
+--          (one waiter woken); on the lock's channel if it recorded no process
+--          channel. `record` = {queue, waiting, wake}. Nobody recorded costs one
+--          read; the record is cleared of lapsed waiters when the one found first has
+--          lapsed (a refused requester clears it too, acquire.lua).
+--          how 'fair': the waiter keeps its place (only the head of the queue may
+--          take a free lock anyway). how 'wake': the waiter leaves the record (it
+--          comes back, or it is gone: either way it is named once) and, if `reserve`
+--          > 0, the lock is reserved for it for `reserve` ms: a YIELD_MARK hash whose
+--          field 'for' names it, refused to any other token, so a requester that did
+--          not wait (the releaser coming straight back) cannot take the lock between
+--          the release and the named waiter's try.
+--          The reservation is the take-up bound of a named waiter: one that does not
+--          come (its process stopped, or died) keeps the lock idle `reserve` ms, no
+--          longer. So that the lock then passes on, the oldest recorded waiter of
+--          another process than the named one's is told "TOKEN RESERVE" on its own
+--          process channel: its listener wakes it `reserve` ms later unless a release
+--          names it first (waiting.py, the stand-by).
+--          Field 'waited' is set on the reservation when a waiter of another process
+--          is still recorded: the named waiter's process then has a bounded turn
+--          (handoff.TURN). Returns the named token, or nil when nobody is recorded
+--          (the caller publishes then).
 local function ms_arg(value)
     local ms = tonumber(value)
     if not ms or ms < 0 or ms > 2592000000 or ms ~= math.floor(ms) then
@@ -82,7 +70,6 @@ local function forget(record, tokens)
     redis.call('ZREM', record[1], unpack(tokens))
     redis.call('ZREM', record[2], unpack(tokens))
     redis.call('HDEL', record[3], unpack(tokens))
-    redis.call('HDEL', record[4], unpack(tokens))
 end
 local function leave(record, token)
     if redis.call('ZREM', record[2], token) == 1 then
@@ -106,7 +93,7 @@ local function first_waiter(queue, wake, skip)
         local targets = redis.call('HMGET', wake, unpack(page))
         for j, token in ipairs(page) do
             if not skip or targets[j] ~= skip then
-                return token, targets[j], {page, targets, start == 0 and #page < WAKE_PAGE}
+                return token, targets[j]
             end
         end
         if #page < WAKE_PAGE then
@@ -115,73 +102,24 @@ local function first_waiter(queue, wake, skip)
         start = start + WAKE_PAGE
     end
 end
-local function other_process_waits(queue, wake, channel, seen, named)
-    if seen then
-        -- What first_waiter read (the page that named `named`): nothing has left the
-        -- queue since but `named`, so when that page was the whole queue it answers
-        -- without another read (issue 27: two calls per granting release).
-        local page, targets, whole = seen[1], seen[2], seen[3]
-        for j, token in ipairs(page) do
-            if token ~= named and targets[j] ~= channel then
-                return true
-            end
-        end
-        if whole then
-            return false
-        end
-    end
+local function other_process_waits(queue, wake, channel)
     return first_waiter(queue, wake, channel) ~= nil
 end
--- Grants taken back from waiters nobody listens for, at most, in one release: past
--- them the release names the next waiter without a grant (one SUBSCRIBE-less process
--- after another is a node whose clients are going away).
-local GRANT_TRIES = 4
-local function grant_to(lock, named, target, details, grants, now)
-    local ttl, task_id, host, pid, task_name = unpack(cjson.decode(details))
-    local fence = next_fence(grants[1], ttl)
-    redis.call('HSET', lock, 'token', named, 'fence', fence_text(fence), 'task_id', task_id,
-               'task_name', task_name, 'host', host, 'pid', pid,
-               'acquired_at', string.format('%.3f', now / 1000), 'ttl', ttl)
-    redis.call('PEXPIRE', lock, ttl)
-    if target == grants[3] then
-        return true, fence  -- a waiter of the caller's own process: the caller tells it
-    end
-    return redis.call('PUBLISH', target, named .. ' ' .. fence_text(fence)) > 0
-end
-local function name_next(lock, channel, record, how, reserve, skip, fence, grants)
+local function name_next(lock, channel, record, how, reserve, skip, fence)
     local queue, waiting, wake = record[1], record[2], record[3]
-    local named, target, seen = first_waiter(queue, wake, skip)
+    local named, target = first_waiter(queue, wake, skip)
     if not named then
         return nil
     end
     local now = node_ms()
     if (tonumber(redis.call('ZSCORE', waiting, named)) or now) <= now then
         drop_lapsed(record, now)
-        named, target, seen = first_waiter(queue, wake, skip)
-    end
-    local tries = 0
-    while named and grants and target and tries < GRANT_TRIES do
-        local details = redis.call('HGET', record[4], named)
-        if not details then
-            break
+        named, target = first_waiter(queue, wake, skip)
+        if not named then
+            return nil
         end
-        tries = tries + 1
-        forget(record, {named})
-        if not redis.call('ZSCORE', grants[2], named) then
-            local heard, here = grant_to(lock, named, target, details, grants, now)
-            if heard then
-                if other_process_waits(queue, wake, target, seen, named) then
-                    redis.call('HSET', lock, 'waited', now)
-                end
-                return named, here
-            end
-            redis.call('DEL', lock)  -- nobody heard it: taken back
-        end
-        named, target, seen = first_waiter(queue, wake, skip)
     end
-    if not named then
-        return nil
-    end
+    local standby, standby_target
     if how == 'wake' then
         forget(record, {named})
         if reserve > 0 then
@@ -190,12 +128,16 @@ local function name_next(lock, channel, record, how, reserve, skip, fence, grant
             if target then
                 redis.call('HSET', lock, 'wake', target)
             end
-            if other_process_waits(queue, wake, target or '', seen, named) then
+            standby, standby_target = first_waiter(queue, wake, target or '')
+            if standby then  -- a waiter of another process: the named one's turn is bounded
                 redis.call('HSET', lock, 'waited', now)
             end
             redis.call('PEXPIRE', lock, reserve)
         end
     end
     redis.call('PUBLISH', target or channel, named)
+    if standby_target then
+        redis.call('PUBLISH', standby_target, standby .. ' ' .. reserve)
+    end
     return named
 end

@@ -265,12 +265,6 @@ def test_three_nodes_one_down_still_a_quorum_two_down_unavailable(redis_factory)
     run(scenario())
 
 
-@pytest.mark.xfail(
-    reason="known defect, open: a failed attempt's undo still on its way can delete the "
-    "lock the next attempt of the same token was granted (found 2026-11-27; retiring the "
-    "token stalled the network scenario's asyncio holders, see CHANGELOG 'Known')",
-    strict=False,
-)
 def test_an_undo_still_on_its_way_cannot_delete_the_next_attempts_lock(redis_factory, fault_proxy):
     """A failed attempt's undo, slowed on the way, must not land on the next grant.
 

@@ -33,7 +33,7 @@ def other_process_attempt(client, lock: Redlock, token: str, blocking: bool = Tr
     without a record of waiters (as a lock on several resources does)."""
     return client.eval(
         ACQUIRE.source, 4, *lock.keys.resource, token, 30_000, "", _HOST, OTHER_PID, 0, "",
-        "1" if blocking else "", "", "", "", "",
+        "1" if blocking else "", "", "", "", "", 1,
     )  # fmt: skip
 
 

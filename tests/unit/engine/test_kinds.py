@@ -92,10 +92,14 @@ def test_an_exclusive_lock_on_two_resources_takes_and_frees_both_in_one_call():
     call = kind.acquire_call(waiter, 5000, HOLDER)
     assert call.script is ACQUIRE and call.keys == (*a.resource, *b.resource, a.abandoned)
     # No record of waiters (several resources): no waiter's place, arrival, naming, channel.
-    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "", "", "")
+    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "", "", "", 1)
+    assert kind.acquire_call(waiter, 5000, HOLDER).args[-1] == 2, "each attempt is numbered"
     assert kind.release_call("tok") == Call(
         RELEASE, (a.lock, a.channel, b.lock, b.channel), ("tok",)
     )
+    undo = kind.undo_call("tok", 2)
+    assert undo.keys == (a.lock, a.channel, b.lock, b.channel)
+    assert undo.args == ("tok", "", "", "", 2), "an undo names its attempt"
     assert kind.fence_sync_calls("tok", (3, 9)) == [
         Call(FENCE_SYNC, a.fence_sync, ("tok", 3, "")),
         Call(FENCE_SYNC, b.fence_sync, ("tok", 9, "")),
@@ -126,7 +130,7 @@ def test_a_locks_calls_in_resp_say_what_their_keys_and_arguments_say(kind):
             kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER),
             kind.acquire_call(waiter, 5000, HOLDER, predecessor="before"),
             kind.release_call(waiter.token),
-            kind.release_call(waiter.token, here=True),
+            kind.undo_call(waiter.token, 3),
         ]
         for call in calls:
             assert call.resp is not None
@@ -143,14 +147,14 @@ def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
     call = kind.acquire_call(several, 5000, HOLDER)
     assert call.keys == (*keys.resource, *keys.record, keys.abandoned)
     channel = process_channel(keys.channel)
-    assert call.args[-5:] == ("1", "5000", several.arrival, "fair", channel)
+    assert call.args[-6:] == ("1", "5000", several.arrival, "fair", channel, 1)
     try_call = kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER)
-    assert try_call.args[-5:] == ("", "0", "", "fair", channel)
+    assert try_call.args[-6:] == ("", "0", "", "fair", channel, 1)
     assert kind.release_call("tok").args == ("tok", "fair", named_reserve_ms(), channel)
-    assert kind.undo_call("tok").args[-1] == "keep", "a split vote's loser keeps its place"
-    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.record, *keys.grants)
-    grantable = kind.acquire_call(one_node, 5000, HOLDER)
-    assert grantable.args[-2] == "fair grant", "one node: a release may grant it the lock"
+    assert kind.undo_call("tok", 4).args == ("tok", "fair", named_reserve_ms(), channel, 4), (
+        "a split vote's loser names its attempt, and keeps its place"
+    )
+    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.record)
     leave = kind.leave_call("tok")
     assert leave is not None and (leave.script, leave.keys) == (FAIR_LEAVE, keys.fair_leave)
     assert kind.wake_token(several) is several
@@ -161,7 +165,7 @@ def test_a_share_is_its_own_set_entry_and_a_full_limit_reads_as_locked():
     keys = lock_keys("a")
     limited, unlimited = Shared(keys, 2), Shared(keys)
     waiter = limited.new_waiter(True, 3)
-    assert limited.acquire_call(waiter, 5000, HOLDER).args == (waiter.token, 5000, 2, *HOLDER)
+    assert limited.acquire_call(waiter, 5000, HOLDER).args == (waiter.token, 5000, 2, *HOLDER, 1)
     assert limited.acquire_call(waiter, 5000, HOLDER).script is ACQUIRE_SHARED
     assert unlimited.acquire_call(waiter, 5000, HOLDER).args[2] == 0
     assert limited.release_call("tok").script is RELEASE_SHARED

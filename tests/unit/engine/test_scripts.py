@@ -37,13 +37,13 @@ def acquire(client, token, ttl=10_000, task_id="t1", pid=100, keys=KEYS, writer=
         names += resources[0].record
     return client.eval(
         ACQUIRE.source, len(names), *names, token, ttl, task_id, "h", pid, 0, "task",
-        writer, fair, "", "fair" if fair else "", "",
+        writer, fair, "", "fair" if fair else "", "", 1,
     )  # fmt: skip
 
 
 def share(client, token, limit=0, ttl=10_000, task_id="", keys=KEYS):
     return client.eval(
-        ACQUIRE_SHARED.source, 4, *keys.resource, token, ttl, limit, task_id, "h", 7, 0, "task"
+        ACQUIRE_SHARED.source, 4, *keys.resource, token, ttl, limit, task_id, "h", 7, 0, "task", 1
     )
 
 
@@ -438,6 +438,7 @@ def test_a_dead_fair_waiter_leaves_the_queue(redis_node):
     acquire(c, "holder", fair="10000")
     acquire(c, "dead", fair="10000")
     c.zadd(KEYS.waiting, {"dead": 0})  # its deadline passes
-    c.eval(RELEASE.source, 8, *release_keys([KEYS], record=True), "holder", "fair")
+    fair_keys = release_keys([KEYS], record=True)
+    c.eval(RELEASE.source, len(fair_keys), *fair_keys, "holder", "fair")
     assert acquire(c, "next", fair="10000")[0] == 1
     assert c.zcard(KEYS.queue) == 0

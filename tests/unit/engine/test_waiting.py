@@ -195,103 +195,6 @@ def test_an_announcement_is_dispatched_without_the_subscription_bookkeeping(redi
     assert len(syncs) <= took + 2, (len(syncs), took)
 
 
-def test_a_grant_to_a_waiter_of_this_process_is_not_published(redis_node, monkeypatch):
-    """A fair lock's release grants the head of its queue in place; when that waiter is
-    a thread of the releasing process, the release's reply names it and the releasing
-    thread wakes it: nothing is published, and the listener reads nothing (issue 27,
-    P6f: a listener wake-up and a message read less per handoff between threads of one
-    process). Before, one PUBLISH and one delivery to this process's own listener."""
-    from celery_redlock.engine import waiting
-
-    holder = Redlock("here", nodes=[redis_node.url], ttl=30, fair=True)
-    waiter = Redlock("here", nodes=[redis_node.url], ttl=30, fair=True)
-    assert holder.acquire()
-    fence = holder.fence
-    deliveries: list[Any] = []
-    real_dispatch = waiting._Listener._dispatch
-
-    def counted_dispatch(self, message):
-        if isinstance(message, list) and message and message[0] == "message":
-            deliveries.append(message)
-        real_dispatch(self, message)
-
-    monkeypatch.setattr(waiting._Listener, "_dispatch", counted_dispatch)
-    client = redis_node.client()
-    got: dict[str, Any] = {}
-    holding, let_go = threading.Event(), threading.Event()
-
-    def wait() -> None:
-        got["ok"] = waiter.acquire(timeout=20)
-        got["fence"] = waiter.fence
-        holding.set()
-        let_go.wait(20)
-        waiter.release()
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    try:
-        listener = waiting.get_listener(waiter.nodeset.nodes[0])
-        wait_for(lambda: client.zcard(waiter.keys.queue) == 1, timeout=10)  # recorded
-        wait_for(lambda: listener._waiters.get(waiter.keys.channel), timeout=10)  # listening
-        redis_node.reset_stats()
-        holder.release()
-        assert holding.wait(10), "the waiter was not woken"
-        assert got == {"ok": True, "fence": fence + 1}
-        assert redis_node.commandstats().get("publish", 0) == 0
-        assert deliveries == []
-    finally:
-        let_go.set()
-        thread.join(20)
-        client.close()
-
-
-def test_a_grant_the_releasing_thread_never_delivered_is_taken_by_the_waiters_try(
-    redis_node, monkeypatch
-):
-    """The releasing thread stopped between the release's reply and waking its
-    process's waiter (an exception landing there): the waiter's wait ends within its
-    renewal interval, and its try finds the lock held by its own token and takes it
-    with the fence it was granted (nobody else got the lock in between)."""
-    from celery_redlock.engine import lock as lock_module
-    from celery_redlock.engine import waiting
-
-    monkeypatch.setattr(lock_module, "grant_here", lambda *args: False)  # never woken
-    waiting_now = threading.Event()
-    real_wait = waiting.Subscription.wait
-
-    def entered_wait(self, timeout):
-        waiting_now.set()
-        return real_wait(self, timeout)
-
-    monkeypatch.setattr(waiting.Subscription, "wait", entered_wait)
-    holder = Redlock("lost", nodes=[redis_node.url], ttl=3, fair=True)
-    waiter = Redlock("lost", nodes=[redis_node.url], ttl=3, fair=True)
-    assert holder.acquire()
-    fence = holder.fence
-    client = redis_node.client()
-    got: dict[str, Any] = {}
-
-    def wait() -> None:
-        got["ok"] = waiter.acquire(timeout=20)
-        got["fence"] = waiter.fence
-        got["at"] = time.monotonic()
-        waiter.release()
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    try:
-        assert waiting_now.wait(10), "the waiter never waited"
-        holder.release()
-        released_at = time.monotonic()
-        assert client.hget(waiter.keys.lock, "fence") == str(fence + 1), "granted in place"
-        thread.join(20)
-        assert got["ok"] is True and got["fence"] == fence + 1
-        assert got["at"] - released_at < 3.0, "waited past its renewal interval"
-    finally:
-        thread.join(20)
-        client.close()
-
-
 class _Stop(BaseException):
     """Not an Exception: what a thread cannot handle but must end on."""
 
@@ -388,9 +291,9 @@ def test_an_exception_in_the_clean_up_after_acquiring_ends_the_hold(redis_node, 
 
 def test_a_process_that_waits_again_finds_the_channel_subscribed(redis_node, monkeypatch):
     """A prefork child waiting for a hot key task after task: its second wait sends no
-    SUBSCRIBE and no retry once subscribed: one refused try, then the release grants it
-    the lock, so it wakes holding it (issue 27, P8: the first wait takes a SUBSCRIBE and
-    at least two script calls; before change C the second took two, a woken try)."""
+    SUBSCRIBE and no retry once subscribed: one refused try, then the release names it
+    and its try takes the reserved lock (the first wait takes a SUBSCRIBE and at least
+    two script calls, one of them the retry once subscribed)."""
     from celery_redlock.engine import waiting
 
     monkeypatch.setattr(waiting, "LINGER", 60.0)  # the second wait comes within it
@@ -433,15 +336,14 @@ def test_a_process_that_waits_again_finds_the_channel_subscribed(redis_node, mon
     first, second = counts
     assert first[1] == 1 and first[0] >= 2, first  # subscribed, retried once subscribed
     assert client.pubsub_numsub(waiter.keys.channel)[0][1] == 1  # lingering
-    assert second == (1, 0), second  # refused, granted: nothing else
+    assert second == (2, 0), second  # refused, named and taken: nothing else
 
 
-def test_a_lone_waiter_reads_the_grant_in_its_own_thread(redis_node, monkeypatch):
-    """A prefork child waiting for a hot key is its process's only waiter: the grant a
+def test_a_lone_waiter_reads_its_name_in_its_own_thread(redis_node, monkeypatch):
+    """A prefork child waiting for a hot key is its process's only waiter: the name a
     release of another process publishes is read and dispatched by the waiting thread
-    itself, and the listener thread reads nothing (issue 27, P8: no hop from the
-    listener thread to the waiter on the handoff's path). Before, the listener thread
-    read every announcement and woke the waiter."""
+    itself, and the listener thread reads nothing: no hop from the listener thread to
+    the waiter on the handoff's path."""
     from celery_redlock.engine import waiting
 
     ctx = multiprocessing.get_context("fork")

@@ -131,7 +131,7 @@ def test_acl_user_runs_the_turn_of_a_process_another_process_waits_for(redis_fac
     def acquire(token, pid, writer="", handoff=()):
         return client.evalsha(
             sha, len(record), *record, token, 10_000, "t", "h", pid, 0, "task", writer,
-            "10000" if writer else "0", "", "wake", f"{keys.channel}:h:{pid}", *handoff,
+            "10000" if writer else "0", "", "wake", f"{keys.channel}:h:{pid}", *handoff, 1,
         )  # fmt: skip
 
     try:

@@ -37,6 +37,7 @@ def test_inspect_shows_every_field_per_node_with_pttl_and_fence_counter(redis_no
     assert node["fence_counter"] == fence
     assert node["fields"] == {
         "token": token,
+        "attempt": "1",
         "fence": str(fence),
         "task_id": "task-1",
         "task_name": "proj.tasks.sync",
