@@ -141,11 +141,12 @@ def verdict(label: str, value: Any) -> str:
 
 
 def issue_targets(results: Path) -> list[tuple[str, str, Any, str]]:
-    """(benchmark, target, value, verdict) for every "P<n>" target in ``results``."""
+    """(benchmark, target, value, verdict) for every "P<n>" target (the performance
+    issue's) and every "Issue <n>: ..." target (another issue's) in ``results``."""
     rows = []
     for path in sorted(results.glob("*.json")):
         targets = json.loads(path.read_text()).get("targets", {})
         for label, value in targets.items():
-            if label.startswith("P"):
+            if label.startswith(("P", "Issue ")):
                 rows.append((path.stem, label, value, verdict(label, value)))
     return sorted(rows, key=lambda row: row[1])

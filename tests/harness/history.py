@@ -46,6 +46,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -179,6 +180,14 @@ class History:
         """Append a finished section to the history."""
         self.client.rpush(self._key("sections"), json.dumps(asdict(section)))
 
+    def note(self, kind: str, entry: dict[str, Any]) -> None:
+        """Append an observation of ``kind`` that is not a section (an audit's finding).
+
+        Holders in other processes note what only they can see (their token, their
+        lease) so that the test process can report it with the checker's verdict.
+        """
+        self.client.rpush(self._key("notes", kind), json.dumps(entry))
+
     # -- what the checker reads -------------------------------------------------------
 
     def count(self) -> int:
@@ -188,6 +197,10 @@ class History:
     def sections(self) -> list[Section]:
         """Every recorded section, in recording order."""
         return [Section(**json.loads(s)) for s in self.client.lrange(self._key("sections"), 0, -1)]
+
+    def notes(self, kind: str) -> list[dict[str, Any]]:
+        """Every observation of ``kind`` noted so far, in noting order."""
+        return [json.loads(n) for n in self.client.lrange(self._key("notes", kind), 0, -1)]
 
     def writes(self) -> list[Write]:
         """Every register attempt, per key in the register's order."""

@@ -11,16 +11,18 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import random
 import signal
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 from unittest import mock
 
 from celery_redlock import LockLost, NodeUnavailable, Redlock
 from celery_redlock.engine import handoff
 from celery_redlock.engine.lease import clock
-from tests.harness.history import History, Section
+from tests.harness.history import History, Section, Violation
 from tests.harness.servers import wait_for
 from tests.reliability.workload import Lab, Outcome, Progress, lease_deadline, run_holders
 
@@ -387,4 +389,291 @@ def wall_clock_jump(lab: Lab, renewals: int = 4) -> Outcome:
     outcome.stats.update(stats)
     outcome.acquisitions = 2
     outcome.violations = history.check()
+    return outcome
+
+
+# -- issue 37: frozen waiters, moving slow nodes, one slow or blackholed node ----------
+
+#: How long the others may find the lock unusable while a waiter is frozen (issue 37,
+#: DESIGN "a minority does not set the pace"), as a share of the lease: a grant or a
+#: reservation that the frozen waiter does not take up passes on within one renewal
+#: interval (a third of the lease, the longest a release reserves the lock for a named
+#: waiter), plus wake-ups on a loaded machine. Without a bound, the lease of a grant
+#: nobody takes up (the whole ttl, or longer if renewed) would be the bound.
+FREEZE_GAP_SHARE = 0.5
+
+
+def frozen_waiters(
+    lab: Lab,
+    processes: int = 4,
+    threads: int = 4,
+    *,
+    ttl: float = 2.0,
+    freezes: int = 8,
+    freeze_for: float = 2.5,
+    between: tuple[float, float] = (2.0, 3.0),
+    hold_max: float = 0.002,
+) -> Outcome:
+    """SIGSTOP a process that only *waits* for the lock, past the lease; SIGCONT; again.
+
+    ``processes`` x ``threads`` contend for one key on one node (renewal on, sections
+    of 1 to ``1 + hold_max * 1000`` ms). ``freezes`` times, a process none of whose
+    threads holds the lock (the holders say so on a shared board; one that turns out to
+    hold it once stopped is resumed at once and another one is picked) is stopped for
+    ``freeze_for`` leases, then resumed, and the run goes on for ``between`` leases
+    (drawn uniformly) before the next freeze.
+
+    Safety: the history and the fenced register as ever. A resumed waiter that returns
+    from ``acquire()`` with a grant made before it was frozen (its lease counted from a
+    send it slept through, its fence older than one issued since) shows as an overlap,
+    and ``fence_regressions`` counts valid sections whose fence is below that of a
+    section that started before them. Service: per freeze, the longest time the lock
+    went unused while the other processes waited (from the freeze, between their
+    sections, up to the resume): ``freeze_gap_max_ms``; above
+    :data:`FREEZE_GAP_SHARE` of the lease it is a ``held-up`` violation.
+    """
+    servers = lab.servers(1)
+    windows: list[tuple[int, float, float]] = []
+    histories: list[History] = []
+    rng = random.Random()
+
+    def freeze_one(progress: Progress) -> tuple[int, int]:
+        """Stop a process that holds nothing; its index and pid."""
+
+        def stopped_waiter() -> tuple[int, int] | None:
+            idle = [i for i in range(len(progress.pids)) if progress.holding(i) == 0]
+            if not idle:
+                return None
+            index = rng.choice(idle)
+            pid = progress.pids[index]
+            os.kill(pid, signal.SIGSTOP)
+            if progress.holding(index) == 0:  # stopped while waiting: keep it so
+                return index, pid
+            os.kill(pid, signal.SIGCONT)  # it took the lock meanwhile
+            progress.outcome.stats["freezes_retried"] += 1
+            return None
+
+        return wait_for(stopped_waiter, timeout=30, interval=0.001, message="a waiting process")
+
+    def script(progress: Progress) -> None:
+        histories.append(progress.history)
+        progress.advance(20)
+        for _ in range(freezes):
+            _index, pid = freeze_one(progress)
+            frozen_at = clock()
+            progress.fault("waiter-sigstop")
+            try:
+                time.sleep(freeze_for * ttl)  # the freeze itself
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            windows.append((pid, frozen_at, clock()))
+            time.sleep(rng.uniform(*between) * ttl)  # the run goes on between freezes
+        progress.advance(20)  # and the lock still works
+
+    outcome = run_holders(
+        f"frozen-waiters-{processes}x{threads}",
+        lab,
+        [s.url for s in servers],
+        processes,
+        threads=threads,
+        faults=script,
+        ttl=ttl,
+        hold_jitter=hold_max,
+    )
+    sections = histories[0].sections()
+    gaps = [freeze_gap(sections, *window) for window in windows]
+    bound = FREEZE_GAP_SHARE * ttl
+    outcome.stats["freezes"] = len(windows)
+    outcome.stats["freeze_gap_max_ms"] = round(1000 * max(gaps, default=0.0))
+    outcome.stats["freeze_gap_median_ms"] = round(1000 * sorted(gaps)[len(gaps) // 2])
+    outcome.stats["freeze_gap_bound_ms"] = round(1000 * bound)
+    outcome.stats["fence_regressions"] = fence_regressions(sections)
+    outcome.violations += [
+        Violation(
+            "held-up",
+            outcome.scenario,
+            f"freeze {n} of pid {pid}: the lock went unused for {gap:.3f}s while the "
+            f"other processes waited (bound {bound:.3f}s)",
+        )
+        for n, ((pid, _a, _b), gap) in enumerate(zip(windows, gaps, strict=True))
+        if gap > bound
+    ]
+    return outcome
+
+
+def freeze_gap(sections: Sequence[Section], pid: int, frozen: float, resumed: float) -> float:
+    """The longest time in [``frozen``, ``resumed``] when no process but ``pid`` ran a
+    section (from the freeze to the first section that starts after it, between two
+    sections, from the last one's end to the resume). The other processes' threads
+    wait all along in these scenarios (holds of milliseconds, no think time), so this
+    is how long the lock stayed unusable for them."""
+    others = sorted(
+        (s for s in sections if s.process != pid and s.end > frozen and s.start < resumed),
+        key=lambda s: s.start,
+    )
+    longest, cursor = 0.0, frozen
+    for section in others:
+        longest = max(longest, section.start - cursor)
+        cursor = max(cursor, section.end)
+    return max(longest, resumed - cursor)
+
+
+def fence_regressions(sections: Sequence[Section]) -> int:
+    """Valid sections whose fence is below the largest fence of one that started earlier
+    (per key): an acquisition handed an old fence (DESIGN: fences only grow)."""
+    count = 0
+    largest: dict[str, int] = {}
+    for section in sorted(sections, key=lambda s: s.start):
+        if section.valid_end <= section.start:
+            continue  # never valid: its fence protects nothing
+        if section.fence < largest.get(section.key, -1):
+            count += 1
+        largest[section.key] = max(section.fence, largest.get(section.key, -1))
+    return count
+
+
+def moving_slow_nodes(
+    lab: Lab,
+    processes: int = 3,
+    threads: int = 4,
+    *,
+    keys: int = 4,
+    aio: bool = False,
+    seconds: float = 30.0,
+    hold: float = 0.5,
+    ttl: float = 2.0,
+    node_timeout: float = 0.1,
+    every: tuple[float, float] = (0.2, 0.6),
+    delays: tuple[float, float] = (0.03, 0.3),
+) -> Outcome:
+    """Three nodes behind fault proxies; which one or two are slow changes all the time.
+
+    Every ``every`` seconds (drawn uniformly), one or two of the three proxies (drawn)
+    delay each chunk by ``delays`` seconds (drawn per proxy; a round trip takes twice
+    that), the others forward at once; for ``seconds``. ``node_timeout`` is shorter than
+    most delays, so votes are often split, undone, and decided without a slow node, and
+    requests of an attempt reach a node after the next attempt's. Holders (``processes``
+    x ``threads`` threads, or asyncio tasks with ``aio``) hold for ``hold`` seconds;
+    thread ``n`` of each process takes key ``n % keys`` (each key contended by every
+    process, and ``keys`` times the sections a single key would allow).
+
+    While it holds, each holder audits the real nodes (not through the proxies: see
+    :class:`~tests.reliability.workload.Auditor`) right after the grant and every 50
+    ms: its token must be on a quorum (2 of 3) whenever its local lease is valid. A
+    hold found below the quorum is a ``below-quorum`` violation (the stats count them:
+    ``sections_below_quorum`` of ``audited_sections``), besides the history's checks.
+    """
+    servers = lab.servers(3)
+    proxies = lab.proxies(servers)
+    histories: list[History] = []
+    rng = random.Random()
+
+    def script(progress: Progress) -> None:
+        histories.append(progress.history)
+        progress.advance(3)
+        until = time.monotonic() + seconds
+        try:
+            while time.monotonic() < until:
+                slow = rng.sample(proxies, rng.choice((1, 2)))
+                for proxy in proxies:
+                    if proxy in slow:
+                        proxy.delay(rng.uniform(*delays))
+                    else:
+                        proxy.restore()
+                progress.fault(f"slow-{len(slow)}")
+                time.sleep(rng.uniform(*every))  # the fault schedule
+        finally:
+            for proxy in proxies:
+                proxy.restore()
+        progress.advance(3)  # the lock works once the network heals
+
+    outcome = run_holders(
+        f"moving-slow-nodes{'-aio' if aio else ''}",
+        lab,
+        [p.url for p in proxies],
+        processes,
+        threads=threads,
+        aio=aio,
+        faults=script,
+        ttl=ttl,
+        hold=hold,
+        keys=keys,
+        node_timeout=node_timeout,
+        audit=tuple(s.url for s in servers),
+        audit_every=0.05,
+    )
+    notes = histories[0].notes("below-quorum")
+    outcome.violations += [
+        Violation(
+            "below-quorum",
+            note["key"],
+            f"fence {note['fence']} (pid {note['pid']}) was on {note['nodes_holding']} of 3 "
+            f"nodes with {note['lease_left_ms']} ms of its local lease left, "
+            f"{note['since_sent_ms']} ms after its request was sent",
+        )
+        for note in notes
+    ]
+    outcome.stats["fence_regressions"] = fence_regressions(histories[0].sections())
+    return outcome
+
+
+#: Kinds of fault :func:`slow_node` puts on one node of three.
+NODE_FAULTS = ("none", "slow", "blackhole")
+
+
+def slow_node(
+    lab: Lab,
+    fault: str = "slow",
+    *,
+    aio: bool = False,
+    distinct_keys: bool = False,
+    workers: int = 4,
+    seconds: float = 3.0,
+    slow: float = 0.2,
+    ttl: float = 2.0,
+) -> Outcome:
+    """One node of three slow (``slow`` seconds added to each round trip) or blackholed
+    (connections accepted, nothing answered) for the whole run, or none (``"none"``:
+    the fault-free run to compare with).
+
+    One process of ``workers`` threads (``Redlock``) or asyncio tasks (``AsyncRedlock``,
+    ``aio``) takes one key, or a key each (``distinct_keys``), for ``seconds``; every
+    node behind a fault proxy, in both runs. The history and the fenced register check
+    safety; ``stats["acquired"]`` is the count to compare (``benchmarks/bench_slow_node.py``
+    compares the rates). ``stats["pace_bound"]``: the most acquisitions the run could
+    make if each one waited once for the faulty node (its round trip, or the node
+    budget when that is shorter), per independent chain of acquisitions (one per key).
+    """
+    if fault not in NODE_FAULTS:
+        raise ValueError(f"fault must be one of {NODE_FAULTS}, not {fault!r}")
+    servers = lab.servers(3)
+    proxies = lab.proxies(servers)
+    if fault == "slow":
+        proxies[0].delay(slow / 2)  # each way: a round trip takes `slow` longer
+    elif fault == "blackhole":
+        proxies[0].blackhole()
+
+    def script(progress: Progress) -> None:
+        if fault != "none":
+            progress.fault(f"node-{fault}")
+        time.sleep(seconds)  # how long the run lasts, with the fault on all along
+
+    keys = "distinct" if distinct_keys else "one"
+    outcome = run_holders(
+        f"slow-node-{fault}-{'aio' if aio else 'threads'}-{keys}-key",
+        lab,
+        [p.url for p in proxies],
+        1,
+        threads=workers,
+        aio=aio,
+        distinct_keys=distinct_keys,
+        faults=script,
+        ttl=ttl,
+        pause=0.0,
+    )
+    budget = min(0.25, ttl / 10)  # the documented default node_timeout
+    wait = min(slow, budget) if fault == "slow" else budget
+    chains = workers if distinct_keys else 1
+    outcome.stats["window_ms"] = round(1000 * seconds)
+    outcome.stats["pace_bound"] = int(chains * seconds / wait)
     return outcome

@@ -11,6 +11,12 @@
   section's blocking calls stall the loop while the other tasks wait in it).
 * :func:`run_holders` starts ``processes`` of them, runs a fault script in the test
   process meanwhile, and returns an :class:`Outcome` with the checker's verdict.
+* :class:`Board`: what the holders and the fault script share without a lock (the stop
+  flag, and how many threads of each process hold the lock), so that a holder
+  SIGSTOPped at any point cannot block anybody else on a shared semaphore.
+* :class:`Auditor`: looks at the lock nodes directly (not through any fault proxy)
+  while a section holds the lock, and notes every moment its token was on fewer
+  than a quorum of them while its local lease was still valid.
 
 The same code serves the quick tests (small counts) and the soak command.
 """
@@ -23,13 +29,16 @@ import itertools
 import multiprocessing
 import os
 import queue
+import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import redis
 
 from celery_redlock import AsyncRedlock, LockLost, NodeUnavailable, Redlock
 from celery_redlock.engine.lease import clock
@@ -126,11 +135,180 @@ class Spec:
     pause: float = 0.001
     #: Extra time spent inside the section (lets renewals and faults happen).
     hold: float = 0.0
+    #: A random extra hold, uniform in [0, hold_jitter] seconds, per section.
+    hold_jitter: float = 0.0
     node_timeout: float | None = None
     #: Threads per process, each with its own lock object and ``iterations``.
     threads: int = 1
     #: Run the ``threads`` as asyncio tasks of one event loop, with ``AsyncRedlock``.
     aio: bool = False
+    #: Each thread (task) takes a lock of its own (``<key>.<pid>.<n>``), not the shared one.
+    distinct_keys: bool = False
+    #: With more than 1, thread (task) ``n`` of every process takes ``<key>.<n % keys>``:
+    #: each key contended by every process, more sections per second in all.
+    keys: int = 1
+    #: URLs of the lock's real nodes (not the proxies in ``urls``): audit them while held.
+    audit: tuple[str, ...] = ()
+    #: Seconds between two audits while a section holds the lock (with ``audit``).
+    audit_every: float = 0.05
+
+
+class Board:
+    """What the holders and the test process share, with no lock to hold.
+
+    A ``multiprocessing.Event`` or ``Array`` takes a semaphore shared by every process
+    on each look; a process SIGSTOPped while it holds one would stop every other
+    process at its next look, for as long as it stays stopped: the harness, not the
+    lock, would then hold up the others. Plain shared integers are read and written
+    whole, and each slot of :attr:`holding` is written by one process only (its
+    threads agree through a lock of their own).
+    """
+
+    def __init__(self, ctx: Any, processes: int) -> None:
+        self.halt = ctx.RawValue("i", 0)
+        #: Per holder process: how many of its threads hold the lock right now (from
+        #: ``acquire()`` returning True until ``release()`` returned).
+        self.holding = ctx.RawArray("i", processes)
+
+    def halted(self) -> bool:
+        """True once the test process said stop."""
+        return bool(self.halt.value)
+
+    def stop(self) -> None:
+        """Tell every holder to stop after its current section."""
+        self.halt.value = 1
+
+
+class Auditor:
+    """A holder's direct look at the lock's real nodes while it holds the lock.
+
+    One client per node, straight to the server (a fault proxy delays the lock's own
+    requests, never the audit's). An audit reads the lease's deadline and token first,
+    then asks every node whether the lock's key holds that token. When fewer than a
+    quorum say so although the audit ended before the deadline read at its start (and
+    the holder had not learned of a loss), the holder believed it held a lock that a
+    quorum did not grant it: noted as ``below-quorum`` in the history.
+    """
+
+    #: Whether the key holds the token: any field of a hash, or a string's value (so the
+    #: audit does not depend on which of the lock's fields keeps the token).
+    HOLDS = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'hash' then
+    for _, value in ipairs(redis.call('HVALS', KEYS[1])) do
+        if value == ARGV[1] then return 1 end
+    end
+elseif kind == 'string' then
+    if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end
+end
+return 0
+"""
+
+    def __init__(self, urls: Sequence[str], history: History) -> None:
+        self.clients = [
+            redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            for url in urls
+        ]
+        self.quorum = len(urls) // 2 + 1
+        self.history = history
+
+    def audit(self, lock: Redlock | AsyncRedlock, stats: Counter[str]) -> bool:
+        """One audit of ``lock``'s current hold; True if it found it below a quorum."""
+        lease = lock.lease
+        if lease is None or lease.lost is not None:
+            return False
+        deadline, token = lease.deadline, lease.token
+        began = clock()
+        if began >= deadline:
+            return False
+        holding = sum(client.eval(self.HOLDS, 1, lock.key, token) == 1 for client in self.clients)
+        ended = clock()
+        stats["audits"] += 1
+        if holding >= self.quorum or ended >= deadline:
+            return False
+        stats["audits_below_quorum"] += 1
+        self.history.note(
+            "below-quorum",
+            {
+                "key": lock.key,
+                "fence": lease.fence,
+                "pid": os.getpid(),
+                "nodes_holding": holding,
+                "lease_left_ms": round(1000 * (deadline - ended), 1),
+                "since_sent_ms": round(1000 * (ended - lease.sent_at), 1),
+            },
+        )
+        return True
+
+
+class _Body:
+    """One recorded critical section, in steps: :meth:`steps` yields each pause of the
+    hold, for its driver to sleep (a thread) or await (an asyncio task)."""
+
+    def __init__(
+        self,
+        lock: Redlock | AsyncRedlock,
+        history: History,
+        key: str,
+        stats: Counter[str],
+        asked: float | None,
+        audit_every: float = 0.05,
+    ) -> None:
+        self.lock, self.history, self.key, self.stats = lock, history, key, stats
+        self.asked, self.audit_every = asked, max(0.001, audit_every)
+        self.sid = history.new_section_id()
+        self.start = clock()
+        self.fence = lock.fence
+        self.lost_at: float | None = None
+        self.increments = 0
+
+    def steps(self, pause: float, hold: float, auditor: Auditor | None) -> Iterator[float]:
+        """Write, increment, hold (audited); a LockLost anywhere ends the section.
+
+        ``lock.check()`` comes before every write, as a correct task does; a lease lost
+        in between is caught by the lease's own margin, or else by the checker.
+        """
+        lock, history, key, stats = self.lock, self.history, self.key, self.stats
+        below = False
+        try:
+            if auditor is not None:
+                below |= auditor.audit(lock, stats)  # right after the grant
+            lock.check()
+            stats["writes" if history.write(key, self.fence, self.sid) else "writes_refused"] += 1
+            value = history.read_counter(key)
+            time.sleep(pause)
+            lock.check()
+            history.set_counter(key, value + 1)
+            self.increments = 1
+            left = hold
+            while left > 0:
+                piece = left if auditor is None else min(left, self.audit_every)
+                yield piece
+                left -= piece
+                if auditor is not None:
+                    below |= auditor.audit(lock, stats)
+                lock.check()
+        except LockLost:
+            self.lost_at = clock()
+            stats["lost"] += 1
+        if auditor is not None:
+            stats["audited_sections"] += 1
+            stats["sections_below_quorum"] += below
+
+    def section(self) -> Section:
+        """The section as recorded (its end is now)."""
+        return Section(
+            self.key,
+            self.fence,
+            self.start,
+            clock(),
+            os.getpid(),
+            lease_deadline(self.lock),
+            self.lost_at,
+            self.increments,
+            self.sid,
+            self.asked,
+        )
 
 
 def run_section(
@@ -143,46 +321,58 @@ def run_section(
     hold: float = 0.0,
     release: bool = True,
     asked: float | None = None,
+    auditor: Auditor | None = None,
+    audit_every: float = 0.05,
 ) -> None:
     """One recorded critical section; the lock is held on entry (and released if asked).
 
     ``asked``: when the holder called ``acquire()`` for it (for the service check).
     An ``AsyncRedlock`` is released by its caller (``release=False``), in its loop.
+    ``auditor``: audit the hold on the real nodes right after the grant and every
+    ``audit_every`` seconds of the hold.
 
     ``lock.check()`` comes before every write, as a correct task does; a lease lost in
     between is caught by the lease's own margin, or else by the checker. A LockLost
     raised anywhere in the body (the Celery abort) ends the section and is recorded.
     """
-    sid = history.new_section_id()
-    start = clock()
-    fence = lock.fence
-    lost_at = None
-    increments = 0
-    try:
-        lock.check()
-        stats["writes" if history.write(key, fence, sid) else "writes_refused"] += 1
-        value = history.read_counter(key)
-        time.sleep(pause)
-        lock.check()
-        history.set_counter(key, value + 1)
-        increments = 1
-        if hold:
-            time.sleep(hold)
-            lock.check()
-    except LockLost:
-        lost_at = clock()
-        stats["lost"] += 1
-    end = clock()
-    valid_until = lease_deadline(lock)
+    body = _Body(lock, history, key, stats, asked, audit_every)
+    for piece in body.steps(pause, hold, auditor):
+        time.sleep(piece)
+    section = body.section()
     if release:
         assert isinstance(lock, Redlock)
         try:
             lock.release()
         except NodeUnavailable:
             stats["release_failed"] += 1
-    history.record(
-        Section(key, fence, start, end, os.getpid(), valid_until, lost_at, increments, sid, asked)
-    )
+    history.record(section)
+
+
+async def run_section_async(
+    lock: AsyncRedlock,
+    spec: Spec,
+    key: str,
+    stats: Counter[str],
+    asked: float | None,
+    auditor: Auditor | None,
+) -> None:
+    """:func:`run_section` for an asyncio task: the hold is awaited (the loop's other
+    tasks wait for the lock meanwhile); the GET/SET pause and the audits still block
+    the loop, as a synchronous call in a coroutine would. Released here."""
+    body = _Body(lock, spec.history, key, stats, asked, spec.audit_every)
+    for piece in body.steps(spec.pause, _hold(spec), auditor):
+        await asyncio.sleep(piece)
+    section = body.section()
+    try:
+        await lock.release()
+    except NodeUnavailable:
+        stats["release_failed"] += 1
+    spec.history.record(section)
+
+
+def _hold(spec: Spec) -> float:
+    """This section's hold: ``spec.hold`` plus its random part."""
+    return spec.hold + (random.uniform(0.0, spec.hold_jitter) if spec.hold_jitter else 0.0)
 
 
 def lease_deadline(lock: Redlock | AsyncRedlock) -> float:
@@ -195,20 +385,43 @@ def lease_deadline(lock: Redlock | AsyncRedlock) -> float:
     return lease.deadline if lease is not None else clock()
 
 
-def holder(spec: Spec, ready: Any, start: Any, stop: Any, results: Any) -> None:
-    """Body of one contending process: up to ``spec.iterations`` sections per thread, or
-    until stop; the threads' stats summed. Each thread says ``ready`` before it waits
-    for ``start``."""
+def _key_of(spec: Spec, n: int) -> str:
+    """The key thread (task) ``n`` of this process takes."""
+    if spec.distinct_keys:
+        return f"{spec.key}.{os.getpid()}.{n}"
+    return f"{spec.key}.{n % spec.keys}" if spec.keys > 1 else spec.key
+
+
+class _Marks:
+    """This process's slot of :attr:`Board.holding`, counted by its threads."""
+
+    def __init__(self, board: Board, index: int) -> None:
+        self.board, self.index = board, index
+        self._lock = threading.Lock()  # this process's own: a SIGSTOP blocks nobody else
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.board.holding[self.index] += n
+
+
+def holder(spec: Spec, ready: Any, start: Any, board: Board, index: int, results: Any) -> None:
+    """Body of one contending process (``index`` of the run): up to ``spec.iterations``
+    sections per thread, or until the board says stop; the threads' stats summed.
+    Each thread says ``ready`` before it waits for ``start``."""
     stats: list[Counter[str]] = [Counter() for _ in range(spec.threads)]
+    marks = _Marks(board, index)
+    auditor = Auditor(spec.audit, spec.history) if spec.audit else None
     if spec.aio:
         try:
-            asyncio.run(_holder_async(spec, ready, start, stop, stats))
+            asyncio.run(_holder_async(spec, ready, start, board, marks, auditor, stats))
         finally:
             results.put((os.getpid(), dict(sum(stats, Counter()))))
         return
     threads = [
-        threading.Thread(target=contend, args=(spec, ready, start, stop, counts))
-        for counts in stats
+        threading.Thread(
+            target=contend, args=(spec, ready, start, board, counts, n, marks, auditor)
+        )
+        for n, counts in enumerate(stats)
     ]
     try:
         for thread in threads:
@@ -226,13 +439,27 @@ def counted(acquired: bool | None, stats: Counter[str]) -> bool:
     return acquired is True
 
 
-def contend(spec: Spec, ready: Any, start: Any, stop: Any, stats: Counter[str]) -> None:
+#: Back-off after a NodeUnavailable (a pause of the workload, not a wait for an event).
+BACKOFF = 0.05
+
+
+def contend(
+    spec: Spec,
+    ready: Any,
+    start: Any,
+    board: Board,
+    stats: Counter[str],
+    n: int = 0,
+    marks: _Marks | None = None,
+    auditor: Auditor | None = None,
+) -> None:
     """One thread of a holder process: take the lock, run a section, release, again."""
-    lock = Redlock(spec.key, nodes=list(spec.urls), ttl=spec.ttl, node_timeout=spec.node_timeout)
+    key = _key_of(spec, n)
+    lock = Redlock(key, nodes=list(spec.urls), ttl=spec.ttl, node_timeout=spec.node_timeout)
     ready.release()
     start.wait(60)
     asked = None
-    while stats["acquired"] < spec.iterations and not stop.is_set():
+    while stats["acquired"] < spec.iterations and not board.halted():
         asked = clock() if asked is None else asked  # a timed-out wait goes on waiting
         try:
             acquired: bool | None = lock.acquire(timeout=min(1.0, spec.ttl))
@@ -241,37 +468,67 @@ def contend(spec: Spec, ready: Any, start: Any, stop: Any, stats: Counter[str]) 
         if not counted(acquired, stats):
             if acquired is None:
                 asked = None
-                stop.wait(0.05)  # back off; a stop ends the wait at once
+                time.sleep(BACKOFF)
             continue
-        run_section(
-            lock, spec.history, spec.key, stats, pause=spec.pause, hold=spec.hold, asked=asked
-        )
+        if marks is not None:
+            marks.add(1)
+        try:
+            run_section(
+                lock,
+                spec.history,
+                key,
+                stats,
+                pause=spec.pause,
+                hold=_hold(spec),
+                asked=asked,
+                auditor=auditor,
+                audit_every=spec.audit_every,
+            )
+        finally:
+            if marks is not None:
+                marks.add(-1)
         asked = None
 
 
 async def _holder_async(
-    spec: Spec, ready: Any, start: Any, stop: Any, stats: list[Counter[str]]
+    spec: Spec,
+    ready: Any,
+    start: Any,
+    board: Board,
+    marks: _Marks,
+    auditor: Auditor | None,
+    stats: list[Counter[str]],
 ) -> None:
     """An asyncio holder process: one task per ``stats``, each with an ``AsyncRedlock``."""
+    keys = [_key_of(spec, n) for n in range(len(stats))]
     locks = [
-        AsyncRedlock(spec.key, nodes=list(spec.urls), ttl=spec.ttl, node_timeout=spec.node_timeout)
-        for _ in stats
+        AsyncRedlock(key, nodes=list(spec.urls), ttl=spec.ttl, node_timeout=spec.node_timeout)
+        for key in keys
     ]
     for _ in locks:
         ready.release()
     start.wait(60)  # blocks the loop, before any task runs
     await asyncio.gather(
         *(
-            contend_async(lock, spec, stop, counts)
-            for lock, counts in zip(locks, stats, strict=True)
+            contend_async(lock, spec, board, counts, marks, auditor, key)
+            for lock, counts, key in zip(locks, stats, keys, strict=True)
         )
     )
 
 
-async def contend_async(lock: AsyncRedlock, spec: Spec, stop: Any, stats: Counter[str]) -> None:
+async def contend_async(
+    lock: AsyncRedlock,
+    spec: Spec,
+    board: Board,
+    stats: Counter[str],
+    marks: _Marks | None = None,
+    auditor: Auditor | None = None,
+    key: str | None = None,
+) -> None:
     """One task of an asyncio holder: :func:`contend`, awaited."""
+    key = spec.key if key is None else key
     asked = None
-    while stats["acquired"] < spec.iterations and not stop.is_set():
+    while stats["acquired"] < spec.iterations and not board.halted():
         asked = clock() if asked is None else asked  # a timed-out wait goes on waiting
         try:
             acquired: bool | None = await lock.acquire(timeout=min(1.0, spec.ttl))
@@ -280,22 +537,15 @@ async def contend_async(lock: AsyncRedlock, spec: Spec, stop: Any, stats: Counte
         if not counted(acquired, stats):
             if acquired is None:
                 asked = None
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(BACKOFF)
             continue
-        run_section(
-            lock,
-            spec.history,
-            spec.key,
-            stats,
-            pause=spec.pause,
-            hold=spec.hold,
-            release=False,
-            asked=asked,
-        )
+        if marks is not None:
+            marks.add(1)
         try:
-            await lock.release()
-        except NodeUnavailable:
-            stats["release_failed"] += 1
+            await run_section_async(lock, spec, key, stats, asked, auditor)
+        finally:
+            if marks is not None:
+                marks.add(-1)
         asked = None
 
 
@@ -303,11 +553,20 @@ FaultScript = Callable[["Progress"], None]
 
 
 class Progress:
-    """What the fault script sees of a run: sections recorded so far, and waiting on it."""
+    """What the fault script sees of a run: sections recorded so far, and waiting on it;
+    the holder processes' pids and how many of each one's threads hold the lock."""
 
-    def __init__(self, history: History, outcome: Outcome) -> None:
+    def __init__(
+        self,
+        history: History,
+        outcome: Outcome,
+        pids: Sequence[int] = (),
+        board: Board | None = None,
+    ) -> None:
         self.history = history
         self.outcome = outcome
+        self.pids = list(pids)
+        self.board = board
 
     def sections(self) -> int:
         """Sections recorded so far."""
@@ -321,6 +580,11 @@ class Progress:
     def fault(self, kind: str) -> None:
         """Count a fault injected, by kind."""
         self.outcome.faults[kind] += 1
+
+    def holding(self, index: int) -> int:
+        """How many threads of holder process ``index`` hold the lock right now."""
+        assert self.board is not None
+        return int(self.board.holding[index])
 
 
 def run_holders(
@@ -346,10 +610,11 @@ def run_holders(
     outcome = Outcome(scenario)
     spec_ = Spec(key=scenario, urls=tuple(urls), history=history, **spec)
     ctx = multiprocessing.get_context("spawn")
-    ready, start, stop, results = ctx.Semaphore(0), ctx.Event(), ctx.Event(), ctx.Queue()
+    ready, start, results = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    board = Board(ctx, processes)
     procs = [
-        ctx.Process(target=holder, args=(spec_, ready, start, stop, results), daemon=True)
-        for _ in range(processes)
+        ctx.Process(target=holder, args=(spec_, ready, start, board, i, results), daemon=True)
+        for i in range(processes)
     ]
     began = time.monotonic()
     for proc in procs:
@@ -364,8 +629,9 @@ def run_holders(
                 break  # a holder that never became ready fails below, not here
         start.set()
         if faults is not None:
-            faults(Progress(history, outcome))
-            stop.set()
+            pids = [proc.pid for proc in procs if proc.pid is not None]
+            faults(Progress(history, outcome, pids, board))
+            board.stop()
         deadline = time.monotonic() + RUN_TIMEOUT
         for _ in procs:
             try:
@@ -377,7 +643,7 @@ def run_holders(
             proc.join(30)
             assert proc.exitcode == 0, f"{scenario}: holder exited with {proc.exitcode}"
     finally:
-        stop.set()
+        board.stop()
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
