@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 from .. import forksafe, metrics
 from ..exceptions import LockLost, NodeUnavailable
 from ..nodes import Call, Reply
-from ..nodes.aio import AsyncNodeSet, settle
+from ..nodes.aio import AsyncNodeSet
 from .holds import Holds
 from .keys import DEFAULT_PREFIX
 from .kinds import Holder, Waiter
@@ -49,7 +49,17 @@ from .lease import Lease, clock, renew_call
 from .lock import _HOST, Redlock, Step, _agreeing, _report_release, _view
 from .scripts import INSPECT
 from .timing import Timing
-from .vote import Attempt, budget, fence_requests, fences_stored, tally, vote_calls
+from .vote import (
+    Attempt,
+    budget,
+    fence_requests,
+    fences_stored,
+    release_decided,
+    sent_only,
+    tally,
+    vote_calls,
+    vote_decided,
+)
 from .waiting import LoopWakeup, Subscription
 
 __all__ = ["AsyncRedlock"]
@@ -160,11 +170,10 @@ class AsyncRedlock:
         waiter = self.kind.new_waiter(blocking, len(self.nodeset))
         subscription: Subscription | None = None
         wakeup = LoopWakeup(asyncio.get_running_loop())
-        inflight: list[asyncio.Future[Any]] = []
         acquired = settled = False
         try:
             while True:
-                attempt = await self._attempt(waiter, inflight)
+                attempt = await self._attempt(waiter)
                 if attempt is None:
                     acquired = settled = True
                     if metrics.enabled:
@@ -225,21 +234,21 @@ class AsyncRedlock:
             return
         started = clock()
         waiter = self.kind.new_waiter(False, len(self.nodeset))
-        inflight: list[asyncio.Future[Any]] = []
         settled = False
         try:
-            attempt = await self._attempt(waiter, inflight)
+            attempt = await self._attempt(waiter)
             settled = attempt is None or not waiter.in_doubt
         finally:
             if not settled:
                 await _unless_cancelled(self._abandon(waiter))
         self._sync._tried(attempt, started)
 
-    async def _attempt(self, waiter: Waiter, inflight: list[asyncio.Future[Any]]) -> Attempt | None:
+    async def _attempt(self, waiter: Waiter) -> Attempt | None:
         """One acquisition attempt; None when it succeeded (and the hold is recorded).
 
-        ``inflight`` collects the requests still running on the nodes: an undo waits
-        for them, so that it cannot overtake what it undoes.
+        It returns once the vote is decided; requests still running on a minority of
+        nodes run on, and the undo of a failed attempt names the attempt, so it can
+        arrive before them (or after the next attempt) and remove nothing it should not.
         """
         sync, token, quorum = self._sync, waiter.token, self.quorum
         holder = Holder("", _HOST, forksafe.pid(), f"{time.time():.3f}", self.task_name or "")
@@ -251,25 +260,27 @@ class AsyncRedlock:
         waiter.sent = True
         sent_at = waiter.sent_at = clock()
         replies = await self.nodeset.call(
-            calls, timeout=budget(self.timing.node_timeout, sync.min_replicas), inflight=inflight
+            calls,
+            timeout=budget(self.timing.node_timeout, sync.min_replicas),
+            decided=vote_decided(quorum, len(self.nodeset), sync.min_replicas),
         )
         attempt = tally(replies, clock() - sent_at, sync.min_replicas)
         attempt.number = waiter.attempt
-        if attempt.failed():
-            waiter.in_doubt = True  # an undo may overtake what did not answer
+        if attempt.failed() or None in replies:
+            # A request not answered runs on, on its own connection: an abandon sent
+            # later may arrive before it, so it must make the nodes refuse the token.
+            waiter.in_doubt = True
         validity = self.timing.ttl - attempt.elapsed - self.timing.drift
         if len(attempt.granted) >= quorum and validity > 0:
             fences = attempt.top_fences()
             if (
-                attempt.agreeing(fences) >= quorum
-                or await self._sync_fence(token, fences, attempt, inflight)
+                attempt.agreeing(fences) >= quorum or await self._sync_fence(token, fences, attempt)
             ) and sync._won(token, fences, sent_at, len(attempt.granted), self._loss_reporter()):
                 return None
         if not attempt.all_busy():
-            if not await settle(inflight, self.timing.node_timeout):
-                waiter.in_doubt = True  # the unlock below may overtake those
             # Everywhere: a silent node may have granted it. The waiter keeps its place.
-            await self.nodeset.call([self.kind.undo_call(token, attempt.number)])
+            undo = self.kind.undo_call(token, attempt.number)
+            await self.nodeset.call([undo], decided=sent_only)
         if len(attempt.granted) >= quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
@@ -279,12 +290,11 @@ class AsyncRedlock:
         token: str,
         fences: tuple[int, ...],
         attempt: Attempt,
-        inflight: list[asyncio.Future[Any]],
     ) -> bool:
         """Store the fences back on the granting nodes; True if a quorum holds them."""
         calls = self.kind.fence_sync_calls(token, fences)
         requests = fence_requests(len(self.nodeset), calls, attempt.granted)
-        replies = await self.nodeset.call(requests, per_node=True, inflight=inflight)
+        replies = await self.nodeset.call(requests, per_node=True)
         synced = fences_stored(replies)
         if synced < self.quorum:
             attempt.errors.append(f"fence stored on {synced} nodes only")
@@ -321,8 +331,9 @@ class AsyncRedlock:
             self._sync._undo_failed()
 
     async def _unlock(self, token: str) -> list[Reply | None]:
-        """Release ``token`` on every node."""
-        return await self.nodeset.call([self.kind.release_call(token)])
+        """Release ``token`` on every node, waiting for a quorum's confirmation at most."""
+        decided = release_decided(self.quorum)
+        return await self.nodeset.call([self.kind.release_call(token)], decided=decided)
 
     async def _reenter(self) -> bool:
         """Count one more hold if this task holds the lock on a lease still valid."""

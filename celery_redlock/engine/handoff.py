@@ -229,8 +229,12 @@ def forget(lock: Redlock, grant: Grant) -> None:
 
 
 def held_here(lock: Redlock) -> float:
-    """Seconds for which another thread of this process surely holds ``lock`` (0: none)."""
-    if not lock.kind.hands_over:
+    """Seconds for which another thread of this process surely holds ``lock`` (0: none).
+
+    0 too while a node lags: no handoff is made then (:func:`hand_over`), so a waiter
+    asks the nodes, which record it for the release to name.
+    """
+    if not lock.kind.hands_over or lock.nodeset.lagging():
         return 0.0
     entry = _held.get(lock.local_key)
     if entry is None:
@@ -302,7 +306,9 @@ def hand_over(lock: Redlock, token: str) -> Handed:
     On ``handed``, the waiter holds it and ``token`` holds it nowhere a quorum of the
     new holder's nodes granted; the caller releases ``token`` on the other nodes.
     """
-    if not lock.kind.hands_over or not _offers:
+    if not lock.kind.hands_over or not _offers or lock.nodeset.lagging():
+        # A takeover waits for every node: with one lagging, the release and the
+        # waiter's own try (each decided by a quorum) serve it sooner.
         return NOT_HANDED
     entry = _claim(lock)
     if entry is None:

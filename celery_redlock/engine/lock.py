@@ -87,7 +87,7 @@ from .lease import Lease, clock, renew_call
 from .renewal import get_renewer
 from .scripts import INSPECT, ReleaseStatus
 from .timing import Timing
-from .vote import Attempt, budget, sync_fences, vote
+from .vote import Attempt, budget, release_decided, sent_only, sync_fences, vote
 from .waiting import HOST, Subscription, subscribed
 
 __all__ = ["DEFAULT_URL", "Redlock", "Step"]
@@ -200,6 +200,7 @@ class Redlock:
                 "cannot take keys in several slots; use independent nodes, or one resource"
             )
         self.quorum = self.kind.quorum(len(self.nodeset))
+        self._released = release_decided(self.quorum)
         #: This lock as :mod:`.handoff` finds it among the process's holds and waiters.
         self.local_key = (
             tuple(node.url for node in self.nodeset.nodes),
@@ -466,8 +467,8 @@ class Redlock:
         A Grant is a quorum's, with agreeing fences, not recorded yet; a losing
         Attempt's grants are undone already.
 
-        ``predecessor`` and ``wait_all``: a takeover by a releasing thread of this
-        process (:mod:`.handoff`), which may run in that thread.
+        ``predecessor``: a takeover by a releasing thread of this process
+        (:mod:`.handoff`), which may run in that thread.
         """
         token, quorum = waiter.token, self.quorum
         holder = Holder(
@@ -496,11 +497,10 @@ class Redlock:
         """Undo what a losing (or spent) attempt was granted; the attempt, for the caller."""
         if not attempt.all_busy():
             # Undo everywhere, including nodes that did not answer (they may have
-            # granted it after all) and nodes whose replicas did not confirm.
-            # The undo is queued behind the acquisition on the same connection of each
-            # node, so it cannot overtake it; wait for every node that may be reachable
-            # (the failure path may thus cost one more budget), not for failed ones.
-            self._unlock(token, wait_for=attempt.reachable(), undo=attempt.number)
+            # granted it after all) and nodes whose replicas did not confirm, and wait
+            # for none: the undo names the attempt, so it removes nothing a later
+            # attempt of this token wrote, whenever it arrives.
+            self._unlock(token, undo=attempt.number)
         if len(attempt.granted) >= self.quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
@@ -572,25 +572,16 @@ class Redlock:
         )
         return True
 
-    def _unlock(
-        self,
-        token: str,
-        wait_for: Sequence[int] | None = None,
-        *,
-        undo: int = 0,
-    ) -> list[Reply | None]:
-        """Release ``token`` on every node; wait for the replies of ``wait_for`` (default all).
+    def _unlock(self, token: str, *, undo: int = 0) -> list[Reply | None]:
+        """Release ``token`` on every node, waiting for a quorum's confirmation at most.
 
         ``undo``: only what attempt number ``undo`` (or an earlier one) was granted, for
         an attempt that lost the vote (it tries again, so it keeps its place among the
-        recorded waiters).
+        recorded waiters); no reply is waited for.
         """
-
-        def decided(replies: list[Reply | None]) -> bool:
-            return all(replies[i] is not None for i in wait_for)  # type: ignore[union-attr]
-
-        call = self.kind.undo_call(token, undo) if undo else self.kind.release_call(token)
-        return self.nodeset.call([call], decided=None if wait_for is None else decided)
+        if undo:
+            return self.nodeset.call([self.kind.undo_call(token, undo)], decided=sent_only)
+        return self.nodeset.call([self.kind.release_call(token)], decided=self._released)
 
     # -- holding -----------------------------------------------------------------
 
@@ -675,14 +666,19 @@ class Redlock:
             _report_release(self, lease, replies)
 
     def _unlock_elsewhere(self, token: str, granted: Sequence[int]) -> list[Reply | None]:
-        """Release ``token`` on the nodes a takeover did not reach (none, usually)."""
+        """Release ``token`` on the nodes a takeover did not reach (none, usually).
+
+        Waiting for no reply: those nodes are a minority (slow, down, or still held by
+        someone else), and on each the release goes out behind the takeover, on the
+        same connection.
+        """
         requests = [
             None if i in granted else [self.kind.release_call(token)]
             for i in range(len(self.nodeset))
         ]
         if not any(requests):
             return []
-        return self.nodeset.call(requests, per_node=True)
+        return self.nodeset.call(requests, per_node=True, decided=sent_only)
 
     def _end_interrupted_release(self, hold: Hold | None, counted: bool) -> None:
         """Finish a release that an exception cut short, wherever it stopped."""

@@ -17,11 +17,13 @@ What to make of the tally (a hold, an undo, a retry) is the lock's business
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from redis.exceptions import ResponseError
 
 from ..nodes import Call, NodeSet, Reply
 from .lease import clock
-from .scripts import AcquireStatus, FenceSyncStatus
+from .scripts import AcquireStatus, FenceSyncStatus, ReleaseStatus
 
 __all__ = [
     "Attempt",
@@ -30,10 +32,13 @@ __all__ = [
     "fences_stored",
     "granted_fences",
     "is_busy",
+    "release_decided",
+    "sent_only",
     "sync_fences",
     "tally",
     "vote",
     "vote_calls",
+    "vote_decided",
 ]
 
 
@@ -137,6 +142,54 @@ def tally(replies: list[Reply | None], elapsed: float, min_replicas: int) -> Att
     return attempt
 
 
+def vote_decided(
+    quorum: int, nodes: int, min_replicas: int
+) -> Callable[[list[Reply | None]], bool] | None:
+    """When a vote's outcome is known: a quorum granted, or too many refused for one.
+
+    The fan-out returns then, whatever the other nodes are doing: a minority of slow or
+    silent nodes does not set the pace (their requests run on; their undo, if the vote
+    failed, names the attempt it undoes). None on one node: its reply is the outcome.
+    """
+    if nodes == 1:
+        return None
+
+    def decided(replies: list[Reply | None]) -> bool:
+        yes = no = 0
+        for reply in replies:
+            if reply is not None:
+                if granted_fences(reply, min_replicas) is not None:
+                    yes += 1
+                else:
+                    no += 1
+        return yes >= quorum or no > nodes - quorum
+
+    return decided
+
+
+def release_decided(quorum: int) -> Callable[[list[Reply | None]], bool]:
+    """When a release need not wait for more nodes: a quorum confirmed it, or all answered.
+
+    A node that has not answered is not waited for once a quorum let the lock go: no
+    later holder can count on it anyway (it needs a quorum of its own), and the release
+    request runs on there.
+    """
+
+    def decided(replies: list[Reply | None]) -> bool:
+        answered = [reply for reply in replies if reply is not None]
+        released = sum(
+            1 for reply in answered if reply.ok and reply.values[0] == ReleaseStatus.RELEASED
+        )
+        return released >= quorum or len(answered) == len(replies)
+
+    return decided
+
+
+def sent_only(replies: list[Reply | None]) -> bool:
+    """A fan-out that waits for no reply: an undo, whose outcome nobody reads."""
+    return True
+
+
 def vote(
     nodeset: NodeSet,
     acquire: Call,
@@ -147,27 +200,15 @@ def vote(
 ) -> tuple[Attempt, float]:
     """Send ``acquire`` to every node; the tally, and when the requests were sent.
 
-    With ``wait_all`` every node's reply is read (or timed out) even once the outcome
-    is decided: nothing of the vote is left in flight.
+    It returns once the outcome is decided (:func:`vote_decided`), or with ``wait_all``
+    once every node answered or the budget is spent.
     """
     calls = vote_calls(acquire, min_replicas, node_timeout)
-    n = len(nodeset)
-
-    def decided(replies: list[Reply | None]) -> bool:
-        yes = no = 0
-        for reply in replies:
-            if reply is not None:
-                if granted_fences(reply, min_replicas) is not None:
-                    yes += 1
-                else:
-                    no += 1
-        return yes >= quorum or no > n - quorum
-
     sent_at = clock()
     replies = nodeset.call(
         calls,
         timeout=budget(node_timeout, min_replicas),
-        decided=decided if n > 1 and not wait_all else None,
+        decided=None if wait_all else vote_decided(quorum, len(nodeset), min_replicas),
     )
     return tally(replies, clock() - sent_at, min_replicas), sent_at
 

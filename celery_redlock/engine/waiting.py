@@ -322,8 +322,12 @@ class _Listener:
         named: Named | None = None,
         heard: set[str] | None = None,
         quorum: int = 1,
+        confirmed: Wakeup | None = None,
     ) -> Wakeup:
         """Register ``event`` for ``channel``; returns an event set once subscribed.
+
+        ``confirmed``: the event to set (else a new one); one shared by a waiter's
+        listeners on several nodes is set by whichever confirms first.
 
         ``named``: the waiter whose token a release may name (an exclusive lock on one
         resource, fair or not): an announcement naming it wakes only this waiter,
@@ -334,7 +338,7 @@ class _Listener:
         until :meth:`remove`, or until ``event`` is collected.
         """
         ref = weakref.ref(event)
-        confirmed = Wakeup()
+        confirmed = confirmed or Wakeup()
         self._drop_unheard()
         with self._mutex:
             self._idle.pop(channel, None)
@@ -807,26 +811,24 @@ class Subscription:
         self.quorum = quorum
         self._heard: set[str] = set()
         self._listeners: list[_Listener] = []
-        #: Set by the listeners once subscribed (one per node).
-        self.confirmations: list[Wakeup] = []
+        #: Set by the first listener subscribed (one for every node: the first node to
+        #: confirm ends the wait below, whichever it is, so a slow or silent node
+        #: does not set its length).
+        self.confirmation = Wakeup()
         for node in nodes:
             listener = get_listener(node)
-            self.confirmations.append(listener.add(channel, self.event, named, self._heard, quorum))
+            listener.add(channel, self.event, named, self._heard, quorum, self.confirmation)
             self._listeners.append(listener)  # after add: close() removes only what was added
         # Wait until subscribed on at least one node before the caller retries, so
         # a release between that retry and the wait cannot go unnoticed. If no node
         # confirms in time the caller still has the TTL fallback. (None: the caller
         # waits for it, as an asyncio waiter does without blocking its loop.)
-        if confirm_timeout is not None:
-            deadline = time.monotonic() + confirm_timeout
-            for confirmed in self.confirmations:
-                if confirmed.is_set() or confirmed.wait(max(0.0, deadline - time.monotonic())):
-                    confirmed.set()  # for confirmed(); a confirmation stands for all nodes
-                    break
+        if confirm_timeout is not None and self.confirmation.wait(confirm_timeout):
+            self.confirmation.set()  # for confirmed(): the wait consumed it
 
     def confirmed(self) -> bool:
         """Subscribed on at least one node."""
-        return any(confirmed.is_set() for confirmed in self.confirmations)
+        return self.confirmation.is_set()
 
     def wait(self, timeout: float) -> bool:
         """Block until a release is announced or ``timeout`` passes; True if announced.
@@ -845,9 +847,14 @@ class Subscription:
         end = time.monotonic() + max(0.0, timeout)
         try:
             while True:
+                heard = len(self._heard)
                 if not self._wait_event(max(0.0, end - time.monotonic())):
                     return False
-                if not self._heard or len(self._heard) >= self.quorum:
+                # A wake-up that added no node was announced by none (a listener adds
+                # the node before it wakes): it ends the wait even when some nodes have
+                # announced a release already, which a handoff's wake-up would
+                # otherwise wait out with them.
+                if len(self._heard) >= self.quorum or len(self._heard) == heard:
                     return True
         finally:
             self._heard.clear()

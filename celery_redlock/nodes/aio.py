@@ -13,17 +13,19 @@ of that loop. Only plain masters
 (``redis://``, ``rediss://``, ``unix://``): Sentinel and Cluster URLs are refused
 with a :class:`~celery_redlock.ConfigurationError`.
 
-Unlike the threaded fan-out, this one waits for every node's reply (or the budget)
-instead of returning once the outcome is decided: a request left in flight on an
-asyncio connection cannot be kept for the next request of the same caller, which is
-what lets the threaded fan-out queue an undo behind its acquisition.
+As the threaded fan-out, it returns once the caller's ``decided`` says the outcome is
+known (a quorum granted or refused): a minority of slow nodes does not set the pace.
+A request left running is never interrupted (below); unlike the threaded fan-out's, it
+keeps its connection to itself, so the caller's next request to that node may arrive
+first. The lock's scripts make that harmless: an attempt's undo names its attempt,
+and removes nothing a later one wrote.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -37,7 +39,7 @@ from .nodeset import NodeSet
 from .sentinel import is_sentinel_url
 from .urls import connection_options, safe_url
 
-__all__ = ["AsyncNodeSet", "aclose_loop_clients", "settle"]
+__all__ = ["AsyncNodeSet", "aclose_loop_clients"]
 
 #: Failures of one node's request that make it a missing vote, not a crash.
 _NODE_FAILURES = (RedisError, OSError, asyncio.TimeoutError)
@@ -139,19 +141,20 @@ class AsyncNodeSet:
         *,
         timeout: float | None = None,
         per_node: bool = False,
-        inflight: list[asyncio.Future[Any]] | None = None,
+        decided: Callable[[list[Reply | None]], bool] | None = None,
     ) -> list[Reply | None]:
         """Send ``calls`` to every node (``per_node``: node i gets ``calls[i]``, or nothing).
 
         Returns each node's :class:`Reply` (None where nothing was sent), within
-        ``timeout`` (default: the node timeout) for the whole fan-out.
+        ``timeout`` (default: the node timeout) for the whole fan-out, or as soon as
+        ``decided`` (called with the replies so far, None where none came yet)
+        returns True: the nodes not heard then are None.
 
         A request is never interrupted once sent, neither by the budget nor by the
         caller's cancellation: a connection cut mid-command can hand a later request
         the earlier one's reply (older redis-py), and an undo sent meanwhile on another
         connection could overtake the request it undoes. A request that outlives its
-        budget or its caller runs on (its connection's socket timeout ends it) and is
-        added to ``inflight``, for an undo to :func:`settle` first.
+        budget or its caller runs on (its connection's socket timeout ends it).
         """
         loop_clients = _clients_of_this_loop()
         clients = [loop_clients.client(node) for node in self.nodes]
@@ -168,12 +171,23 @@ class AsyncNodeSet:
         ]
         for _, request in sent:
             request.add_done_callback(_retrieve)
-            if inflight is not None:
-                inflight.append(request)
+
+        def replies(so_far: bool = False) -> list[Reply | None]:
+            answers = iter(
+                [
+                    None if so_far and not request.done() else _reply(node, request)
+                    for node, request in sent
+                ]
+            )
+            return [None if request is None else next(answers) for request in requests]
+
         if sent:
-            await _wait_budget([request for _, request in sent], budget)
-        answers = iter([_reply(node, request) for node, request in sent])
-        return [None if request is None else next(answers) for request in requests]
+            settled = None if decided is None else (lambda: decided(replies(so_far=True)))
+            if settled is not None and settled():
+                return replies(so_far=True)
+            if await _wait_budget([request for _, request in sent], budget, settled):
+                return replies(so_far=True)
+        return replies()
 
 
 #: How late the loop may wake from a wait before the difference counts as a stall (s):
@@ -185,8 +199,15 @@ _TICKS = 4
 _LOOK_STEPS = 4
 
 
-async def _wait_budget(requests: list[asyncio.Future[list[Any]]], budget: float) -> None:
+async def _wait_budget(
+    requests: list[asyncio.Future[list[Any]]],
+    budget: float,
+    settled: Callable[[], bool] | None = None,
+) -> bool:
     """Wait up to ``budget`` for ``requests``, not counting the time the loop was stalled.
+
+    True as soon as ``settled`` says the caller needs no more replies; else False once
+    every request is done or the budget is spent.
 
     A coroutine that blocks the event loop (CPU-bound work, a synchronous call)
     spends this process's time, not any node's: before a request is written (it goes
@@ -202,12 +223,15 @@ async def _wait_budget(requests: list[asyncio.Future[list[Any]]], budget: float)
     pending = set(requests)
     due = loop.time() + budget
     tick = budget / _TICKS
+    when = asyncio.ALL_COMPLETED if settled is None else asyncio.FIRST_COMPLETED
     while pending:
         now = loop.time()
         if now >= due:
             break
         step = min(tick, due - now)
-        _, pending = await asyncio.wait(pending, timeout=step)
+        done, pending = await asyncio.wait(pending, timeout=step, return_when=when)
+        if done and settled is not None and settled():
+            return True
         late = loop.time() - (now + step)
         if pending and late > _STALL:
             due += late
@@ -217,22 +241,12 @@ async def _wait_budget(requests: list[asyncio.Future[list[Any]]], budget: float)
     # then the request's task).
     for _ in range(_LOOK_STEPS):
         if not pending:
-            return
+            return False
         await asyncio.sleep(0)
         pending = {request for request in pending if not request.done()}
-
-
-async def settle(inflight: list[asyncio.Future[Any]], timeout: float) -> bool:
-    """Wait (up to ``timeout``) for the requests still in flight, and forget the others.
-
-    Returns whether every one of them finished.
-    """
-    pending = [request for request in inflight if not request.done()]
-    inflight.clear()
-    if not pending:
-        return True
-    _, still = await asyncio.wait(pending, timeout=timeout)
-    return not still
+        if settled is not None and settled():
+            return True
+    return False
 
 
 def _reply(node: LockNode, request: asyncio.Future[list[Any]]) -> Reply:

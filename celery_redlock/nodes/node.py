@@ -16,6 +16,7 @@ queues behind the earlier one.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -39,7 +40,12 @@ from .sentinel import (
 )
 from .urls import connection_options, mask_password, register_node_kind
 
-__all__ = ["MAX_IDLE", "Node"]
+__all__ = ["LAG", "MAX_IDLE", "Node"]
+
+#: A reply left in flight that is still missing this long after (seconds), when the
+#: node is next used, marks the node as lagging (:attr:`Node.lagged_at`): a healthy
+#: node answers within a millisecond or two, even one left behind by a quorum.
+LAG = 0.02
 
 logger = logging.getLogger("celery_redlock.nodes")
 
@@ -76,6 +82,9 @@ class Node:
         self._recheck_at = 0.0
         #: When a connection to this server last failed (monotonic; 0: never).
         self.failed_at = 0.0
+        #: When a reply left in flight here was still missing at this node's next use
+        #: (monotonic; -inf: never): the node is slower than its callers' pace.
+        self.lagged_at = -math.inf
         self.url = url
         self.timeout = timeout
         self._connection_class = pool.connection_class
@@ -154,10 +163,13 @@ class Node:
             if self._draining:
                 self._drain_locked()
                 me = threading.get_ident()
-                for index, (conn, owed, _, ident) in enumerate(self._draining):
+                for index, (conn, owed, _, ident, left_at) in enumerate(self._draining):
                     if ident == me:
                         del self._draining[index]
                         if not self._stale(conn):
+                            now = time.monotonic()
+                            if now - left_at > LAG:
+                                self.lagged_at = now  # still owes replies from then
                             return conn, False, owed
                         conn.disconnect()  # the earlier request went to the old master
                         break
@@ -227,7 +239,9 @@ class Node:
             if self._pid != forksafe.pid():
                 return
             if owed:
-                self._draining.append([conn, owed, give_up_at, threading.get_ident()])
+                self._draining.append(
+                    [conn, owed, give_up_at, threading.get_ident(), time.monotonic()]
+                )
             elif len(self._idle) < MAX_IDLE and conn._sock is not None:
                 self._idle.append(conn)
                 return
@@ -240,7 +254,7 @@ class Node:
         still: list[list[Any]] = []
         draining, self._draining = self._draining, []
         for index, item in enumerate(draining):
-            conn, owed, give_up_at, _ = item
+            conn, owed, give_up_at, *_ = item
             try:
                 while owed and conn.can_read(0):
                     try:
@@ -265,6 +279,7 @@ class Node:
                 else:
                     conn.disconnect()
             elif now >= give_up_at:
+                self.lagged_at = now  # it never answered
                 conn.disconnect()
             else:
                 item[1] = owed

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,7 +15,11 @@ from .fanout import fan_out
 from .node import Node
 from .urls import make_node
 
-__all__ = ["NodeSet"]
+__all__ = ["LAG_WINDOW", "NodeSet"]
+
+#: How long (seconds) a node counts as lagging after it was last seen lagging
+#: (:meth:`NodeSet.lagging`).
+LAG_WINDOW = 1.0
 
 
 class NodeSet:
@@ -77,6 +83,19 @@ class NodeSet:
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+    def lagging(self) -> bool:
+        """Whether a node of several was seen lagging within :data:`LAG_WINDOW`.
+
+        A node lags when a reply left in flight there (a fan-out decided without it)
+        is still missing when the node is next used, or never came. What waits for
+        every node (an in-process handoff takes the lock over on all of them) would
+        then go at that node's pace; the caller takes the path a quorum serves.
+        """
+        if len(self.nodes) == 1:
+            return False
+        since = time.monotonic() - LAG_WINDOW
+        return any(getattr(node, "lagged_at", -math.inf) > since for node in self.nodes)
 
     def __repr__(self) -> str:
         return f"<NodeSet {[n.safe_url for n in self.nodes]} quorum={self.quorum}>"

@@ -285,7 +285,7 @@ def test_a_waiter_giving_up_on_a_takeover_undoes_what_the_releaser_could_not(red
     waiter = waiter_lock.kind.new_waiter(True, 1)
     entry = handoff.offer(waiter_lock, waiter, _NoWakeup())
     assert handoff._claim(waiter_lock) is entry
-    taken = waiter_lock._vote(waiter, predecessor=holder.lease.token, wait_all=True)
+    taken = waiter_lock._vote(waiter, predecessor=holder.lease.token)
     assert isinstance(taken, handoff.Grant)
     assert entry.withdraw(patience=0.0) is None
     assert not redis_node.client().exists(holder.key)
