@@ -10,8 +10,14 @@
 The lock is taken in :meth:`LockedTask.before_start`, which Celery (>= 5.2) runs
 inside the traced ``try``: raising there decides the task's state, and the body
 never starts (a ``task_prerun`` receiver could not do this: Celery logs and swallows
-its exceptions). It is released in ``task_postrun`` (see :mod:`celery_redlock.worker`),
-which fires for every outcome: SUCCESS, FAILURE, RETRY, IGNORED and REJECTED.
+its exceptions). It is released as the body returns or raises, in
+:meth:`LockedTask.__call__`, before Celery sends the chain's next step and ``link``
+callbacks and stores the result (which starts a chord's body and wakes a caller in
+``get()``): a run never finds its key held by the run that caused it. ``task_postrun``
+(see :mod:`celery_redlock.worker`), which fires for every outcome, releases what is
+left: the lock of a run whose body never started (``before_start`` failed after taking
+it), or whose release an exception cut short. A pool child that dies has its locks
+released by the worker's main process (:mod:`celery_redlock.reaper`).
 
 Everything about one execution lives in thread-local (greenlet-local under gevent)
 storage keyed by the execution's task id, never on the task object, which the threads
@@ -44,7 +50,7 @@ from . import abort, budgets, reaper, unique
 from .engine.lock import Redlock
 from .engine.names import call_lock_name, signature
 from .engine.queued import note_started
-from .exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
+from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
 from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, deferrals, requeues
 from .settings import Settings, from_conf
@@ -63,6 +69,7 @@ __all__ = [
     "lock_options",
     "pop_lock",
     "push_lock",
+    "release_lock",
     "task_options",
 ]
 
@@ -72,43 +79,89 @@ logger = logging.getLogger("celery_redlock.task")
 _EAGER_RESULT_NAMED = "name" in inspect.signature(EagerResult).parameters
 
 # The locks of the executions running in this thread (greenlet, under gevent), as a
-# stack of (task id, lock), innermost last. A stack, because one thread can run
-# several locked executions nested in each other: a body calling ``other.apply()``,
-# errbacks and callbacks Celery runs inline for an eager task, ``task_always_eager``
-# canvases. Each keeps and releases its own lock. Not an attribute of
-# ``task.request``: Celery copies unknown request attributes into the custom headers
-# of retried messages, and a Redlock is not serialisable.
+# stack, innermost last. A stack, because one thread can run several locked executions
+# nested in each other: a body calling ``other.apply()``, errbacks and callbacks Celery
+# runs inline for an eager task, ``task_always_eager`` canvases. Each keeps and
+# releases its own lock. Not an attribute of ``task.request``: Celery copies unknown
+# request attributes into the custom headers of retried messages, and a Redlock is not
+# serialisable.
 _running = threading.local()
 
 
-def _stack() -> list[tuple[str, Redlock]]:
+class _Execution:
+    """One locked execution in this thread: its task id, its lock, whether its body runs."""
+
+    __slots__ = ("in_body", "lock", "task_id")
+
+    def __init__(self, task_id: str, lock: Redlock) -> None:
+        self.task_id = task_id
+        self.lock = lock
+        # Set by the traced call of the body (LockedTask.__call__): a call of the task
+        # from inside its own body (``self(...)``) sees it, and neither checks nor
+        # releases the lock, which belongs to the outer run.
+        self.in_body = False
+
+
+def _stack() -> list[_Execution]:
     stack = getattr(_running, "stack", None)
     if stack is None:
         stack = _running.stack = []
     return stack
 
 
+def _execution(task_id: str | None) -> _Execution | None:
+    """The innermost locked execution of ``task_id`` in this thread, if any."""
+    for execution in reversed(_stack()):
+        if execution.task_id == task_id:
+            return execution
+    return None
+
+
 def held_lock(task: Task) -> Redlock | None:
     """The lock held by the execution of ``task`` running in this thread, if any."""
-    task_id = task.request.id
-    for held_id, lock in reversed(_stack()):
-        if held_id == task_id:
-            return lock
-    return None
+    execution = _execution(task.request.id)
+    return None if execution is None else execution.lock
 
 
 def push_lock(task_id: str, lock: Redlock) -> None:
     """Record that this thread's execution of ``task_id`` now holds ``lock``."""
-    _stack().append((task_id, lock))
+    _stack().append(_Execution(task_id, lock))
 
 
 def pop_lock(task_id: str | None) -> Redlock | None:
     """Detach and return this thread's lock for ``task_id`` (at the end of a run)."""
     stack = _stack()
     for index in range(len(stack) - 1, -1, -1):
-        if stack[index][0] == task_id:
-            return stack.pop(index)[1]
+        if stack[index].task_id == task_id:
+            return stack.pop(index).lock
     return None
+
+
+def release_lock(task: Task, task_id: str | None) -> None:
+    """Release the lock of ``task_id``'s execution in this thread, if it holds one.
+
+    Called as the body returns (:meth:`LockedTask.__call__`), and again in
+    ``task_postrun`` for a run whose body never started (``before_start`` failed after
+    the lock was taken) or whose release an exception cut short. The lock leaves this
+    thread's records only once its release has run: an exception (a soft time limit)
+    landing before that leaves it to the second call, instead of to a lease renewed
+    with nobody left to release it. A release that fails is logged: the lease ends by
+    itself within one TTL, and the run's outcome is its body's.
+    """
+    execution = _execution(task_id)
+    if execution is None:
+        return
+    lock = execution.lock
+    abort.untrack(lock.lease)  # a loss noticed from now on is no longer the body's
+    try:
+        lock.release()
+    except LockNotOwned:
+        # An earlier release of this run was interrupted: the engine ended the hold.
+        logger.debug("Task %s[%s]: %s was released already", task.name, task_id, lock.key)
+    except Exception:
+        logger.exception("Task %s[%s]: releasing %s failed", task.name, task_id, lock.key)
+    pop_lock(task_id)
+    announce_lock(reaper.forget, lock, task_id or "")
 
 
 _settings: weakref.WeakKeyDictionary[Celery, Settings] = weakref.WeakKeyDictionary()
@@ -274,9 +327,10 @@ class LockedTask(Task):
         lock = held_lock(self)
         if lock is None:
             raise RuntimeError(
-                f"task {self.name}: self.lock exists only while the task runs, in a worker "
-                "or with apply() (not when the task is called directly, nor with "
-                "redlock_fail_open after Redis was unreachable: see self.current_lock)"
+                f"task {self.name}: self.lock exists only while the task's body runs, in a "
+                "worker or with apply() (not in on_success, on_failure or after_return, "
+                "which run after the release; not when the task is called directly, nor "
+                "with redlock_fail_open after Redis was unreachable: see self.current_lock)"
             )
         return lock
 
@@ -337,24 +391,46 @@ class LockedTask(Task):
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body; a lock lost meanwhile makes the result a LockLost failure."""
-        lock = held_lock(self)
-        if lock is None:
+        """Run the body under the lock, and release it as the body returns or raises.
+
+        A lock lost meanwhile makes the result a LockLost failure.
+
+        The release is here, not in ``task_postrun``, because Celery's tracer (5.3 to
+        5.7 alike) does everything that starts the runs this one causes after this
+        call returns and before ``task_postrun``: it sends the ``link`` callbacks and
+        the chain's next step, stores the result (which starts a chord's body, and
+        wakes a caller blocked in ``get()``), then calls ``on_success`` or
+        ``on_failure``, and ``after_return``. A successor on another pool process, or
+        the caller's next call, would find the key still held by this run and be
+        refused. Released here, the key is free before any of them is sent, and held
+        for the whole body (and the lease check after it). ``task_postrun`` releases
+        only what this did not: a run whose body never started, or whose release was
+        interrupted.
+        """
+        execution = _execution(self.request.id)
+        if execution is None or execution.in_body:
+            # No lock (called directly, or redlock_fail_open), or the task called
+            # from inside its own body: the outer call keeps and releases the lock.
             return super().__call__(*args, **kwargs)
+        lock, execution.in_body = execution.lock, True
         try:
-            result = super().__call__(*args, **kwargs)
-        except LockLost:
-            # The threads pool raises a bare LockLost class: give the result the
-            # key, reason and fence.
-            lease = lock.lease
-            lease_lost = lease.lost if lease is not None else None
-            if lease_lost is not None:
-                raise lease_lost from None
-            raise
-        # A body that returned (or swallowed the abort) still ran unprotected for a
-        # while: never report it as a plain success.
-        lock.check()
-        return result
+            try:
+                result = super().__call__(*args, **kwargs)
+            except LockLost:
+                # The threads pool raises a bare LockLost class: give the result the
+                # key, reason and fence.
+                lease = lock.lease
+                lease_lost = lease.lost if lease is not None else None
+                if lease_lost is not None:
+                    raise lease_lost from None
+                raise
+            # A body that returned (or swallowed the abort) still ran unprotected for a
+            # while: never report it as a plain success.
+            lock.check()
+            return result
+        finally:
+            execution.in_body = False
+            release_lock(self, execution.task_id)
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
         """Push a request for the body that keeps the running execution's fields.

@@ -20,8 +20,10 @@ from it, and the worker does not start.
 ``worker_process_init``       in each prefork child: start its own renewer
 ``worker_process_shutdown``   in each prefork child: tell the main process what
                               it released since its last lock
-``task_postrun``              release the execution's lock, whatever the outcome;
-                              free the copy's send-time claim (``lock_unique``)
+``task_postrun``              release the execution's lock if the body's end
+                              did not (it never started, or an exception cut
+                              that release short); free the copy's send-time
+                              claim (``lock_unique``)
 ``task_received``             a busy run's copy waiting in this worker's timer:
                               start it when its key is released (``wakeups``)
 ``task_revoked``              free a revoked or expired copy's send-time claim
@@ -41,21 +43,14 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
-from . import abort, config_only, metrics, reaper, unique, wakeups
+from . import config_only, metrics, reaper, unique, wakeups
 from .beat import check_configuration
 from .engine.renewal import get_renewer
 from .exceptions import ConfigurationError
 from .nodes import NodeSet, safe_url
 from .options import TASK_OPTIONS
 from .reaper import Reaper
-from .task import (
-    LockedTask,
-    announce_lock,
-    app_settings,
-    config_overrides,
-    lock_options,
-    pop_lock,
-)
+from .task import LockedTask, app_settings, config_overrides, lock_options, release_lock
 
 __all__ = ["RedlockStep", "install"]
 
@@ -180,7 +175,7 @@ def _on_task_postrun(
     **ignored: Any,
 ) -> None:
     try:
-        _release(task, task_id)
+        release_lock(task, task_id)
     finally:
         if isinstance(task, LockedTask) and task_id:
             unique.ended(
@@ -205,17 +200,3 @@ def _on_task_received(sender: Any = None, request: Any = None, **kwargs: Any) ->
 def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
     if isinstance(sender, LockedTask) and request is not None:
         unique.revoked(sender, lock_options(sender), app_settings(sender.app), request)
-
-
-def _release(task: Any, task_id: str | None) -> None:
-    """Release the lock of ``task_id``'s execution in this thread, if it holds one."""
-    lock = pop_lock(task_id)
-    if lock is None:
-        return
-    abort.untrack(lock.lease)
-    try:
-        lock.release()
-    except Exception:  # the lease ends by itself within one TTL
-        logger.exception("Task %s[%s]: releasing %s failed", task.name, task_id, lock.key)
-    finally:
-        announce_lock(reaper.forget, lock, task_id or "")

@@ -223,6 +223,13 @@ def create_app(redis_url: str = REDIS_URL, **conf: object) -> Celery:
         return {"outer_key": key, "still": self.lock.key, "inner": nested}
 
     @app.task(base=LockedTask, bind=True, shared=False, lock_args=("x",))
+    def recurse(self, x, depth):
+        """Calls itself directly (``self(...)``) inside its locked body, ``depth`` deep."""
+        below = self(x, depth - 1) if depth else None
+        # The lock is the outermost run's: a nested call neither checks nor releases it.
+        return {"owned": self.lock.owned(), "fence": self.lock.fence, "below": below}
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_args=("x",))
     def fail(self, x):
         """Fails; its errback runs inline when it is applied eagerly."""
         raise ValueError(x)

@@ -58,6 +58,12 @@ def make_rated_app(redis_url: str, **conf: object) -> Celery:
             "rated.limited",
             {"lock_key": "export:{key}", "lock_limit": 3, "lock_on_busy": "requeue", "lock_ttl": 5},
         ),
+        # A budget per minute: a backlog's places in line are a minute apart, so that
+        # which place each run got does not depend on how fast the machine is.
+        (
+            "rated.per_minute",
+            {"lock_key": "slow:{key}", "lock_rate": "5/m", "lock_mode": "shared"},
+        ),
         # No budget: starts at once whatever waits on the queue.
         ("rated.plain", {"lock_key": "plain:{key}"}),
     ):

@@ -32,6 +32,27 @@ def test_apply_inside_a_locked_body_releases_both_locks_in_a_worker(
     assert second["outer_key"] == first["outer_key"], "the same key is free to lock again"
 
 
+@pytest.mark.parametrize("where", ["worker", "apply"])
+def test_a_task_calling_itself_keeps_its_lock_until_its_own_body_returns(
+    app, celery_redis, inprocess_worker_factory, where
+):
+    """recurse(7, 2) calls recurse(7, 1) and recurse(7, 0) directly, in its body: the
+    lock is released as the outermost body returns, not as a nested call does (the
+    lock is still owned, by the same fence, when each returns), and then it is free."""
+    recurse = app.tasks["tests.apps.locked.recurse"]
+    if where == "worker":
+        inprocess_worker_factory(app, pool="solo")
+        seen = get(recurse.delay(7, 2))
+    else:
+        result = recurse.apply(args=(7, 2))
+        assert result.state == states.SUCCESS, result.traceback
+        seen = result.result
+    levels = [seen, seen["below"], seen["below"]["below"]]
+    assert [level["owned"] for level in levels] == [True] * 3
+    assert len({level["fence"] for level in levels}) == 1, "one acquisition, one fence"
+    wait_for(lambda: not lock_keys(celery_redis), timeout=10, message="the lock released")
+
+
 def test_eager_apply_nested_in_eager_apply_releases_both_locks(app, celery_redis):
     """No worker at all: outer.apply(7) nests inner.apply(7); nothing stays locked."""
     outer = app.tasks["tests.apps.locked.outer"]

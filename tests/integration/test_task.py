@@ -17,7 +17,9 @@ from celery_redlock import (
     LockLost,
     NodeUnavailable,
     Redlock,
+    abort,
 )
+from celery_redlock.engine.renewal import get_renewer
 from tests.apps.locked import create_app
 from tests.harness import close_app, lock_keys, read_intervals, steal_locks, wait_for
 from tests.harness.celery_workers import redis_url_with_db
@@ -391,3 +393,29 @@ def test_an_immediate_retry_is_not_lost(app, inprocess_worker_factory):
     inprocess_worker_factory(app, pool="threads", concurrency=2)
     results = [app.tasks["tests.apps.locked.retry_now"].delay(f"r{i}") for i in range(5)]
     assert [get(r) for r in results] == ["done"] * 5
+
+
+class Landed(Exception):
+    """Stands for an asynchronous exception (a soft time limit) landing in the release."""
+
+
+def test_a_release_an_exception_cut_short_is_done_in_task_postrun(app, celery_redis, monkeypatch):
+    """The lock is released as the body returns; an exception landing right before that
+    release (here: in the abort bookkeeping it starts with) fails the run, and
+    task_postrun releases the lock instead: it stays recorded until its release ran,
+    rather than being left to a lease the watchdog renews with nobody to release it."""
+    untrack = abort.untrack
+    landed = []
+
+    def land_once(lease):
+        if not landed:
+            landed.append(lease)
+            raise Landed("just before the release")
+        untrack(lease)
+
+    monkeypatch.setattr(abort, "untrack", land_once)
+    result = app.tasks["tests.apps.locked.hold"].apply(args=("cut",))
+    assert result.state == "FAILURE" and isinstance(result.result, Landed), result.traceback
+    assert landed, "the exception landed in the body's release"
+    assert not lock_keys(celery_redis), "task_postrun released the lock"
+    assert len(get_renewer()) == 0, "and the watchdog renews nothing"
