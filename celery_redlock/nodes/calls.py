@@ -178,6 +178,8 @@ class Server(LockNode, Protocol):
 
     #: When a connection to this server last failed (monotonic; 0: never).
     failed_at: float
+    #: When this process last read a reply from this server (monotonic; 0: never).
+    answered_at: float
 
     def has_idle(self) -> bool:
         """Whether a connected connection is ready (a send needs no connect first)."""

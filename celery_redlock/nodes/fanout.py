@@ -33,7 +33,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..poll import buffered, readable
 from .calls import Call, Leg, LockNode, Reply, Script, Server
 
-__all__ = ["fan_out", "pack"]
+__all__ = ["ALIVE_GRACE", "fan_out", "pack"]
+
+#: How long (seconds) a fan-out goes on waiting past its budget, at most, while the
+#: nodes it waits for keep answering other requests of this process
+#: (:meth:`_FanOut.alive`); four budgets if that is longer.
+ALIVE_GRACE = 1.0
 
 
 class _InFlight:
@@ -75,6 +80,7 @@ class _InFlight:
             polled = False
             try:
                 value = self.conn.read_response()
+                self.leg.node.answered_at = time.monotonic()
             except ResponseError as exc:
                 if isinstance(exc, NoScriptError):
                     if self.stale:  # an earlier request's: nobody re-sends it
@@ -234,7 +240,8 @@ class _FanOut:
     def __init__(self, nodes: Sequence[LockNode], timeout: float) -> None:
         self.nodes = nodes
         self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
         # Whether the budget was started again once (see start()).
         self.restarted = False
         self.replies: list[Reply | None] = [None] * len(nodes)
@@ -312,6 +319,26 @@ class _FanOut:
         if not self.restarted:
             self.restarted = True
             self.deadline = time.monotonic() + self.timeout
+
+    def alive(self) -> bool:
+        """Give the budget once more if every node still waited for answered meanwhile.
+
+        A node that answered a request of this process (another thread's, or an earlier
+        reply on this connection) since this fan-out began is up: the reply missing here
+        is late because this process is starved (hundreds of threads starting at once,
+        each waiting for the interpreter), not because the node is down. For
+        :data:`ALIVE_GRACE` (or four budgets) past the start at most: a node that
+        answers others but never this connection that long is not trusted with it.
+        A lock's validity is counted from before the fan-out, so waiting longer costs
+        no safety.
+        """
+        now = time.monotonic()
+        if now - self.started >= max(ALIVE_GRACE, 4 * self.timeout):
+            return False
+        if not all(f.leg.node.answered_at > self.started for f in self.inflight):
+            return False
+        self.deadline = now + self.timeout
+        return True
 
     def settle(self, index: int) -> None:
         """Set the node's reply once none of its legs is outstanding."""
@@ -463,7 +490,7 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
             return
         if not state.inflight:
             return
-        if state.deadline <= time.monotonic() and not progressed:
+        if state.deadline <= time.monotonic() and not progressed and not state.alive():
             return
         # After a reply, look again without waiting: another may be in already (and
         # past the deadline, what is in is still read once before giving up).

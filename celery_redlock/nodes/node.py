@@ -82,6 +82,8 @@ class Node:
         self._recheck_at = 0.0
         #: When a connection to this server last failed (monotonic; 0: never).
         self.failed_at = 0.0
+        #: When this process last read a reply from this server (monotonic; 0: never).
+        self.answered_at = 0.0
         #: When a reply left in flight here was still missing at this node's next use
         #: (monotonic; -inf: never): the node is slower than its callers' pace.
         self.lagged_at = -math.inf
