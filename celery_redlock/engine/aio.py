@@ -55,8 +55,8 @@ from .vote import (
     fence_requests,
     fences_stored,
     release_decided,
-    sent_only,
     tally,
+    undone_on,
     vote_calls,
     vote_decided,
 )
@@ -191,11 +191,13 @@ class AsyncRedlock:
                 if step is Step.WAIT and subscription is None:
                     subscription = await self._subscribe(waiter, wakeup)
                     continue  # retry once subscribed, so no release is missed
-                if step is Step.WAIT:
-                    await wakeup.wait_async(pause)
+                if step is Step.WAIT and subscription is not None:
+                    await subscription.wait_async(pause)
                 else:
                     await asyncio.sleep(pause)
-                    if step is Step.SPLIT:
+                    if step is Step.SPLIT and subscription is not None:
+                        subscription.clear()  # the wake-ups our own undo caused
+                    elif step is Step.SPLIT:
                         wakeup.clear()
         finally:
             if not settled:
@@ -209,12 +211,14 @@ class AsyncRedlock:
 
     async def _subscribe(self, waiter: Waiter, wakeup: LoopWakeup) -> Subscription:
         """Listen for the lock's releases; wait (in the loop) until one node confirms."""
+        named = self.kind.wake_token(waiter)
         subscription = Subscription(
             self.nodeset.nodes,
             self.keys.channel,
             confirm_timeout=None,
-            named=self.kind.wake_token(waiter),
+            named=named,
             event=wakeup,
+            quorum=1 if named is None else self.quorum,
         )
         deadline = time.monotonic() + self.timing.node_timeout
         try:
@@ -280,7 +284,10 @@ class AsyncRedlock:
         if not attempt.all_busy():
             # Everywhere: a silent node may have granted it. The waiter keeps its place.
             undo = self.kind.undo_call(token, attempt.number)
-            await self.nodeset.call([undo], decided=sent_only)
+            # The nodes that granted it only: a request not answered runs on, on a
+            # connection of its own, and nothing here learns whether that node lags.
+            unanswered = frozenset(range(len(self.nodeset)))
+            await self.nodeset.call([undo], decided=undone_on(attempt, unanswered))
         if len(attempt.granted) >= quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
@@ -332,7 +339,7 @@ class AsyncRedlock:
 
     async def _unlock(self, token: str) -> list[Reply | None]:
         """Release ``token`` on every node, waiting for a quorum's confirmation at most."""
-        decided = release_decided(self.quorum)
+        decided = release_decided(self.quorum, self._sync.nodeset.lagging())
         return await self.nodeset.call([self.kind.release_call(token)], decided=decided)
 
     async def _reenter(self) -> bool:

@@ -87,7 +87,7 @@ from .lease import Lease, clock, renew_call
 from .renewal import get_renewer
 from .scripts import INSPECT, ReleaseStatus
 from .timing import Timing
-from .vote import Attempt, budget, release_decided, sent_only, sync_fences, vote
+from .vote import Attempt, budget, release_decided, sent_only, sync_fences, undone_on, vote
 from .waiting import HOST, Subscription, subscribed
 
 __all__ = ["DEFAULT_URL", "Redlock", "Step"]
@@ -200,7 +200,6 @@ class Redlock:
                 "cannot take keys in several slots; use independent nodes, or one resource"
             )
         self.quorum = self.kind.quorum(len(self.nodeset))
-        self._released = release_decided(self.quorum)
         #: This lock as :mod:`.handoff` finds it among the process's holds and waiters.
         self.local_key = (
             tuple(node.url for node in self.nodeset.nodes),
@@ -497,10 +496,10 @@ class Redlock:
         """Undo what a losing (or spent) attempt was granted; the attempt, for the caller."""
         if not attempt.all_busy():
             # Undo everywhere, including nodes that did not answer (they may have
-            # granted it after all) and nodes whose replicas did not confirm, and wait
-            # for none: the undo names the attempt, so it removes nothing a later
-            # attempt of this token wrote, whenever it arrives.
-            self._unlock(token, undo=attempt.number)
+            # granted it after all) and nodes whose replicas did not confirm; wait only
+            # for the nodes that granted it. The undo names the attempt, so it removes
+            # nothing a later attempt of this token wrote, whenever it arrives.
+            self._unlock(token, undo=attempt)
         if len(attempt.granted) >= self.quorum:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
@@ -572,16 +571,18 @@ class Redlock:
         )
         return True
 
-    def _unlock(self, token: str, *, undo: int = 0) -> list[Reply | None]:
+    def _unlock(self, token: str, *, undo: Attempt | None = None) -> list[Reply | None]:
         """Release ``token`` on every node, waiting for a quorum's confirmation at most.
 
-        ``undo``: only what attempt number ``undo`` (or an earlier one) was granted, for
-        an attempt that lost the vote (it tries again, so it keeps its place among the
-        recorded waiters); no reply is waited for.
+        ``undo``: only what that attempt (or an earlier one) was granted, for an attempt
+        that lost the vote (it tries again, so it keeps its place among the recorded
+        waiters), waiting for the nodes that may hold it (:func:`.vote.undone_on`).
         """
-        if undo:
-            return self.nodeset.call([self.kind.undo_call(token, undo)], decided=sent_only)
-        return self.nodeset.call([self.kind.release_call(token)], decided=self._released)
+        if undo is not None:
+            call = self.kind.undo_call(token, undo.number)
+            return self.nodeset.call([call], decided=undone_on(undo, self.nodeset.lagging()))
+        decided = release_decided(self.quorum, self.nodeset.lagging())
+        return self.nodeset.call([self.kind.release_call(token)], decided=decided)
 
     # -- holding -----------------------------------------------------------------
 

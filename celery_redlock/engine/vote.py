@@ -36,6 +36,7 @@ __all__ = [
     "sent_only",
     "sync_fences",
     "tally",
+    "undone_on",
     "vote",
     "vote_calls",
     "vote_decided",
@@ -167,27 +168,57 @@ def vote_decided(
     return decided
 
 
-def release_decided(quorum: int) -> Callable[[list[Reply | None]], bool]:
-    """When a release need not wait for more nodes: a quorum confirmed it, or all answered.
+def release_decided(
+    quorum: int, lagging: frozenset[int] = frozenset()
+) -> Callable[[list[Reply | None]], bool]:
+    """When a release need not wait for more nodes.
 
-    A node that has not answered is not waited for once a quorum let the lock go: no
-    later holder can count on it anyway (it needs a quorum of its own), and the release
-    request runs on there.
+    Every node answered, or a quorum confirmed it and only ``lagging`` nodes have not
+    answered. A lagging node (:meth:`~celery_redlock.nodes.NodeSet.lagging`) is not waited for
+    once a quorum let the lock go: no later holder can count on it anyway (it needs a
+    quorum of its own), and the release request runs on there. A node that keeps pace
+    is waited for (a moment), so its reply is read in band: one that lost its scripts
+    (NOSCRIPT) gets them and the release again, which an unread reply would not.
     """
 
     def decided(replies: list[Reply | None]) -> bool:
-        answered = [reply for reply in replies if reply is not None]
-        released = sum(
-            1 for reply in answered if reply.ok and reply.values[0] == ReleaseStatus.RELEASED
-        )
-        return released >= quorum or len(answered) == len(replies)
+        released = 0
+        for i, reply in enumerate(replies):
+            if reply is None:
+                if i not in lagging:
+                    return False
+            elif reply.ok and reply.values[0] == ReleaseStatus.RELEASED:
+                released += 1
+        return released >= quorum or None not in replies
 
     return decided
 
 
 def sent_only(replies: list[Reply | None]) -> bool:
-    """A fan-out that waits for no reply: an undo, whose outcome nobody reads."""
+    """A fan-out that waits for no reply (a release on nodes a takeover did not reach)."""
     return True
+
+
+def undone_on(attempt: Attempt, lagging: frozenset[int]) -> Callable[[list[Reply | None]], bool]:
+    """When an attempt's undo is done: the nodes that may hold the attempt answered it.
+
+    Those are the nodes that answered without refusing (granted, or wrote it but their
+    replicas did not confirm), and those that had not answered yet unless they lag
+    (:meth:`~celery_redlock.nodes.NodeSet.lagging`): a lagging node is not waited for,
+    and its undo runs on there (named by the attempt, it removes nothing a later
+    attempt wrote). Nodes that refused or failed hold nothing of it.
+    """
+    wait = [
+        i
+        for i, reply in enumerate(attempt.replies)
+        if (reply is None and i not in lagging)
+        or (reply is not None and reply.ok and not is_busy(reply))
+    ]
+
+    def decided(replies: list[Reply | None]) -> bool:
+        return all(replies[i] is not None for i in wait)
+
+    return decided
 
 
 def vote(

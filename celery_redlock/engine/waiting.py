@@ -859,6 +859,22 @@ class Subscription:
         finally:
             self._heard.clear()
 
+    async def wait_async(self, timeout: float) -> bool:
+        """:meth:`wait` for an asyncio waiter, whose :attr:`event` is a :class:`LoopWakeup`."""
+        event = self.event
+        assert isinstance(event, LoopWakeup)
+        end = time.monotonic() + max(0.0, timeout)
+        try:
+            while True:
+                heard = len(self._heard)
+                self.watch()
+                if not await event.wait_async(max(0.0, end - time.monotonic())):
+                    return False
+                if len(self._heard) >= self.quorum or len(self._heard) == heard:
+                    return True
+        finally:
+            self._heard.clear()
+
     def _wait_event(self, timeout: float) -> bool:
         """Wait for :attr:`event`: on one node, reading its announcements here if alone."""
         if len(self._listeners) == 1:

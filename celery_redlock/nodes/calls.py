@@ -27,7 +27,13 @@ from typing import Any, Protocol
 from redis.connection import AbstractConnection
 from redis.exceptions import ResponseError
 
-__all__ = ["Call", "Leg", "LockNode", "Place", "Reply", "Script", "Server", "bulk"]
+__all__ = ["LAG", "Call", "Leg", "LockNode", "Place", "Reply", "Script", "Server", "bulk"]
+
+#: A server lags when its reply comes this much later (seconds) than the first reply of
+#: the same fan-out, or is still missing this long after a fan-out decided without it,
+#: at the server's next use: a healthy server answers within a millisecond or two.
+#: What would wait for every node skips a lagging one (:meth:`NodeSet.lagging`).
+LAG = 0.02
 
 
 class Script(Protocol):
@@ -180,6 +186,8 @@ class Server(LockNode, Protocol):
     failed_at: float
     #: When this process last read a reply from this server (monotonic; 0: never).
     answered_at: float
+    #: When this server was last seen lagging (monotonic; -inf: never): see :data:`LAG`.
+    lagged_at: float
 
     def has_idle(self) -> bool:
         """Whether a connected connection is ready (a send needs no connect first)."""

@@ -31,7 +31,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..poll import buffered, readable
-from .calls import Call, Leg, LockNode, Reply, Script, Server
+from .calls import LAG, Call, Leg, LockNode, Reply, Script, Server
 
 __all__ = ["ALIVE_GRACE", "fan_out", "pack"]
 
@@ -466,6 +466,7 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
     # instead of asking each connection once for nothing (a poll and two changes of
     # socket mode per call, issue 27). A reply already there ends the wait at once.
     ready = _wait(state)
+    first_done = 0.0
     while state.inflight:
         progressed = False
         for flight in list(state.inflight):
@@ -479,6 +480,11 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
                 progressed = True
                 continue
             if complete:
+                done = time.monotonic()
+                if not first_done:
+                    first_done = done
+                elif done - first_done > LAG:
+                    flight.leg.node.lagged_at = done  # far behind the first reply
                 state.inflight.remove(flight)
                 # Back in the pool, another thread may use it: no longer ours to close.
                 state.used.remove((flight.leg.node, flight.conn))

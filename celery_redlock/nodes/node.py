@@ -30,7 +30,7 @@ from redis.sentinel import SentinelConnectionPool
 from .. import forksafe
 from ..exceptions import ConfigurationError
 from ..poll import readable
-from .calls import Call, Leg, Script
+from .calls import LAG, Call, Leg, Script
 from .sentinel import (
     MASTER_RECHECK,
     SENTINEL_FORM,
@@ -40,12 +40,7 @@ from .sentinel import (
 )
 from .urls import connection_options, mask_password, register_node_kind
 
-__all__ = ["LAG", "MAX_IDLE", "Node"]
-
-#: A reply left in flight that is still missing this long after (seconds), when the
-#: node is next used, marks the node as lagging (:attr:`Node.lagged_at`): a healthy
-#: node answers within a millisecond or two, even one left behind by a quorum.
-LAG = 0.02
+__all__ = ["MAX_IDLE", "Node"]
 
 logger = logging.getLogger("celery_redlock.nodes")
 

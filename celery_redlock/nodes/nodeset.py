@@ -84,18 +84,22 @@ class NodeSet:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def lagging(self) -> bool:
-        """Whether a node of several was seen lagging within :data:`LAG_WINDOW`.
+    def lagging(self) -> frozenset[int]:
+        """The nodes (by index) seen lagging within :data:`LAG_WINDOW`; none on one node.
 
-        A node lags when a reply left in flight there (a fan-out decided without it)
-        is still missing when the node is next used, or never came. What waits for
-        every node (an in-process handoff takes the lock over on all of them) would
-        then go at that node's pace; the caller takes the path a quorum serves.
+        A node lags when its reply comes far behind the others of a fan-out, or one
+        left in flight there (a fan-out decided without it) is still missing when the
+        node is next used, or never came (:data:`~celery_redlock.nodes.calls.LAG`).
+        What would wait for every node (an in-process handoff takes the lock over on
+        all of them; an undo) would then go at that node's pace: the caller takes the
+        path a quorum serves, or does not wait for it.
         """
         if len(self.nodes) == 1:
-            return False
+            return frozenset()
         since = time.monotonic() - LAG_WINDOW
-        return any(getattr(node, "lagged_at", -math.inf) > since for node in self.nodes)
+        return frozenset(
+            i for i, node in enumerate(self.nodes) if getattr(node, "lagged_at", -math.inf) > since
+        )
 
     def __repr__(self) -> str:
         return f"<NodeSet {[n.safe_url for n in self.nodes]} quorum={self.quorum}>"
