@@ -5,6 +5,7 @@ Run from the repository root (``pip install -e '.[benchmarks]'`` first)::
     python -m benchmarks                      # everything: about 13 minutes on 2 cores
     python -m benchmarks --only celery,redis_cost
     python -m benchmarks --quick              # seconds per benchmark, a smoke run
+    python -m benchmarks --render-docs        # only docs/benchmarks.md and README's table
 
 Each benchmark runs as its own ``python -m benchmarks.bench_<name>`` process (each
 starts its own redis-server processes) and writes ``benchmarks/results/<name>.json``;
@@ -12,6 +13,11 @@ then :mod:`benchmarks.plot` draws ``docs/img/bench-<name>.png`` from them. ``--r
 DIR`` puts results and plots in DIR instead; ``--quick`` uses the smallest
 configurations and always writes elsewhere (DIR, or a new temporary directory), never
 over the published figures.
+
+Last, :mod:`benchmarks.render` writes ``docs/benchmarks.md`` and README's headline table
+from the published results (a run with ``--results`` or ``--quick`` writes its page
+beside its results instead), so the documentation always shows the results files;
+``--render-docs`` does only that, from the files already there.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import plot
+from benchmarks import plot, render
 from benchmarks.common import RESULTS, RESULTS_ENV, issue_targets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument("--results", type=Path, help="results and plots here instead")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--render-docs",
+        action="store_true",
+        help="only write docs/benchmarks.md and README's table from the results files",
+    )
     args = parser.parse_args(argv)
+    if args.render_docs:
+        source = args.results or RESULTS
+        for path in render.write_docs(
+            source, readme=render.README if args.results is None else None
+        ):
+            print(f"wrote {path}")
+        return 0
     names = args.only.split(",") if args.only else list(BENCHMARKS)
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
@@ -91,10 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         if results is not None:  # plots beside those results, not over the published ones
             plot_args += ["--results", str(results), "--out", str(results)]
         plot.main(plot_args)
-    print("\n=== performance targets (issues 17, 37), from the results files")
+    print("\n=== performance targets, from the results files")
     for name, label, value, verdict in issue_targets(results or RESULTS):
         shown = {k: v for k, v in value.items() if k != "met"} if isinstance(value, dict) else value
         print(f"{verdict.upper():>8}  {label}: {shown}  [{name}]")
+    if results is None:
+        written = render.write_docs(RESULTS)
+    else:  # a partial or smoke run: its page beside its results, the published one kept
+        written = render.write_docs(results, page=results / "benchmarks.md", readme=None)
+    print("wrote " + ", ".join(str(path) for path in written))
     if results is not None:
         print(f"results in {results}")
     if failed:

@@ -17,7 +17,8 @@ from celery_redlock import ConfigurationError, LockedTask, lock_for
 from celery_redlock.testing.servers import free_port
 from tests.harness import close_app
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+#: The guide page whose examples this test runs verbatim.
+TESTING_GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "testing.md"
 
 PROJECT = """
 from celery import Celery
@@ -197,23 +198,21 @@ def sync_account(self, account_id, full=False):
 """
 
 
-def readme_test_files(section: str) -> dict[str, str]:
-    """The ``python`` blocks of a README section that start with ``# <path>``, by path."""
-    text = README.read_text()
-    start = text.index(f"\n## {section}\n")
-    end = text.index("\n## ", start + 1)
-    blocks = re.findall(r"```python\n(# (\S+\.py)[^\n]*\n.*?)```", text[start:end], re.S)
+def guide_test_files() -> dict[str, str]:
+    """The ``python`` blocks of the testing guide that start with ``# <path>``, by path."""
+    text = TESTING_GUIDE.read_text()
+    blocks = re.findall(r"```python\n(# (\S+\.py)[^\n]*\n.*?)```", text, re.S)
     return {path: body for body, path in blocks}
 
 
-def test_the_readme_testing_example_runs_for_a_project_whose_services_are_down(pytester):
-    """README "Testing your tasks", verbatim, on a project whose broker and backend are down.
+def test_the_testing_guide_example_runs_for_a_project_whose_services_are_down(pytester):
+    """The testing guide's examples, verbatim, on a project whose broker and backend are down.
 
     The eager test (``apply()`` stores no result: a skip is ``LockBusy``, not the
-    backend's ``ConnectionError``) and the worker test (the README's ``celery_app``
+    backend's ``ConnectionError``) and the worker test (the guide's ``celery_app``
     override makes ``@app.task`` tasks reach celery.contrib.pytest's worker).
     """
-    files = readme_test_files("Testing your tasks")
+    files = guide_test_files()
     assert set(files) == {"tests/conftest.py", "tests/test_sync.py", "tests/test_worker.py"}
     pytester.makepyfile(
         **{
