@@ -452,6 +452,7 @@ def fan_out(
                 flight.leg.node.checkin(flight.conn, owed=flight.owed, give_up_at=state.deadline)
             else:
                 flight.leg.node.discard(flight.conn)
+                flight.leg.node.lagged_at = now  # it did not answer in time
                 state.failed(flight, RedisTimeoutError(f"no reply within {timeout:.3f}s"))
                 state.settle(flight.index)
     return state.replies
