@@ -270,12 +270,15 @@ class Redlock:
                     if offer is not None:
                         handed = offer.withdraw(self._patience())
                         offer = None
-                    if handed is None:
-                        attempt = self._attempt(waiter)
-                    elif isinstance(handed, Grant):
+                    if isinstance(handed, Grant):
                         attempt = self._record(handed)  # handed over by a releasing thread
                     else:
-                        attempt = handed
+                        # Nobody handed it over, or a takeover lost (the lock held by a
+                        # third party, or the process's turn over): ask the nodes
+                        # ourselves. The takeover's wake-up may have merged with a
+                        # release's announcement to this waiter, which waiting on its
+                        # busy answer would then wait out, up to the fallback.
+                        attempt = self._attempt(waiter)
                     if attempt is None:
                         acquired = settled = True
                         if metrics.enabled:

@@ -472,3 +472,41 @@ def test_threads_handing_over_under_random_exceptions_never_overlap_and_leak_not
     lock = Redlock("job", nodes=[url], ttl=1)
     assert lock.acquire(blocking=False)
     lock.release()
+
+
+def test_a_lost_takeover_whose_wake_up_merged_with_a_release_does_not_wait_it_out(
+    redis_node, monkeypatch
+):
+    """The takeover offered to a waiting thread loses (its predecessor's key was taken
+    by another holder), and that holder releases before the waiter woke: the release
+    names the waiter, and its one pending wake-up stands for both. The waiter must try
+    at once, not wait on the takeover's stale "busy" until its fallback (CI saw a 10 s
+    wait, once, in the test above)."""
+    from celery_redlock.engine.waiting import Subscription
+
+    url = redis_node.url
+    holder = Redlock("job", nodes=[url], ttl=30, auto_renew=False)
+    assert holder.acquire()
+    both_sent = threading.Event()
+    real_wait = Subscription.wait
+    gated: list[bool] = []
+
+    def wait_after_both(self, timeout):
+        if not gated:  # the waiter's first wait begins once both wake-ups are pending
+            gated.append(True)
+            both_sent.wait(10)
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(Subscription, "wait", wait_after_both)
+    waiter = Redlock("job", nodes=[url], ttl=30)
+    thread = Waiting(waiter, timeout=30)
+    wait_for(lambda: offered(waiter) and gated, timeout=10)
+    client = redis_node.client()
+    client.delete(holder.key)
+    other = Redlock("job", nodes=[url], ttl=30)
+    assert other.acquire(blocking=False)
+    holder.release()  # the takeover for the waiter loses (held by `other`): delivered
+    other.release()  # names the waiter, which the lost takeover recorded
+    both_sent.set()
+    assert thread.done.wait(5) and thread.acquired, "waited out its fallback"
+    thread.finish()
