@@ -23,15 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .engine.names import check_key_template, check_lock_args
 from .engine.rate import Budget, parse_rate
 from .engine.timing import Timing, check_kind, lease_seconds, seconds
 from .exceptions import ConfigurationError
-
-if TYPE_CHECKING:
-    from .settings import Settings
 
 __all__ = [
     "ON_BUSY",
@@ -39,6 +36,7 @@ __all__ = [
     "ON_LOST",
     "TASK_OPTIONS",
     "UNIQUE",
+    "Defaults",
     "TaskLockOptions",
     "TaskOption",
     "choice",
@@ -210,8 +208,24 @@ def parse_entry(task_name: str, entry: Mapping[str, Any], source: str) -> dict[s
     return parsed
 
 
+class Defaults(Protocol):
+    """What the resolution reads of :class:`~celery_redlock.settings.Settings`.
+
+    Declared here, not imported: the settings module imports this one. The option
+    defaults are read by name (each :data:`TASK_OPTIONS` row's ``setting``).
+    """
+
+    @property
+    def node_timeout(self) -> float | None:
+        """``redlock_node_timeout`` (None: derived from the lease)."""
+
+    @property
+    def drift_factor(self) -> float:
+        """``redlock_drift_factor``."""
+
+
 def resolve_task_options(
-    settings: Settings,
+    settings: Defaults,
     task_name: str,
     run: Callable[..., Any],
     entry: Mapping[str, Any] | None = None,
@@ -255,7 +269,7 @@ def resolve_task_options(
 
 
 def _resolve(
-    settings: Settings, task_name: str, run: Callable[..., Any], option: Callable[[str], Any]
+    settings: Defaults, task_name: str, run: Callable[..., Any], option: Callable[[str], Any]
 ) -> TaskLockOptions:
     where = f"task {task_name}: lock_"
     values = {name: option(name) for name in TASK_OPTIONS}

@@ -146,3 +146,76 @@ def test_a_violation_is_reported():
     """The engine importing the Celery integration fails the check (it is not vacuous)."""
     imported = _imported("from ..task import LockedTask\n", "celery_redlock.engine.lock")
     assert [_rank(name) > _rank("celery_redlock.engine.lock") for name in imported] == [True]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports (any import)."""
+    modules = {_dotted(path)[0]: path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+                if not node.level:
+                    module = node.module or ""
+                for alias in node.names:
+                    member = f"{module}.{alias.name}"
+                    found.add(member if member in modules else module)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_even_under_type_checking():
+    """No two modules import each other, directly or through others, by any import
+    (under ``TYPE_CHECKING`` and inside functions too): the engine's lock, kinds and
+    handoff were one cycle, options and settings another. The package's ``__init__``
+    files are left out: a subpackage's re-exports are not its modules' dependencies."""
+    graph = {
+        name: {m for m in deps if not m.endswith("__init__")}
+        for name, deps in _import_graph().items()
+        if name != "celery_redlock"
+    }
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    """The checker itself: a two-module cycle and a three-module one are reported."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": set()}
+    assert sorted(_cycles(graph)) == [["a", "b"], ["c", "d", "e"]]

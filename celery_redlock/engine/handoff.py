@@ -65,16 +65,18 @@ import contextlib
 import secrets
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from .. import forksafe
 from .lease import clock
+from .timing import TURN, Turn
 from .vote import Attempt
 
 if TYPE_CHECKING:
-    from .kinds import Waiter
+    from ..nodes import NodeSet, Reply
+    from .kinds import Kind, Waiter
     from .lease import Lease
-    from .lock import Redlock
+    from .timing import Timing
     from .waiting import Wakeup
 
 __all__ = [
@@ -104,19 +106,25 @@ handovers = 0
 PATIENCE_BUDGETS = 4
 
 
-class Turn(NamedTuple):
-    """A process's turn on a lock while a blocking waiter of another process waits."""
+class Redlock(Protocol):
+    """The lock as a handoff sees it (:class:`~celery_redlock.Redlock` is one).
 
-    #: Takeovers at most, counted from the other process's first refused attempt.
-    handoffs: int
-    #: Milliseconds (node clock) from that attempt after which no takeover is granted.
-    ms: int
-    #: Milliseconds the yielded lock is refused to this process (unless taken before).
-    reserve_ms: int
+    Declared here, not imported: the lock module imports this one, and a handoff needs
+    only these.
+    """
 
+    kind: Kind
+    local_key: tuple[tuple[str, ...], tuple[str, ...]]
+    nodeset: NodeSet
+    timing: Timing
 
-#: The bound of invariant 12, sent with every takeover (``acquire.lua`` ARGV[12..14]).
-TURN = Turn(handoffs=8, ms=100, reserve_ms=100)
+    def _patience(self) -> float: ...
+
+    def _unlock(self, token: str, *, undo: Attempt | None = None) -> list[Reply | None]: ...
+
+    def _vote(
+        self, waiter: Waiter, predecessor: str = "", wait_all: bool = False
+    ) -> Grant | Attempt: ...
 
 
 class Grant(NamedTuple):

@@ -32,7 +32,6 @@ from typing import Any, ClassVar, NamedTuple
 
 from ..nodes import Call
 from ..nodes.calls import bulk
-from . import handoff
 from .keys import LockKeys, lock_keys, release_keys
 from .scripts import (
     ABANDON,
@@ -44,7 +43,7 @@ from .scripts import (
     RELEASE_SHARED,
     Script,
 )
-from .timing import check_kind
+from .timing import TURN, check_kind
 from .waiting import Named, named_reserve_ms, process_channel
 
 __all__ = ["Exclusive", "Fair", "Holder", "Kind", "Shared", "Waiter", "kind_of", "majority"]
@@ -175,7 +174,7 @@ class Kind(abc.ABC):
 
         ``predecessor``: the token of a holder handing the lock over (kinds that
         :attr:`hands_over` only), whose hold counts as free within its process's
-        turn (:data:`.handoff.TURN`).
+        turn (:data:`.timing.TURN`).
         """
 
     @abc.abstractmethod
@@ -280,7 +279,7 @@ class Exclusive(Kind):
             ACQUIRE,
             self._acquire_keys,
             (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "", *record,
-             *((predecessor, *handoff.TURN) if predecessor else ()), waiter.next_attempt()),
+             *((predecessor, *TURN) if predecessor else ()), waiter.next_attempt()),
         )  # fmt: skip
 
     def release_call(self, token: str) -> Call:

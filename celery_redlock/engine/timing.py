@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..exceptions import ConfigurationError
 
@@ -21,7 +21,9 @@ __all__ = [
     "MIN_RENEW_INTERVAL",
     "MIN_TTL",
     "MODES",
+    "TURN",
     "Timing",
+    "Turn",
     "check_kind",
     "default_node_timeout",
     "drift_allowance",
@@ -200,3 +202,23 @@ def check_kind(
     if fair and (mode != "exclusive" or resources > 1):
         raise ConfigurationError("fair waiting applies to an exclusive lock on one resource")
     return mode, limit, bool(fair)
+
+
+class Turn(NamedTuple):
+    """A process's turn on a lock while a blocking waiter of another process waits.
+
+    The bound of the *service across processes* invariant: a waiter of another process
+    is served within ``handoffs + 1`` holds of the process that has the lock, or
+    ``ms`` plus the hold under way (see :mod:`.handoff`). Sent with every takeover
+    (``acquire.lua``'s handoff arguments).
+    """
+
+    #: Takeovers at most, counted from the other process's first refused attempt.
+    handoffs: int
+    #: Milliseconds (node clock) from that attempt after which no takeover is granted.
+    ms: int
+    #: Milliseconds the yielded lock is refused to this process (unless taken before).
+    reserve_ms: int
+
+
+TURN = Turn(handoffs=8, ms=100, reserve_ms=100)
