@@ -18,7 +18,7 @@ the child, before any of its code runs:
   module's globals.
 
 The same hook keeps :func:`pid`, the process id without a system call (``os.getpid()``
-is one on every call; a lock's acquire and release asked it 12 times, issue 27).
+is one on every call; a lock's acquire and release asked it 12 times).
 
 Module hooks run first, in registration order, then instances. A hook that fails
 is logged and the others still run: one broken reset must not leave the rest held.

@@ -128,7 +128,7 @@ class Kind(abc.ABC):
 
         A lock's keys do not change, and they are most of what its acquire and release
         calls send (10 and 8 of 22 and 12 arguments): encoded once per lock, an
-        acquire + release packs in about half the time (issue 27, P1 and P5).
+        acquire + release packs in about half the time.
         ``keys`` must be the same for one ``script`` and key count, as a lock's are.
         """
         shape = (script.name, len(keys), len(args))

@@ -7,7 +7,7 @@ next due; at each tick it takes every lease that is due (or nearly), and sends o
 threads never grows with the number of locks. The leases a tick renews are due again
 together, so they go back into the heap as one group per renewal interval: the heap's
 work per tick does not grow with the number of locks, and a tick leaves no object per
-lease behind for the garbage collector to go through (issue 27, P4).
+lease behind for the garbage collector to go through.
 
 For each lease the tick decides, from the nodes' answers:
 
@@ -73,7 +73,7 @@ class Renewer:
     asynchronous exceptions (a soft time limit, our own abort, Ctrl-C) at arbitrary
     points; with a ``threading.Condition`` shared with them, one landing inside
     ``notify()`` or ``Condition.__enter__`` left the renewer blocked for ever and
-    every lease of the process expired without a word (issue 12, item 4).
+    every lease of the process expired without a word.
     """
 
     #: Longest sleep of the renewer thread: a wake-up lost to an exception raised
@@ -101,7 +101,7 @@ class Renewer:
         # When the renewer thread next looks at its inbox unasked: the end of its
         # current sleep, or 0.0 while it is awake (it looks before sleeping again).
         # A lease due later needs no wake-up: a task path that woke the thread for
-        # each new lock paid a thread switch per task (issue 17).
+        # each new lock paid a thread switch per task.
         self._wakes_at = 0.0
         #: Ticks run, script calls sent and wake-ups written, for tests and metrics.
         self.ticks = 0

@@ -6,8 +6,8 @@ CPython, an exception raised asynchronously in the *starting* thread
 library) can land in the newborn thread instead: until it runs, the new thread's
 state carries the starter's id, and CPython delivers the exception to the first
 thread state it finds with that id, the newest. The new thread then dies before
-saying it started, and the starter waits in ``Thread.start()`` for ever (found by
-``tests/unit/engine/test_lock_handles.py``: a task thread hung while starting the renewer).
+saying it started, and the starter waits in ``Thread.start()`` for ever: a task
+thread would hang while starting the renewer (``tests/unit/engine/test_lock_handles.py``).
 
 :func:`start_daemon` never waits. A thread started this way claims its role once it
 runs (the renewer takes its run lock); a starter that finds nobody claimed it after

@@ -12,10 +12,10 @@ record of its blocked waiters on each node (``acquire.lua`` writes a refused blo
 requester's token, arrival and process channel; see ``scripts/wake.lua``). Its release
 names the oldest recorded waiter: it publishes that waiter's token on that waiter's
 process channel, so one process hears it and its listener wakes that one waiter (a
-fair lock names the head of its queue the same way). Before, every release went to
-the lock's channel, every subscribed process heard it, and each woke its own longest
-waiter: with N waiting processes about N script calls per acquisition (issue 27, P8:
-28.7 waiters woken per acquisition with 32 processes). A non-fair release also
+fair lock names the head of its queue the same way), instead of every subscribed
+process hearing every release and waking its own longest waiter: with N waiting
+processes that is about N script calls per acquisition (28.7 waiters woken per
+acquisition measured with 32 processes). A non-fair release also
 *reserves* the free lock for the waiter it named for :data:`NAMED_RESERVE` (at most a
 third of the released lease): a requester that did not wait (the releaser coming
 straight back, a new arrival) is refused and recorded behind it, so the named waiter's
@@ -100,7 +100,7 @@ SYNC_INTERVAL = 1.0
 #: unsubscribes at its first wake-up after that, within :data:`SYNC_INTERVAL` more). A
 #: process that waits for the same lock again (a prefork child's next task on a hot key)
 #: then finds the channel subscribed: no SUBSCRIBE round trip, and no retry once
-#: subscribed (measured, issue 27's P8: one of the three script calls per acquisition).
+#: subscribed (measured: one of the three script calls per acquisition).
 LINGER = SYNC_INTERVAL
 
 #: How long a non-fair release keeps the free lock for the waiter it names (seconds;
@@ -419,9 +419,9 @@ class _Listener:
 
         A waiter that is this listener's only one reads the node's pub/sub connection
         in its own thread: an announcement that names it wakes it where it is, with no
-        hop from the listener thread to it (issue 27, P8: the wake-up of a waiting
-        prefork child, the one task thread of its process, is on the path of every
-        handoff between processes). Anything else it reads it dispatches as the
+        hop from the listener thread to it (the wake-up of a waiting prefork child, the
+        one task thread of its process, is on the path of every handoff between
+        processes). Anything else it reads it dispatches as the
         listener would. A wake-up from elsewhere (a releasing thread of this process)
         interrupts its poll through :attr:`Wakeup.reader`. Otherwise, and for a waiter
         that is not alone, it waits for the listener thread to wake it.
@@ -701,7 +701,7 @@ class _Listener:
             # Subscriptions are brought up to date when a waiter asks (a poke) and at
             # least every SYNC_INTERVAL, not at every announcement: the waiter woken by
             # one needs the GIL, and the listener's Python work between the wake-up and
-            # its next blocking call is on every handoff's path (issue 27, P8).
+            # its next blocking call is on every handoff's path.
             # While a waiter reads the connection itself (read_for), this thread polls
             # only its wake-up socket: two threads woken by one announcement would
             # contend for the GIL on the handoff's path.

@@ -74,7 +74,7 @@ class _InFlight:
         """Read every reply already available; True when the request is complete.
 
         ``polled``: ``poll`` found the socket readable just now, so the first reply is
-        read without asking ``can_read`` first (three system calls a reply, issue 27).
+        read without asking ``can_read`` first (three system calls a reply).
         """
         while self.owed and (polled or _more(self.conn)):
             polled = False
@@ -149,7 +149,7 @@ def send(conn: AbstractConnection, data: bytes) -> None:
 
     A socket with a timeout makes Python ``poll`` it before every ``send``, to learn
     whether the write would block: one system call per request, answered "no" for a
-    request far smaller than the socket's buffer (issue 27). Such a socket's
+    request far smaller than the socket's buffer. Such a socket's
     descriptor is non-blocking underneath, so one ``write`` takes what fits at once;
     what does not (a buffer full: a server not reading) goes through redis-py, which
     waits for room within the socket's timeout. TLS sockets and sockets without a
@@ -420,8 +420,8 @@ def fan_out(
     # unreachable node overlaps with the replies of the healthy ones; among the rest,
     # the servers that failed most recently go last. Connects are made one after
     # another, so each gets a fair share of what is left of the budget: one node cut
-    # off by a partition must not spend the time the others need (found by
-    # tests/reliability/test_partition.py: a minority partition lost the lock).
+    # off by a partition must not spend the time the others need, or a minority
+    # partition loses the lock (tests/reliability/test_partition.py).
     ordered = sorted(
         ((not leg.node.has_idle(), leg.node.failed_at, i, leg) for i, leg in legs),
         key=lambda item: item[:2],
@@ -465,7 +465,7 @@ def _collect(state: _FanOut, decided: Callable[[list[Reply | None]], bool] | Non
         return
     # No reply to a request just sent can be here yet: wait before the first read
     # instead of asking each connection once for nothing (a poll and two changes of
-    # socket mode per call, issue 27). A reply already there ends the wait at once.
+    # socket mode per call). A reply already there ends the wait at once.
     ready = _wait(state)
     first_done = 0.0
     while state.inflight:

@@ -94,8 +94,8 @@ class Node:
         # The scripts of requests returned with replies in flight (whose NOSCRIPT, if
         # any, nobody acts on), and whether such a reply said NOSCRIPT: then the next
         # request loads them first. Else a node whose script cache was flushed, and
-        # whose replies always came after the vote was decided, never ran a script
-        # again (found by a cluster test on a loaded machine).
+        # whose replies always came after the vote was decided, would never run a
+        # script again.
         self._unread_scripts: dict[str, Script] = {}
         self._scripts_lost = False
         self._pid = os.getpid()

@@ -27,8 +27,8 @@ class NodeSet:
 
     Instances are shared per process for the same URLs and timeout (:meth:`get`),
     and their nodes per URL whatever the timeout: every lock on the same servers
-    shares their connections (300 locks with 300 short ttls used to open 300 sets of
-    connections).
+    shares their connections (else 300 locks with 300 short ttls would open 300 sets
+    of connections).
     """
 
     _registry: dict[tuple[Any, ...], NodeSet] = {}

@@ -2,7 +2,7 @@
 
 A waiting process reads one message per handoff between processes (the grant a
 release publishes for its waiter), and the time from the socket turning readable to
-the waiter holding the lock is on the path of every such handoff (issue 27, P8).
+the waiter holding the lock is on the path of every such handoff.
 redis-py's parser asks the socket again after each reply (``can_read``: a read and
 two changes of socket mode) and parses in general-purpose Python; this reads what
 the socket has in one ``recv`` and parses the few shapes a subscriber receives

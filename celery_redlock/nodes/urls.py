@@ -9,7 +9,7 @@ This module knows no node class. The kinds of URL other than the plain ones are
 registered here by the modules that implement them (:func:`register_node_kind`), and
 :func:`make_node` takes the factory for plain URLs from its caller: so the modules
 that build nodes import this one, never the other way round, and the node layer has
-no import cycle (the cluster module used to be imported lazily from here).
+no import cycle, not even a lazy import of the cluster module from here.
 """
 
 from __future__ import annotations

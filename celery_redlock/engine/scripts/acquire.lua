@@ -173,7 +173,7 @@ local blocked
 local owned, mine, reserved, handed, no_shares = 0, {}, {}, {}, {}
 for i = 1, n do
     local lock = KEYS[4 * i - 3]
-    -- One read of what a refusal needs (issue 27: a call each was five calls).
+    -- One read of what a refusal needs (a call each would be five calls).
     local held = redis.call('HMGET', lock, 'token', 'for', 'host', 'pid', 'task_id', 'waited', 'wake')
     local current = held[1]
     local same_process = held[3] == ARGV[4] and held[4] == ARGV[5]
@@ -271,7 +271,7 @@ if record then
         end
         -- Each record key outlives its places: extended, when it would not, by twice a
         -- place's life, so that a waiter refreshing its place every try costs one
-        -- PEXPIRE per key per place's life, not one per try (issue 27: 4 per
+        -- PEXPIRE per key per place's life, not one per try (4 per
         -- acquisition with prefork children waiting on one key).
         for _, key in ipairs(keys) do
             if redis.call('PTTL', key) < waiter_ttl then

@@ -26,7 +26,7 @@
 -- Starts are logged in ms with the node clock's microseconds as decimals, and a start
 -- leaves the window when it is window ms old or older: two starts of a "1/s" budget are
 -- never less than 1 s apart on the node's clock (whole ms lost up to 1 ms: measured
--- 999.4 ms, issue 26).
+-- 999.4 ms).
 --
 -- A refused run with a task id gets a place in line, not only the next slot: the
 -- runs already waiting for the key (KEYS[3], due earlier than this run's own earlier
@@ -82,7 +82,7 @@ local function wait_ms(ahead)
     -- Each window ahead, the runs before this one start a little after their slots (a
     -- delivery's lag), and their own slots free that much later: allow for it, or this
     -- run comes back a hair early and is put back once more (measured: 34 deferrals
-    -- for 20 early runs of 25 at 5/s without, issue 26).
+    -- for 20 early runs of 25 at 5/s without).
     local lag = windows * math.min(30, window / limit / 5)
     local wait = math.ceil((leaves_us - now_us) / 1000 + lag) + windows * window
     return math.max(1, wait)
