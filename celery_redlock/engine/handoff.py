@@ -35,8 +35,9 @@ subscribes, offers itself and waits, since the answer could only be "busy". The
 thread that has just handed the lock over, coming back for its next turn, thus
 queues behind the others without a round trip.
 
-**Other processes' turn** (the *service across processes* invariant). Handed among its threads, a lock
-would never be free in Redis while the process has a waiting thread, and a waiter of
+**Other processes' turn** (the *service across processes* invariant). Handed among
+its threads, a lock would never be free in Redis while the process has a waiting
+thread, and a waiter of
 another process would wait until its timeout (measured before this bound: 2
 processes x 4 threads, 1 ms holds, 12 s: 8,565 acquisitions for one, 0 and 8
 timeouts for the other). So ``acquire.lua`` keeps the process's *turn* on the lock:
