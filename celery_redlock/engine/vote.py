@@ -240,6 +240,7 @@ def vote(
         calls,
         timeout=budget(node_timeout, min_replicas),
         decided=None if wait_all else vote_decided(quorum, len(nodeset), min_replicas),
+        patient=True,  # a late reply only shortens the validity, counted from the send
     )
     return tally(replies, clock() - sent_at, min_replicas), sent_at
 

@@ -237,9 +237,10 @@ class _Gather:
 class _FanOut:
     """The state of one :func:`fan_out`: legs in flight and replies per node."""
 
-    def __init__(self, nodes: Sequence[LockNode], timeout: float) -> None:
+    def __init__(self, nodes: Sequence[LockNode], timeout: float, patient: bool = False) -> None:
         self.nodes = nodes
         self.timeout = timeout
+        self.patient = patient
         self.started = time.monotonic()
         self.deadline = self.started + timeout
         # Whether the budget was started again once (see start()).
@@ -333,7 +334,7 @@ class _FanOut:
         no safety.
         """
         now = time.monotonic()
-        if now - self.started >= max(ALIVE_GRACE, 4 * self.timeout):
+        if not self.patient or now - self.started >= max(ALIVE_GRACE, 4 * self.timeout):
             return False
         if not all(f.leg.node.answered_at > self.started for f in self.inflight):
             return False
@@ -382,6 +383,7 @@ def fan_out(
     *,
     timeout: float,
     decided: Callable[[list[Reply | None]], bool] | None = None,
+    patient: bool = False,
 ) -> list[Reply | None]:
     """Send ``requests[i]`` to ``nodes[i]`` concurrently and collect the replies.
 
@@ -394,6 +396,11 @@ def fan_out(
         decided: called with the replies so far after each one arrives; when it
             returns True the fan-out returns at once, leaving unanswered nodes as
             ``None`` (their connections are drained later).
+        patient: a reply missing at the budget's end from a node that answered other
+            requests of this process meanwhile is waited for longer
+            (:meth:`_FanOut.alive`). For a call whose lateness costs only time (an
+            acquisition counts its validity from the send); never for a renewal, whose
+            caller must learn of a failure before the lease's deadline.
 
     Returns:
         One :class:`Reply` per node (``None`` for a node left out or not waited for).
@@ -403,7 +410,7 @@ def fan_out(
         celery_redlock.nodes.cluster.CrossSlotError: a call cannot be routed on a cluster
             node (nothing was sent to any node).
     """
-    state = _FanOut(nodes, timeout)
+    state = _FanOut(nodes, timeout, patient)
     legs: list[tuple[int, Leg]] = []
     for i, calls in enumerate(requests):
         if not calls:

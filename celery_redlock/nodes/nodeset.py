@@ -111,6 +111,7 @@ class NodeSet:
         per_node: bool = False,
         timeout: float | None = None,
         decided: Callable[[list[Reply | None]], bool] | None = None,
+        patient: bool = False,
     ) -> list[Reply | None]:
         """Send the same calls to every node (or ``calls[i]`` to node i with ``per_node``)."""
         requests = calls if per_node else [calls] * len(self.nodes)
@@ -119,6 +120,7 @@ class NodeSet:
             requests,  # type: ignore[arg-type]
             timeout=self.timeout if timeout is None else timeout,
             decided=decided,
+            patient=patient,
         )
 
     @staticmethod

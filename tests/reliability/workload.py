@@ -336,8 +336,16 @@ def run_section(
     raised anywhere in the body (the Celery abort) ends the section and is recorded.
     """
     body = _Body(lock, history, key, stats, asked, audit_every)
-    for piece in body.steps(pause, hold, auditor):
-        time.sleep(piece)
+    steps = body.steps(pause, hold, auditor)
+    for piece in steps:
+        try:
+            time.sleep(piece)
+        except LockLost as lost:
+            # The Celery abort lands in the hold, here, outside the body's steps: hand
+            # it to them, which record the loss and end the section.
+            with contextlib.suppress(StopIteration):
+                steps.throw(lost)
+            break
     section = body.section()
     if release:
         assert isinstance(lock, Redlock)
