@@ -32,6 +32,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from ..nodes import Call
 from ..nodes.calls import bulk
+from . import timing
 from .keys import LockKeys, lock_keys, release_keys
 from .scripts import (
     ABANDON,
@@ -43,7 +44,7 @@ from .scripts import (
     RELEASE_SHARED,
     Script,
 )
-from .timing import TURN, check_kind
+from .timing import check_kind
 from .waiting import Named, named_reserve_ms, process_channel
 
 __all__ = ["Exclusive", "Fair", "Holder", "Kind", "Shared", "Waiter", "kind_of", "majority"]
@@ -279,7 +280,7 @@ class Exclusive(Kind):
             ACQUIRE,
             self._acquire_keys,
             (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "", *record,
-             *((predecessor, *TURN) if predecessor else ()), waiter.next_attempt()),
+             *((predecessor, *timing.TURN) if predecessor else ()), waiter.next_attempt()),
         )  # fmt: skip
 
     def release_call(self, token: str) -> Call:

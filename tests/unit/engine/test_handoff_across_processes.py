@@ -17,7 +17,7 @@ import time
 import pytest
 
 from celery_redlock import Redlock
-from celery_redlock.engine import handoff
+from celery_redlock.engine import handoff, timing
 from celery_redlock.engine.keys import YIELD_MARK
 from celery_redlock.engine.lease import clock
 from celery_redlock.engine.lock import _HOST
@@ -46,7 +46,7 @@ def other_process_release(client, lock: Redlock, token: str):
 def turn(monkeypatch):
     """A turn of 3 handoffs, no time limit, and a reservation that outlasts the test."""
     bound = handoff.Turn(handoffs=3, ms=600_000, reserve_ms=600_000)
-    monkeypatch.setattr(handoff, "TURN", bound)
+    monkeypatch.setattr(timing, "TURN", bound)
     return bound
 
 
@@ -107,7 +107,7 @@ def test_after_its_turn_a_process_yields_the_lock_to_a_waiter_of_another_process
 def test_the_turn_also_ends_after_its_time(redis_node, monkeypatch):
     """``TURN.ms`` after the other process's first refused attempt, no takeover is
     granted, however few handoffs the process made."""
-    monkeypatch.setattr(handoff, "TURN", handoff.Turn(handoffs=1000, ms=0, reserve_ms=600_000))
+    monkeypatch.setattr(timing, "TURN", timing.Turn(handoffs=1000, ms=0, reserve_ms=600_000))
     url, client = redis_node.url, redis_node.client()
     holder = Redlock("job", nodes=[url], ttl=30)
     assert holder.acquire()
@@ -127,7 +127,7 @@ def test_the_turn_also_ends_after_its_time(redis_node, monkeypatch):
 def test_a_reservation_nobody_takes_ends_by_itself(redis_node, monkeypatch):
     """The other process's waiter left: the own waiter gets the lock once the
     reservation ends (it waits for the reservation's time to live, not its timeout)."""
-    monkeypatch.setattr(handoff, "TURN", handoff.Turn(handoffs=0, ms=600_000, reserve_ms=300))
+    monkeypatch.setattr(timing, "TURN", timing.Turn(handoffs=0, ms=600_000, reserve_ms=300))
     url, client = redis_node.url, redis_node.client()
     holder = Redlock("job", nodes=[url], ttl=30)
     assert holder.acquire()
