@@ -22,7 +22,7 @@ from tests.reliability.workload import Lab, Outcome
 #: node makes about 1 time it (0.1 to 1.3 times, measured before the fix). Twice the
 #: bound tells the two apart with room for the machine's load: the whole suite runs
 #: beside this test on two cores (asyncio tasks on one key made 32 of a bound of 10
-#: there, 60 alone).
+#: there).
 PACE_FACTOR = 2
 
 
