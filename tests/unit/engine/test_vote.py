@@ -142,3 +142,20 @@ def test_a_release_a_quorum_does_not_confirm_waits_for_every_node(redis_factory,
     messages = [r.getMessage() for r in caplog.records]
     assert any("gone on 3" in m for m in messages), messages
     assert holders(servers) == 0
+
+
+def test_a_release_does_not_wait_for_a_node_that_lags(redis_factory, fault_proxy):
+    """One node of three blackholed: the first release waits out its budget there and
+    marks it lagging; from then on a release returns once the two others confirmed it,
+    leaving that node's reply unread (None), and so does an acquisition's vote."""
+    servers = redis_factory(3)
+    silent = fault_proxy(servers[2])
+    silent.blackhole()
+    lock = Redlock("job", nodes=[servers[0].url, servers[1].url, silent.url], ttl=10)
+    assert lock.acquire(blocking=False)
+    lock.release()  # waits out the budget for the silent node
+    assert lock.nodeset.lagging() == frozenset({2})
+    assert lock.acquire(blocking=False)
+    replies = lock._unlock(lock.lease.token)  # the release, as release() sends it
+    assert [r is not None and r.ok for r in replies[:2]] == [True, True]
+    assert replies[2] is None, "the lagging node was not waited for"
