@@ -326,12 +326,13 @@ class _FanOut:
             self.deadline = time.monotonic() + self.timeout
 
     def alive(self) -> bool:
-        """Give the budget once more if every node still waited for answered meanwhile.
+        """Give the budget once more if every node still waited for answered lately.
 
         A node that answered a request of this process (another thread's, or an earlier
-        reply on this connection) since this fan-out began is up: the reply missing here
-        is late because this process is starved (hundreds of threads starting at once,
-        each waiting for the interpreter), not because the node is down. For
+        reply on this connection) within :data:`ALIVE_GRACE` before this fan-out began,
+        or since, is up: the reply missing here is late because this process, or the
+        machine, is starved (hundreds of threads starting at once, each waiting for the
+        interpreter; Redis itself waiting for a CPU), not because the node is down. For
         :data:`ALIVE_GRACE` (or four budgets) past the start at most: a node that
         answers others but never this connection that long is not trusted with it.
         A lock's validity is counted from before the fan-out, so waiting longer costs
@@ -340,7 +341,8 @@ class _FanOut:
         now = time.monotonic()
         if not self.patient or now - self.started >= max(ALIVE_GRACE, 4 * self.timeout):
             return False
-        if not all(f.leg.node.answered_at > self.started for f in self.inflight):
+        recent = self.started - ALIVE_GRACE
+        if not all(f.leg.node.answered_at > recent for f in self.inflight):
             return False
         self.deadline = now + self.timeout
         return True

@@ -34,7 +34,7 @@ CHILD = textwrap.dedent(
     go = threading.Event()
 
     def work():
-        lock = Redlock("cold", nodes=[url], ttl=10, node_timeout=0.05)
+        lock = Redlock("cold", nodes=[url], ttl=10, node_timeout=0.1)
         go.wait()
         try:
             if lock.acquire(timeout=120):
