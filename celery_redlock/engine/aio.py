@@ -262,7 +262,7 @@ class AsyncRedlock:
             self.timing.node_timeout,
         )
         waiter.sent = True
-        sent_at = waiter.sent_at = clock()
+        sent_at = clock()
         replies = await self.nodeset.call(
             calls,
             timeout=budget(self.timing.node_timeout, sync.min_replicas),

@@ -63,14 +63,12 @@ class Holder(NamedTuple):
 class Waiter:
     """One acquire call's identity across its attempts (a fair waiter keeps its place)."""
 
-    __slots__ = ("arrival", "attempt", "blocking", "in_doubt", "sent", "sent_at", "token")
+    __slots__ = ("arrival", "attempt", "blocking", "in_doubt", "sent", "token")
 
     def __init__(self, blocking: bool, arrival: str = "") -> None:
         self.token = secrets.token_hex(16)
         self.blocking = blocking
         self.sent = False  # a request with this token went out
-        #: When the last request with this token was sent (:func:`.lease.clock`).
-        self.sent_at = 0.0
         #: The number of the last attempt built (:meth:`next_attempt`): the attempts of
         #: one acquisition share its token, and an attempt's undo names its number, so
         #: that it can remove only what that attempt (or an earlier one) wrote.

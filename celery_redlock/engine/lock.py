@@ -482,7 +482,6 @@ class Redlock:
             self.nodeset, acquire, quorum, self.min_replicas, self.timing.node_timeout, wait_all
         )
         attempt.number = waiter.attempt
-        waiter.sent_at = sent_at
         if attempt.failed():
             # Those connections are closed: an undo goes out on others, and may
             # arrive first. (A reply not waited for is read, and an undo sent, on the

@@ -87,10 +87,6 @@ class Attempt:
         """Some node failed or did not answer within the budget (its request is unsettled)."""
         return any(reply is not None and not reply.ok for reply in self.replies)
 
-    def reachable(self) -> list[int]:
-        """Nodes that may still be reached: those that answered, and those not heard yet."""
-        return [i for i, reply in enumerate(self.replies) if reply is None or reply.ok]
-
     def _tally(self, i: int, reply: Reply, min_replicas: int) -> None:
         fences = granted_fences(reply, min_replicas)
         if fences is not None:
