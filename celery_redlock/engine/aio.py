@@ -181,7 +181,7 @@ class AsyncRedlock:
                     if subscription is not None and self.kind.admits_others:
                         subscription.pass_on()
                     return True
-                step, pause = self._sync._next_step(attempt, blocking, give_up)
+                step, pause = self._sync._next_step(attempt, blocking, give_up, started)
                 if step is Step.UNAVAILABLE:
                     settled = not waiter.in_doubt  # else abandoned below
                     raise NodeUnavailable(self.keys.lock, attempt.errors)

@@ -76,7 +76,7 @@ from redis.exceptions import ResponseError
 
 from .. import forksafe, metrics
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from ..nodes import Call, NodeSet, Reply
+from ..nodes import ALIVE_GRACE, Call, NodeSet, Reply
 from ..nodes.cluster import is_cluster_url
 from . import handoff
 from .handoff import Grant
@@ -286,7 +286,7 @@ class Redlock:
                         if subscription is not None and self.kind.admits_others:
                             subscription.pass_on()  # a share does not exclude the next waiter
                         return True
-                    step, pause = self._next_step(attempt, blocking, give_up)
+                    step, pause = self._next_step(attempt, blocking, give_up, started)
                     if step is Step.UNAVAILABLE:
                         # The attempt undid its part; unanswered requests still need
                         # the abandon (below).
@@ -358,10 +358,12 @@ class Redlock:
         return handoff.PATIENCE_BUDGETS * budget(self.timing.node_timeout, self.min_replicas)
 
     def _next_step(
-        self, attempt: Attempt, blocking: bool, give_up: float | None
+        self, attempt: Attempt, blocking: bool, give_up: float | None, started: float
     ) -> tuple[Step, float]:
         """What a blocking ``acquire`` does after a failed attempt, and for how long."""
-        if len(attempt.errors) > len(self.nodeset) - self.quorum:
+        if len(attempt.errors) > len(self.nodeset) - self.quorum and not (
+            blocking and self._not_yet_down(started)
+        ):
             # Too many nodes failed for any quorum: waiting would hide a Redis outage
             # behind a lock that looks busy.
             return Step.UNAVAILABLE, 0.0
@@ -385,6 +387,20 @@ class Redlock:
         else:
             step, pause = Step.RETRY, random.uniform(0, RETRY_DELAY)
         return step, self._bounded(pause, give_up)
+
+    def _not_yet_down(self, started: float) -> bool:
+        """Whether a blocking acquisition begun at ``started`` retries failed nodes.
+
+        A node is down once it has had :data:`ALIVE_GRACE` to answer this process and
+        answered nothing: before that, or while a quorum of nodes answers other
+        requests of this process, a failed attempt means this thread (or the machine)
+        was starved of CPU, not that Redis is out. A process whose hundreds of threads
+        all ask at once reads its first replies late; a cold start is not an outage.
+        """
+        now = clock()
+        return now - started < ALIVE_GRACE or (
+            self.nodeset.answering(since=time.monotonic() - ALIVE_GRACE) >= self.quorum
+        )
 
     def try_acquire(self) -> None:
         """Take the lock now or raise :class:`LockBusy` naming the holder."""

@@ -35,9 +35,19 @@ Where each piece lives, from the bottom:
 """
 
 from .calls import Call, LockNode, Reply, Server
-from .fanout import fan_out
+from .fanout import ALIVE_GRACE, fan_out
 from .node import Node
 from .nodeset import NodeSet
 from .urls import safe_url
 
-__all__ = ["Call", "LockNode", "Node", "NodeSet", "Reply", "Server", "fan_out", "safe_url"]
+__all__ = [
+    "ALIVE_GRACE",
+    "Call",
+    "LockNode",
+    "Node",
+    "NodeSet",
+    "Reply",
+    "Server",
+    "fan_out",
+    "safe_url",
+]

@@ -24,6 +24,7 @@ and removes nothing a later one wrote.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -165,7 +166,7 @@ class AsyncNodeSet:
             requests = [cast("Sequence[Call]", calls)] * len(self.nodes)
         budget = self.timeout if timeout is None else timeout
         sent = [
-            (node, asyncio.ensure_future(_send(client, request)))
+            (node, asyncio.ensure_future(_send(node, client, request)))
             for node, client, request in zip(self.nodes, clients, requests, strict=True)
             if request is not None
         ]
@@ -267,9 +268,13 @@ def _retrieve(request: asyncio.Future[Any]) -> None:
         request.exception()
 
 
-async def _send(client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:
-    """Run ``calls`` in one round trip; load the scripts a node lost and run them again."""
+async def _send(node: LockNode, client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:
+    """Run ``calls`` in one round trip; load the scripts a node lost and run them again.
+
+    Marks ``node`` as having answered this process (:meth:`.nodeset.NodeSet.answering`).
+    """
     values = await _pipeline(client, calls)
+    node.answered_at = time.monotonic()  # type: ignore[attr-defined]  # a plain Node here
     missing = {
         call.script.sha: call.script
         for call, value in zip(calls, values, strict=True)

@@ -40,10 +40,6 @@ __all__ = ["ALIVE_GRACE", "fan_out", "pack"]
 #: (:meth:`_FanOut.alive`); four budgets if that is longer.
 ALIVE_GRACE = 1.0
 
-#: How late (seconds) a wait may end before the difference counts as this process
-#: stalled, not as time the node had (:meth:`_FanOut.woke_late`).
-STALL = 0.01
-
 
 class _InFlight:
     """One leg of a request, sent on one connection, whose replies are being read."""
@@ -347,19 +343,6 @@ class _FanOut:
         self.deadline = now + self.timeout
         return True
 
-    def woke_late(self, late: float) -> None:
-        """The wait for replies ended ``late`` seconds after the deadline it asked for.
-
-        Much later than a timer's granularity: this thread (or the whole machine) was
-        not run meanwhile, so the budget went to this process, not to the node, which
-        may have had no CPU either. For a patient fan-out the deadline moves on by as
-        much, within :data:`ALIVE_GRACE` (or four budgets) of the start.
-        """
-        if not self.patient or late <= STALL:
-            return
-        limit = self.started + max(ALIVE_GRACE, 4 * self.timeout)
-        self.deadline = min(self.deadline + late, limit)
-
     def settle(self, index: int) -> None:
         """Set the node's reply once none of its legs is outstanding."""
         gather = self.gathers[index]
@@ -545,6 +528,4 @@ def _wait(state: _FanOut, block: bool = True) -> Sequence[Any]:
     # A socket closed under us shows up as an error on the next read.
     with contextlib.suppress(OSError, ValueError):
         ready = readable(socks, remaining)
-    if block and not ready:
-        state.woke_late(time.monotonic() - state.deadline)
     return ready

@@ -101,6 +101,15 @@ class NodeSet:
             i for i, node in enumerate(self.nodes) if getattr(node, "lagged_at", -math.inf) > since
         )
 
+    def answering(self, since: float) -> int:
+        """How many nodes answered a request of this process after ``since`` (monotonic).
+
+        A node that answers other requests of this process is up, whatever one request
+        to it timed out: a process or machine starved of CPU (hundreds of threads
+        starting at once) reads its replies late.
+        """
+        return sum(1 for node in self.nodes if getattr(node, "answered_at", 0.0) > since)
+
     def __repr__(self) -> str:
         return f"<NodeSet {[n.safe_url for n in self.nodes]} quorum={self.quorum}>"
 

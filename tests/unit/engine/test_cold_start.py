@@ -3,10 +3,13 @@
 Five hundred threads of a new process ask one healthy local node at once: each
 opens a connection, loads the scripts and waits for its reply while the others hold
 the interpreter. Replies come in time but are read late, past the node timeout. A
-request whose node answered other requests of this process meanwhile is given the
-budget again (at most :data:`~celery_redlock.nodes.fanout.MAX_EXTENSIONS` times), so
-none of them reports ``NodeUnavailable`` (from outside, before: 50-58 of 500 on a quiet
-2-core machine; 424 of 500 with the machine loaded).
+blocking acquisition treats a node as down only once it has had
+:data:`~celery_redlock.nodes.ALIVE_GRACE` to answer this process and answered nothing
+(``Redlock._not_yet_down``); until then a failed attempt is retried, so none of them
+reports ``NodeUnavailable`` (from outside, before: 50-58 of 500 on a quiet 2-core
+machine; 424 of 500 with the machine loaded; with a node timeout of 20 ms and three
+processes spinning, the code that only waited longer inside one request failed 2
+runs of 3).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import contextlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
-from celery_redlock import Redlock
+from celery_redlock import NodeUnavailable, Redlock
 from celery_redlock.testing.servers import WaitTimeout
 from tests.harness import wait_for
 
@@ -34,7 +38,7 @@ CHILD = textwrap.dedent(
     go = threading.Event()
 
     def work():
-        lock = Redlock("cold", nodes=[url], ttl=10, node_timeout=0.1)
+        lock = Redlock("cold", nodes=[url], ttl=10, node_timeout=0.02)
         go.wait()
         try:
             if lock.acquire(timeout=120):
@@ -62,13 +66,12 @@ CHILD = textwrap.dedent(
 def test_five_hundred_threads_of_a_fresh_process_wait_without_an_outage(redis_node):
     """The lock is held while the threads start, so every one of them blocks on it at
     once: all 500 acquire it in turn, none reports the healthy node unavailable. A node
-    timeout of 50 ms and a busy machine make the late reads certain (before: 30-200 of
-    500 reported the node down)."""
+    timeout of 20 ms and a busy machine make the late reads certain."""
     holder = Redlock("cold", nodes=[redis_node.url], ttl=30)
     assert holder.acquire()
-    # The machine busy too (two processes spinning), as a worker host under load is:
+    # The machine busy too (three processes spinning), as a worker host under load is:
     # the threads wait longer for the interpreter, the node answers as fast as ever.
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, redis_node.url, str(THREADS)],
         stdout=subprocess.PIPE,
@@ -92,3 +95,34 @@ def test_five_hundred_threads_of_a_fresh_process_wait_without_an_outage(redis_no
                 process.kill()
                 process.wait(10)
     assert out.strip() == str({"acquired": THREADS}), err[-2000:]
+
+
+def test_a_blocking_acquisition_still_reports_a_node_that_stopped_answering(redis_factory):
+    """The other side of the rule: a node that answered this process, then went silent
+    (SIGSTOP) for longer than ALIVE_GRACE, is reported down by a blocking acquisition
+    (``NodeUnavailable``), not waited for until the caller's timeout."""
+    (server,) = redis_factory(1)
+    lock = Redlock("silent", nodes=[server.url], ttl=10, node_timeout=0.05)
+    assert lock.acquire()  # the node has answered this process
+    lock.release()
+    server.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(NodeUnavailable):
+            lock.acquire(timeout=60)
+        assert time.monotonic() - started < 30  # raised, not given up at the timeout
+    finally:
+        server.resume()
+
+
+def test_a_blocking_acquisition_of_a_node_never_reached_reports_it(redis_factory):
+    """A node that refuses every connection has never answered: reported down once the
+    acquisition has given it ALIVE_GRACE, well before the caller's timeout."""
+    (server,) = redis_factory(1)
+    url = server.url
+    server.stop()
+    lock = Redlock("refused", nodes=[url], ttl=10, node_timeout=0.05)
+    with pytest.raises(NodeUnavailable):
+        lock.acquire(timeout=60)
+    with pytest.raises(NodeUnavailable):  # and a non-blocking one at once
+        lock.acquire(blocking=False)
