@@ -39,12 +39,12 @@ from typing import Any
 
 from celery import Task
 
-from . import metrics
+from . import metrics, parking
 from .engine.lock import Redlock
 from .engine.rate import judge, rate_calls, return_calls
 from .exceptions import LockKeyError, NodeUnavailable
 from .options import TaskLockOptions
-from .policies import defer
+from .policies import defer, defer_unavailable, request_header
 from .settings import Settings
 
 __all__ = ["admit", "broker_visibility", "longest_hold"]
@@ -82,11 +82,15 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
     # A run on the queue is seen waiting (ls: QUEUED) from its refusal to its start,
     # both recorded by the admission's own call; an eager run waits in its caller.
     waiting = None if eager else task.request.id
+    # A parked run's copy: the publisher logged its start already (it owns its slot).
+    logged = None if eager else request_header(task.request, parking.MEMBER_HEADER)
     while True:
-        member = secrets.token_hex(8)
+        owned = isinstance(logged, str) and bool(logged)
+        member = str(logged) if owned else secrets.token_hex(8)
+        logged = None
         # Arrive just after the slot frees, not a hair before it (clocks, rounding).
         jitter = random.uniform(0, min(MAX_MARGIN, budget.window / budget.limit / 10))
-        call = rate_calls(keys, budget, member, task_id=waiting, jitter=jitter)
+        call = rate_calls(keys, budget, member, task_id=waiting, jitter=jitter, owned=owned)
         try:
             verdict = judge(nodeset.call([call]), nodeset.quorum)
             if not verdict.admitted and any(verdict.undo):
@@ -103,16 +107,20 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
                 return
             if options.on_busy == "retry":
                 raise task.retry(exc=exc, countdown=options.retry_countdown) from exc
+            defer_unavailable(task, task.request.id, exc, parking.Spot(nodeset, "later", lock.key))
             raise
         if not wait:
             return
-        countdown = min(wait + jitter, longest_hold(task.app))
         if metrics.enabled:
             metrics.deferred(task.name, "rate")
         if not eager:
             why = f"waits for its slot in {budget} of {lock.name}"
-            defer(task, task.request.id, countdown, why)
-        time.sleep(countdown)
+            # Parked until its place in line comes; on the queue (for at most half the
+            # broker's visibility timeout) if no node takes it.
+            spot = parking.Spot(nodeset, "rate", lock.key, budget=budget)
+            countdown = min(wait + jitter, longest_hold(task.app))
+            defer(task, task.request.id, countdown, why, spot=spot)
+        time.sleep(wait + jitter)
 
 
 def longest_hold(app: Any) -> float:

@@ -16,7 +16,8 @@ from it, and the worker does not start.
                               lock the ``redlock_tasks`` of configuration-only
                               setups; prefork: open the pipe children report on
 ``RedlockStep.start``         start the renewer (solo, threads) or the reaper
-                              that releases a dead child's locks (prefork)
+                              that releases a dead child's locks (prefork), and
+                              the publisher of parked runs (``parking``)
 ``worker_process_init``       in each prefork child: start its own renewer
 ``worker_process_shutdown``   in each prefork child: tell the main process what
                               it released since its last lock
@@ -43,7 +44,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
-from . import config_only, metrics, reaper, unique, wakeups
+from . import config_only, metrics, parking, reaper, unique, wakeups
 from .beat import check_configuration
 from .engine.renewal import get_renewer
 from .exceptions import ConfigurationError
@@ -89,9 +90,12 @@ class RedlockStep(bootsteps.StartStopStep):
                 )
         self.prefork = _is_prefork(worker)
         self.reaper = None
-        if locked and self.prefork:
-            nodeset = NodeSet.get(settings.node_urls(), timeout=settings.timing.node_timeout)
-            self.reaper = _reaper = Reaper(nodeset)
+        self.nodeset = None
+        if locked:
+            self.nodeset = NodeSet.get(settings.node_urls(), timeout=settings.timing.node_timeout)
+        if self.nodeset is not None and self.prefork:
+            self.reaper = _reaper = Reaper(self.nodeset)
+        self.app, self.prefix = app, settings.key_prefix
         logger.info(
             "celery_redlock: %d locked task(s) on %s",
             len(locked),
@@ -106,11 +110,15 @@ class RedlockStep(bootsteps.StartStopStep):
             self.reaper.start()
         if not self.prefork:
             get_renewer().start()
+        if self.nodeset is not None:
+            # Every worker publishes the parked runs that come due, whichever parked them.
+            parking.start_publisher(self.app, self.nodeset, self.prefix)
 
     def stop(self, worker: Any) -> None:
-        """Stop watching pool children, and listening for the keys copies wait for."""
+        """Stop watching pool children, publishing parked runs, listening for releases."""
         if self.reaper is not None:
             self.reaper.stop()
+        parking.stop_publisher(self.app)
         wakeups.stop()
 
     shutdown = stop

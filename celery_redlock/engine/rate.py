@@ -153,6 +153,7 @@ def rate_calls(
     peek: bool = False,
     task_id: str | None = None,
     jitter: float = 0.0,
+    owned: bool = False,
 ) -> Call:
     """The ``rate.lua`` call admitting (or, ``peek``, counting) one start of ``keys``.
 
@@ -160,8 +161,13 @@ def rate_calls(
     the queue when refused) a refusal also records the run in ``keys.queued``, due
     at the end of its wait plus ``jitter`` seconds, and an admission removes it: in
     the same call, so a run pays no round trip for being seen waiting.
+
+    ``owned``: ``member`` was logged for this run earlier (a parked run's publisher
+    logged it before publishing the copy): the start moves to now if the window still
+    has room for it there, else it is given back and the run refused.
     """
-    args: tuple[object, ...] = (budget.limit, budget.window_ms, member, "peek" if peek else "")
+    mode = "peek" if peek else "owned" if owned else ""
+    args: tuple[object, ...] = (budget.limit, budget.window_ms, member, mode)
     if task_id:
         args += (task_id, round(jitter * 1000), round(QUEUED_GRACE * 1000))
     return Call(RATE, keys.budget_keys, args)

@@ -39,14 +39,17 @@ __all__ = [
     "FENCE_SYNC",
     "INSPECT",
     "NOTE_QUEUED",
+    "PARK",
     "RATE",
     "RATE_RETURN",
     "RELEASE",
     "RELEASE_IF",
     "RELEASE_SHARED",
     "RENEW_MANY",
+    "TAKE_DUE",
     "THROTTLE",
     "UNCLAIM",
+    "UNPARK",
     "AcquireStatus",
     "BeatClaimStatus",
     "ClaimStatus",
@@ -59,6 +62,7 @@ __all__ = [
     "RenewStatus",
     "Script",
     "UnclaimStatus",
+    "UnparkStatus",
 ]
 
 
@@ -151,6 +155,14 @@ class UnclaimStatus(enum.IntEnum):
     FREED = 1
 
 
+class UnparkStatus(enum.IntEnum):
+    """Reply of ``unpark.lua``."""
+
+    DUPLICATE = 0  #: another copy of the run started, or the run is parked: do not start
+    START = 1  #: this copy is the run's; it left the parked runs
+    UNKNOWN = 2  #: no record of the run (expired, or the node lost it): start
+
+
 def _lua_string(text: str) -> str:
     if any(c in text for c in "'\\\n"):
         raise ValueError(f"not a plain Lua string: {text!r}")
@@ -232,3 +244,6 @@ RATE = Script("rate", status=RateStatus, libraries=("queued",))
 RATE_RETURN = Script("rate_return")
 NOTE_QUEUED = Script("note_queued", libraries=("queued",))
 BUDGET_READ = Script("budget_read")
+PARK = Script("park")
+TAKE_DUE = Script("take_due")
+UNPARK = Script("unpark", status=UnparkStatus)

@@ -8,7 +8,9 @@
 -- ARGV[1]  N, the starts allowed per window (integer, 1 to 1000000)
 -- ARGV[2]  the window in milliseconds (positive integer, at most 30 days)
 -- ARGV[3]  this start's member (unique per admission: a token)
--- ARGV[4]  '' to admit; 'peek' to only count (writes nothing but the trim)
+-- ARGV[4]  '' to admit; 'peek' to only count (writes nothing but the trim); 'owned'
+--          to admit a start logged earlier for this run (a parked run's copy: its
+--          publisher logged the start before publishing it) at this moment instead
 -- ARGV[5]  the task id of the run asking ('' or absent: none, e.g. a RateLimit)
 -- ARGV[6]  with a task id: ms after its slot when the refused run is due again
 --          (a small random margin it is put back with)
@@ -19,6 +21,8 @@
 --                              in wait_ms (at least 1)
 --          {2, used, wait_ms}  peek: used now, and wait_ms until a start would be
 --                              admitted (0: now)
+-- A member logged already is admitted again without a second entry (the same
+-- admission sent again), except with 'owned' (then it is judged again, at now).
 -- A member logged already (the same admission sent again) is admitted again without a
 -- second entry. The key expires one window after its last start: nothing of it
 -- outlives its last use by more than one window.
@@ -113,8 +117,16 @@ if ARGV[4] == 'peek' then
     return {2, used, wait_ms(0)}
 end
 if redis.call('ZSCORE', KEYS[1], ARGV[3]) then
-    starts()
-    return {1, used, 0}
+    if ARGV[4] ~= 'owned' then
+        starts()
+        return {1, used, 0}
+    end
+    -- The start logged for this run kept its slot while the run went through the
+    -- broker; it moves to now, the body's start, if the window still has room for it
+    -- without it (the copy may come late: the starts logged since must not be crowded
+    -- into one window with it). Else it is given back and the run is refused as any.
+    redis.call('ZREM', KEYS[1], ARGV[3])
+    used = used - 1
 end
 if used >= limit then
     local wait = wait_ms(waiting_ahead())
