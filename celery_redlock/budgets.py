@@ -8,25 +8,27 @@ and a :class:`~celery_redlock.RateLimit` of the same name draws on it too.
 
 The admission is the last step before the body, after the execution lock (or shared
 slot) is taken: the start logged is the body's. A run that comes early holds nothing
-while it waits: it goes back on the queue (:func:`celery_redlock.policies.defer`: same
-task id, arguments and options, not a retry, published before this delivery is
-acknowledged) with a countdown to its place in line: the node serves the runs waiting
-for the key in the order they were refused, N per window (``rate.lua``), so a backlog
-of B runs comes back about B times, not B²/2N, and never all at the same instant; its
-lock is released as the delivery ends. A small random margin (at most
-:data:`MAX_MARGIN`, and a tenth of a slot) keeps a run from arriving a hair before its
-slot.
+while it waits: it is parked on the lock node (:mod:`celery_redlock.parking`: same task
+id, arguments and options, not a retry; this delivery is acknowledged) until its place
+in line: the node serves the runs waiting for the key in the order they were refused, N
+per window (``rate.lua``). When its place comes, a live worker logs its start in the
+budget and publishes its copy, once; the copy's admission moves that start to the
+body's moment (``owned``), so a backlog of B runs goes through the broker about B
+times more, whoever dies meanwhile. Its lock is released as the delivery ends.
 
-A worker holds a copy with a countdown in memory, unacknowledged, until it is due;
-the Redis and SQS brokers give a message held longer than their ``visibility_timeout``
-to another worker, and the run would start twice. So no countdown is longer than
-half that timeout (:func:`broker_visibility`, :data:`MAX_HOLD` for a broker without
-one): a run whose place is further away comes back, is refused, and goes back keeping
-its place.
+Where no node takes the run (a Redis Cluster), it goes back on the queue with a
+countdown to its place, held by a worker unacknowledged until due; the Redis and SQS
+brokers give a message held longer than their ``visibility_timeout`` to another worker,
+so no countdown is longer than half that timeout (:func:`broker_visibility`,
+:data:`MAX_HOLD` for a broker without one), and a small random margin (at most
+:data:`MAX_MARGIN`, and a tenth of a slot) keeps such a copy from arriving a hair
+before its slot.
 
 An eager run (``apply()``) has no queue: it sleeps until its slot, in its caller.
-Redis unreachable: as for the lock (the task fails with ``NodeUnavailable``, retries
-with ``lock_on_busy="retry"``, or runs without its budget with ``redlock_fail_open``).
+Redis unreachable or late: as for the lock (the run is put back for a while, then
+fails with ``NodeUnavailable``, :func:`~celery_redlock.policies.defer_unavailable`;
+retries with ``lock_on_busy="retry"``; runs without its budget with
+``redlock_fail_open``).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ LEASE = 10.0
 LIFETIME = 86400.0
 
 #: Seconds between two looks at a run whose key is still held.
-RECHECK = 0.05
+RECHECK = 0.02
 
 #: Seconds a run published for its key's release has to start before the next one
 #: waiting for that key may be published.
@@ -102,7 +102,7 @@ HANDOFF = 2.0
 
 #: Seconds between the publisher's takes while runs are due or about to be; and at
 #: most, when none is.
-TICK = 0.05
+TICK = 0.02
 IDLE = 0.25
 
 #: Most runs one take returns (a bound on one script call's work).

@@ -17,11 +17,13 @@ What a busy lock does (``lock_on_busy``, :func:`apply_on_busy`):
 ``raise``    The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
 ``wait``     Waits up to ``lock_wait_timeout`` seconds, woken by the holder's release;
              then fails with ``LockBusy`` if still held.
-``requeue``  Goes back on the queue (same task id, arguments and options; not a
-             retry: ``max_retries`` does not count it) after a jittered backoff that
-             doubles per requeue from 0.25 s, capped at the holder's lease left; holds
-             no pool process meanwhile (:func:`defer`), and starts as soon as the
-             key's release is announced (:mod:`celery_redlock.wakeups`).
+``requeue``  Parked on the lock node until the key is free (same task id, arguments
+             and options; not a retry: ``max_retries`` does not count it), then
+             published once by a live worker (:mod:`celery_redlock.parking`); holds
+             no pool process meanwhile (:func:`defer`). Where no node takes it, it
+             goes back on the queue after a jittered backoff that doubles per
+             requeue from 0.25 s, capped at the holder's lease left, and starts as
+             soon as the key's release is announced (:mod:`celery_redlock.wakeups`).
 ===========  ======================================================================
 
 A second delivery of a task id whose first delivery still holds the lock (acks_late

@@ -64,12 +64,21 @@ def record_counted(self, key, out, hold=0.0):
 def add_backlog_tasks(app: Celery) -> Celery:
     """Tasks for backlogs of parked runs (tests/integration/test_parked.py).
 
-    ``backlog.rate`` (20/s, shared: only the budget bounds it), ``backlog.requeue``
+    ``backlog.rate`` (20/s, shared: only the budget bounds it), ``backlog.rate_requeue``
+    (20/s with the exclusive lock and ``lock_on_busy="requeue"``), ``backlog.requeue``
     (exclusive, ``lock_on_busy="requeue"``, 3 s lease: a dead holder's key frees soon).
     """
     common = {"base": LockedTask, "bind": True, "shared": False, "max_retries": 0}
     app.task(
         name="backlog.rate", lock_key="fast:{key}", lock_rate="20/s", lock_mode="shared", **common
+    )(record_counted)
+    app.task(
+        name="backlog.rate_requeue",
+        lock_key="fast-one:{key}",
+        lock_rate="20/s",
+        lock_on_busy="requeue",
+        lock_ttl=3.0,
+        **common,
     )(record_counted)
     app.task(
         name="backlog.requeue",

@@ -40,12 +40,6 @@ def runs_of(out):
     return [(i, k, float(s), float(e), int(p)) for i, k, s, e, p, _ in map(str.split, lines)]
 
 
-def redelivered_runs(out):
-    """The task ids of the runs whose message the broker delivered again."""
-    lines = out.read_text().splitlines() if out.exists() else []
-    return [i for i, *_, again in map(str.split, lines) if again == "1"]
-
-
 def get(result, timeout=60):
     return result.get(timeout=timeout, disable_sync_subtasks=False)
 
