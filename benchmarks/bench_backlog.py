@@ -71,7 +71,11 @@ def backlog_run(
 ) -> dict[str, Any]:
     """One backlog of ``size`` calls of ``case`` at ``n``/s: its row."""
     bench_rate.BUDGET = parse_rate("rate", f"{n}/s")  # accuracy_run's pace and timeout
-    row = accuracy_run(app, workers, case, tag, size)
+    try:
+        row = accuracy_run(app, workers, case, tag, size)
+    except AssertionError as exc:  # not drained within 60 s + 3x the ideal: say so
+        done = counter(app.conf.bench_redis_url).llen(STARTS_KEY.format(key=f"{tag}:one"))
+        return {"runs": size, "rate_per_s": n, "timed_out": str(exc)[:200], "started": done}
     entries = counter(app.conf.bench_redis_url).lrange(STARTS_KEY.format(key=f"{tag}:one"), 0, -1)
     starts = [float(e.decode().split()[1]) for e in entries]
     ideal = (size - 1) // n

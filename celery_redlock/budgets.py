@@ -119,7 +119,7 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
             why = f"waits for its slot in {budget} of {lock.name}"
             # Parked until its place in line comes; on the queue (for at most half the
             # broker's visibility timeout) if no node takes it.
-            spot = parking.Spot(nodeset, "rate", lock.key, budget=budget)
+            spot = parking.spot(nodeset, "rate", lock.key, options, budget=budget)
             countdown = min(wait + jitter, longest_hold(task.app))
             defer(task, task.request.id, countdown, why, spot=spot)
         time.sleep(wait + jitter)

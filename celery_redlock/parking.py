@@ -72,6 +72,7 @@ __all__ = [
     "Spot",
     "claim_start",
     "park",
+    "spot",
     "start_publisher",
     "stop_publisher",
 ]
@@ -136,14 +137,39 @@ class Spot:
         """What ``take_due.lua`` and the publisher read of the run (JSON-ready)."""
         record: dict[str, Any] = {"kind": self.kind}
         if self.kind == "rate" and self.budget is not None:
-            record.update(lock=self.lock, limit=self.budget.limit, window=self.budget.window)
-        if self.kind == "busy":
-            record["gate"] = handed_key(keys_of(self.lock))
+            record.update(lock=self.lock, rate=self.budget.limit, window=self.budget.window)
+        if self.kind == "busy" or self.check is not None or self.shared is not None:
+            # Taken only while the key is free, one run at a time per key: runs published
+            # together would find each other holding it (a rate run of an exclusive lock
+            # too: N of them come due at one window's end).
+            record["gate"] = self.gate
             if self.shared is not None:
                 record.update(shared=self.shared, limit=self.limit or 1)
             elif self.check is not None:
                 record["check"] = self.check
         return record
+
+    @property
+    def gate(self) -> str:
+        """The hand-off mark of the run's lock."""
+        return handed_key(keys_of(self.lock))
+
+
+def spot(
+    nodeset: NodeSet, kind: str, lock: str, options: Any, *, budget: Budget | None = None
+) -> Spot:
+    """The :class:`Spot` of a run of a task with lock ``options`` (mode, limit).
+
+    What says its key is free: ``lock_limit``, fewer holders than the limit; else no
+    holder of the lock key (an exclusive holder, for a shared run put back as busy). A
+    rate run of ``lock_mode="shared"`` without a limit waits for nothing but its slot.
+    """
+    keys = keys_of(lock)
+    if options.limit is not None:
+        return Spot(nodeset, kind, lock, budget, shared=keys.shared, limit=options.limit)
+    if kind == "rate" and options.mode == "shared":
+        return Spot(nodeset, kind, lock, budget)
+    return Spot(nodeset, kind, lock, budget, check=keys.lock)
 
 
 def _ms(seconds: float) -> int:
@@ -183,7 +209,7 @@ def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> bool:
     keys = parked_keys(spot.prefix)
     call = Call(
         PARK,
-        (keys.due, keys.runs, keys.taken),
+        (keys.due, keys.runs, keys.taken, spot.gate),
         (task.request.id, json.dumps(record), _ms(delay), _ms(LIFETIME)),
     )
     return _first_node(spot.nodeset, call) is not None
@@ -295,7 +321,7 @@ class Publisher:
             if record.get("kind") == "rate":
                 member = self._admit(task_id, record)
                 if isinstance(member, float):
-                    self._again(index, task_id, member)
+                    self._again(index, task_id, record, member)
                     return
                 headers[MEMBER_HEADER] = member
             raw = base64.b64decode(record["body"])
@@ -320,7 +346,7 @@ class Publisher:
     def _admit(self, task_id: str, record: dict[str, Any]) -> str | float:
         """Log the run's start in its budget: the member; or seconds until it may start."""
         keys = keys_of(record["lock"])
-        budget = Budget(int(record["limit"]), float(record["window"]))
+        budget = Budget(int(record["rate"]), float(record["window"]))
         member = secrets.token_hex(8)
         call = rate_calls(keys, budget, member, task_id=task_id)
         verdict = judge(self.nodeset.call([call]), self.nodeset.quorum)
@@ -330,12 +356,14 @@ class Publisher:
             self.nodeset.call(return_calls(keys, member, verdict.undo), per_node=True)
         return 1.0 if verdict.wait == math.inf else verdict.wait
 
-    def _again(self, index: int, task_id: str, delay: float) -> None:
-        """Park a taken run again on its node, ``delay`` seconds on (its record kept)."""
-        keys = self.keys
-        call = Call(
-            PARK, (keys.due, keys.runs, keys.taken), (task_id, "", _ms(delay), _ms(LIFETIME))
-        )
+    def _again(self, index: int, task_id: str, record: dict[str, Any], delay: float) -> None:
+        """Park a taken run again on its node, ``delay`` seconds on (its record kept).
+
+        Its hand-off mark, if it holds it, is cleared: the next run may go.
+        """
+        gate = record.get("gate")
+        keys = (self.keys.due, self.keys.runs, self.keys.taken, *((gate,) if gate else ()))
+        call = Call(PARK, keys, (task_id, "", _ms(delay), _ms(LIFETIME)))
         requests: list[list[Call] | None] = [None] * len(self.nodeset.nodes)
         requests[index] = [call]
         self.nodeset.call(requests, per_node=True)

@@ -133,18 +133,11 @@ def apply_on_busy(
         why = f"waits for its key: {busy}"
         spot = None
         if nodeset is not None and busy.key:
-            # Parked until the key is free: no holder (exclusive, shared), or fewer than
-            # lock_limit holders; checked on the node that keeps the run.
-            keys = keys_of(busy.key)
-            limited = options.limit is not None
-            spot = parking.Spot(
-                nodeset,
-                "busy",
-                busy.key,
-                check=None if limited else keys.lock,
-                shared=keys.shared if limited else None,
-                limit=options.limit,
-            )
+            # A run with a budget too is parked for both: taken when the key is free and
+            # admitted in its budget then, so it goes through the broker once, not once
+            # for its key and again for its slot.
+            kind = "busy" if options.rate is None else "rate"
+            spot = parking.spot(nodeset, kind, busy.key, options, budget=options.rate)
         defer(task, task_id, countdown, why, wake=busy.key, nodeset=nodeset, spot=spot)
     if policy == "retry":
         logger.info(

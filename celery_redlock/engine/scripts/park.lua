@@ -5,6 +5,8 @@
 -- KEYS[1]  the parked runs' due times (sorted set: task id -> ms, node clock)
 -- KEYS[2]  the parked runs (hash: task id -> the run, JSON, opaque here)
 -- KEYS[3]  how often each parked run was taken (hash: task id -> count)
+-- KEYS[4]  the hand-off mark of the run's lock (take_due.lua); optional: cleared if it
+--          names this run (handed the key, it found it taken again: the next may go)
 -- ARGV[1]  the run's task id
 -- ARGV[2]  the run (JSON); '' to put back a run already parked (taken, then refused
 --          again by the budget before it was published: it keeps its record)
@@ -35,6 +37,9 @@ else
     redis.call('HDEL', KEYS[3], ARGV[1])
 end
 redis.call('ZADD', KEYS[1], now + delay, ARGV[1])
+if KEYS[4] and redis.call('GET', KEYS[4]) == ARGV[1] then
+    redis.call('DEL', KEYS[4])
+end
 -- Runs nobody took within their lifetime (no worker ran that long) are dropped, a
 -- bounded number per call.
 local stale = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - lifetime), 'LIMIT', 0, 100)
