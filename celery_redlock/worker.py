@@ -18,7 +18,8 @@ from it, and the worker does not start.
 ``RedlockStep.start``         start the renewer (solo, threads) or the reaper
                               that releases a dead child's locks (prefork), and
                               the publisher of parked runs (``parking``)
-``worker_process_init``       in each prefork child: start its own renewer
+``worker_process_init``       in each prefork child: start its own renewer, and
+                              a watch that ends the child if its main process dies
 ``worker_process_shutdown``   in each prefork child: tell the main process what
                               it released since its last lock
 ``task_postrun``              release the execution's lock if the body's end
@@ -39,6 +40,9 @@ from it, and the worker does not start.
 from __future__ import annotations
 
 import logging
+import os
+import time
+from functools import partial
 from typing import Any
 
 from celery import bootsteps, signals
@@ -47,6 +51,7 @@ from celery.concurrency.prefork import TaskPool as PreforkPool
 from . import config_only, metrics, parking, reaper, unique, wakeups
 from .beat import check_configuration
 from .engine.renewal import get_renewer
+from .engine.threads import start_daemon
 from .exceptions import ConfigurationError
 from .nodes import NodeSet, safe_url
 from .options import TASK_OPTIONS
@@ -165,6 +170,27 @@ def _on_worker_process_init(**kwargs: Any) -> None:
     if _reaper is not None:
         _reaper.child_init()
     get_renewer().start()
+    parent = os.getppid()
+    start_daemon(partial(_exit_when_orphaned, parent), "celery_redlock-orphan-watch")
+
+
+#: Seconds between a pool child's looks at whether its worker's main process lives.
+ORPHAN_CHECK = 1.0
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """End this pool child once its worker's main process is gone (SIGKILL, OOM).
+
+    billiard does not stop a child whose parent died: it waits on its task pipe, whose
+    write end its siblings still hold, and its renewer goes on renewing the lock of the
+    run it had, so the key stayed taken (measured: 20 s and more after a main process
+    was SIGKILLed, where a whole dead worker's locks must end within one lease). Its
+    results could not be reported anyway. The lease it held then ends by its TTL.
+    """
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_CHECK)
+    logger.critical("celery_redlock: the worker's main process %d is gone; exiting", parent)
+    os._exit(70)  # EX_SOFTWARE; no cleanup that could wait on the dead parent
 
 
 @signals.worker_process_shutdown.connect(dispatch_uid="celery_redlock.worker_process_shutdown")

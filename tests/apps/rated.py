@@ -66,11 +66,17 @@ def add_backlog_tasks(app: Celery) -> Celery:
 
     ``backlog.rate`` (20/s, shared: only the budget bounds it), ``backlog.rate_requeue``
     (20/s with the exclusive lock and ``lock_on_busy="requeue"``), ``backlog.requeue``
-    (exclusive, ``lock_on_busy="requeue"``, 3 s lease: a dead holder's key frees soon).
+    (exclusive, ``lock_on_busy="requeue"``); each with a 3 s lease: a dead holder's key
+    frees soon.
     """
     common = {"base": LockedTask, "bind": True, "shared": False, "max_retries": 0}
     app.task(
-        name="backlog.rate", lock_key="fast:{key}", lock_rate="20/s", lock_mode="shared", **common
+        name="backlog.rate",
+        lock_key="fast:{key}",
+        lock_rate="20/s",
+        lock_mode="shared",
+        lock_ttl=3.0,
+        **common,
     )(record_counted)
     app.task(
         name="backlog.rate_requeue",

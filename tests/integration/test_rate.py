@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 import pytest
 from celery.worker import state as worker_state
 
+from celery_redlock.parking import PARKED_HEADER
 from celery_redlock.policies import DEFERRALS_HEADER
 from tests.apps.rated import make_late_app, make_rated_app
 from tests.harness import close_app, unique_nodename, wait_for
@@ -139,7 +140,8 @@ def test_a_worker_killed_mid_backlog_loses_no_run(celery_redis, worker_process_f
             interval=0.01,
         )
         assert parked_runs(celery_redis), "runs wait for their slot parked in Redis"
-        assert not deferred_copies_waiting(celery_redis), "no worker holds one"
+        held = deferred_copies_waiting(celery_redis)
+        assert all(m[0]["headers"].get(PARKED_HEADER) for m in held), "no ETA copy is held"
         killed_at = time.time()
         workers[0].kill()
         assert len(runs_of(out)) < 20, "the kill came while the backlog drained"
@@ -337,7 +339,7 @@ def test_a_backlog_is_put_back_once_each_to_its_own_place_in_line(
     )
     wait_for(lambda: len(runs_of(out)) == 5, timeout=60, message="the first 5 to run")
     assert worker_state.total_count.get("rated.per_minute", 0) - before == 25, "no copy is back"
-    assert not deferred_copies_waiting(celery_redis), "no worker holds a copy"
+    assert not deferred_copies_waiting(celery_redis), "no worker holds a copy: none is due"
     starts = sorted(s for _, _, s, _, _ in runs_of(out))
     ran = {i for i, *_ in runs_of(out)}
     assert ran | waiting.keys() == {r.id for r in results} and not ran & waiting.keys()
