@@ -68,6 +68,7 @@ __all__ = [
     "LEASE",
     "MEMBER_HEADER",
     "PARKED_HEADER",
+    "Parking",
     "Publisher",
     "Spot",
     "claim_start",
@@ -176,8 +177,21 @@ def _ms(seconds: float) -> int:
     return max(0, round(seconds * 1000))
 
 
-def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> bool:
-    """Park the running delivery's run for ``delay`` seconds; False if no node took it.
+@dataclass(frozen=True)
+class Parking:
+    """What became of a parking: its token, and whether a node kept it.
+
+    ``parked``: a node answered that it keeps the run; ``maybe``: a node's reply did
+    not come back (it may keep it).
+    """
+
+    value: str
+    parked: bool
+    maybe: bool
+
+
+def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> Parking:
+    """Park the running delivery's run for ``delay`` seconds (see :class:`Parking`).
 
     The copy is the delivery's message (same task id, arguments, options, retries) with
     ``headers`` merged into its own and a fresh token (:data:`PARKED_HEADER`). Tried on
@@ -212,11 +226,16 @@ def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> bool:
         (keys.due, keys.runs, keys.taken, spot.gate),
         (task.request.id, json.dumps(record), _ms(delay), _ms(LIFETIME)),
     )
-    return _first_node(spot.nodeset, call) is not None
+    index, maybe = _first_node(spot.nodeset, call)
+    return Parking(token, index is not None, maybe)
 
 
-def _first_node(nodeset: NodeSet, call: Call) -> int | None:
-    """Send ``call`` to one node after the other until one answers 1: its index."""
+def _first_node(nodeset: NodeSet, call: Call) -> tuple[int | None, bool]:
+    """Send ``call`` to one node after the other until one answers 1: its index.
+
+    And whether a node that gave no reply may have run it.
+    """
+    maybe = False
     for index in range(len(nodeset.nodes)):
         requests: list[list[Call] | None] = [None] * len(nodeset.nodes)
         requests[index] = [call]
@@ -225,8 +244,10 @@ def _first_node(nodeset: NodeSet, call: Call) -> int | None:
         if isinstance(value, ResponseError):
             logger.debug("Parking on %s failed: %s", reply.node.safe_url if reply else "?", value)
         elif value == 1:
-            return index
-    return None
+            return index, maybe
+        else:
+            maybe = True
+    return None, maybe
 
 
 def claim_start(

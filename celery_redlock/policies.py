@@ -242,16 +242,25 @@ def defer(
     added[WAKE_HEADER] = wake
     if wake is not None and nodeset is not None:
         note_queued(nodeset, keys_of(wake), task_id, countdown)
-    parked = False
+    token = None
     if spot is not None:
         try:
-            parked = parking.park(task, 0.0 if spot.kind == "busy" else countdown, added, spot)
+            token = parking.park(task, 0.0 if spot.kind == "busy" else countdown, added, spot)
         except Exception:  # the queue still takes it
             logger.exception("Task %s[%s]: parking failed", task.name, task_id)
-    if parked:
+    if token is not None and token.parked:
         logger.info("Task %s[%s] %s; parked, due in %.3fs", task.name, task_id, why, countdown)
         raise Requeued(why)
-    put_back(task, countdown, headers={**added, parking.PARKED_HEADER: None})
+    if request_header(task.request, parking.PARKED_HEADER):
+        # A parked run's copy: its record is still parked (its copy's start removes it),
+        # due again when its take's lease ends; a copy on the queue as well would run
+        # it twice.
+        logger.info("Task %s[%s] %s; its parked record brings it back", task.name, task_id, why)
+        raise Requeued(why)
+    # No node took it. If one may have (no reply), the copy carries that parking's
+    # token: of it and the parked one, the first to start runs (parking.claim_start).
+    maybe = token.value if token is not None and token.maybe else None
+    put_back(task, countdown, headers={**added, parking.PARKED_HEADER: maybe})
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 
