@@ -264,7 +264,7 @@ def claim_start(
     call = Call(
         UNPARK,
         (keys.due, keys.runs, keys.taken, keys.started, *((gate,) if gate else ())),
-        (task_id, token, _ms(horizon)),
+        (task_id, token, _ms(horizon), f"{task_id}:{token}" if token else ""),
     )
     for reply in nodeset.call([call]):
         value = None if reply is None or not reply.ok else reply.values[0]

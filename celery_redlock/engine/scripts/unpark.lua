@@ -12,6 +12,7 @@
 --          copy but a message given again by the broker (its worker died)
 -- ARGV[3]  horizon in ms: how long the start of a run taken more than once is kept,
 --          for its other copies (one a dead worker held) to find
+-- ARGV[4]  the copy's member in KEYS[4]: 'task id:token' ('' with no token)
 --
 -- Returns  1  start: this copy is the run's; its record is removed
 --          0  do not start: a copy of this parking started already, or the run is
@@ -28,7 +29,7 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. (now - horizon))
-if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[4], ARGV[1] .. ':' .. ARGV[2]) then
+if ARGV[2] ~= '' and redis.call('ZSCORE', KEYS[4], ARGV[4]) then
     return 0
 end
 local record = redis.call('HGET', KEYS[2], ARGV[1])
@@ -43,7 +44,7 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 if taken >= 2 then
-    redis.call('ZADD', KEYS[4], now, ARGV[1] .. ':' .. ARGV[2])
+    redis.call('ZADD', KEYS[4], now, ARGV[4])
     redis.call('PEXPIRE', KEYS[4], horizon)
 end
 if KEYS[5] and redis.call('GET', KEYS[5]) == ARGV[1] then
