@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 from .. import forksafe, metrics
 from ..exceptions import LockLost, NodeUnavailable
-from ..nodes import Call, Reply
+from ..nodes import Reply
 from ..nodes.aio import AsyncNodeSet
 from .holds import Holds
 from .keys import DEFAULT_PREFIX
@@ -396,7 +396,7 @@ class AsyncRedlock:
 
     async def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
-        replies = await self.nodeset.call([Call(INSPECT, self.keys.inspect)])
+        replies = await self.nodeset.call([INSPECT.on(self.keys)])
         return [_view(reply) for reply in replies]
 
     @property

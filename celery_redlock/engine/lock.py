@@ -76,7 +76,7 @@ from redis.exceptions import ResponseError
 
 from .. import forksafe, metrics
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from ..nodes import ALIVE_GRACE, Call, NodeSet, Reply
+from ..nodes import ALIVE_GRACE, NodeSet, Reply
 from ..nodes.cluster import is_cluster_url
 from . import handoff
 from .handoff import Grant
@@ -767,7 +767,7 @@ class Redlock:
 
     def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
-        return [_view(reply) for reply in self.nodeset.call([Call(INSPECT, self.keys.inspect)])]
+        return [_view(reply) for reply in self.nodeset.call([INSPECT.on(self.keys)])]
 
     @property
     def key(self) -> str:
