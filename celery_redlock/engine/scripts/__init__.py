@@ -2,13 +2,21 @@
 
 Every check-and-act on a lock is one of these scripts, so it is atomic on each node.
 Each file starts with a header giving ``KEYS``, ``ARGV`` and the return values.
+
+Each script's signature, the names of its ``KEYS`` and ``ARGV`` in order, is declared
+once, with its :class:`Script` constant below; the header lists the same names (a test
+holds them equal) and the code reads each argument into a local of its name. Calls are
+built only by keyword from the declaration (:attr:`Script.call`, :attr:`Script.on`), so
+no caller counts positions. No script takes a mode string that picks between
+algorithms: the variants of one file (``acquire``, ``acquire_wake``, ``acquire_fair``)
+are scripts of their own, told apart by a constant put in their prelude when loaded.
 Calls go out as EVALSHA; a node that answers NOSCRIPT (restarted, flushed, or a
 promoted replica) gets ``SCRIPT LOAD`` once, pipelined with the retried calls
 (see :mod:`celery_redlock.nodes`), so a batch of 10 renewal calls does not ship the
 source 10 times.
 
-The scripts build no key names: each gets every key it touches in ``KEYS``
-(:mod:`celery_redlock.keys` lists them per script). The constants they share
+The scripts build no key names: each gets every key it touches in ``KEYS``, named as
+the fields of :class:`~celery_redlock.engine.keys.LockKeys` that hold them. The constants they share
 with Python, :data:`~celery_redlock.keys.WRITER_MARK` and
 :data:`~celery_redlock.keys.YIELD_MARK`, are put in front of each script's code
 (after its header) as Lua locals of the same names (:data:`PRELUDE`).
@@ -33,23 +41,32 @@ from ..keys import FENCE_HORIZON_LEASES, FENCE_HORIZON_MIN, WRITER_MARK, YIELD_M
 __all__ = [
     "ABANDON",
     "ACQUIRE",
+    "ACQUIRE_FAIR",
     "ACQUIRE_SHARED",
+    "ACQUIRE_WAKE",
     "BEAT_CLAIM",
     "BUDGET_READ",
     "CLAIM",
     "CLAIM_START",
     "FAIR_LEAVE",
     "FENCE_SYNC",
+    "FENCE_SYNC_SHARED",
     "INSPECT",
     "NOTE_QUEUED",
+    "NOTE_STARTED",
     "RATE",
+    "RATE_PEEK",
     "RATE_RETURN",
     "RELEASE",
+    "RELEASE_FAIR",
     "RELEASE_IF",
     "RELEASE_SHARED",
+    "RELEASE_WAKE",
     "RENEW_MANY",
+    "SCRIPTS",
     "THROTTLE",
     "UNCLAIM",
+    "WAKE_LEAVE",
     "AcquireStatus",
     "BeatClaimStatus",
     "ClaimStatus",

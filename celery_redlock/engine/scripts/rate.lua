@@ -35,7 +35,7 @@
 -- 999.4 ms).
 --
 -- A refused run with a task id gets a place in line, not only the next slot: the
--- runs already waiting for the key (KEYS[3], due earlier than this run's own earlier
+-- runs already waiting for the key (queued, due earlier than this run's own earlier
 -- entry, if any) are served first, slot after slot, so the k-th waiting run is due
 -- when the ((k mod N)+1)-th of the last N starts leaves the window, floor(k/N) windows
 -- later. Without it, every refused run came back at the next slot and all but N were
