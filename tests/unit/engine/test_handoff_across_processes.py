@@ -20,8 +20,8 @@ from celery_redlock import Redlock
 from celery_redlock.engine import handoff, timing
 from celery_redlock.engine.keys import YIELD_MARK
 from celery_redlock.engine.lease import clock
-from celery_redlock.engine.lock import _HOST
 from celery_redlock.engine.scripts import ACQUIRE, RELEASE
+from celery_redlock.engine.waiting import HOST as _HOST
 from tests.harness.lua import run
 from tests.harness.servers import wait_for
 from tests.unit.engine.test_handoff import Waiting, offered
