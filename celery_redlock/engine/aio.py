@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 from .. import metrics
 from ..exceptions import LockLost, NodeUnavailable
-from ..nodes import Call, Reply
+from ..nodes import Reply
 from ..nodes.aio import AsyncNodeSet
 from .acquisition import Core, Send, Step, Steps, agreeing, node_view, report_release
 from .holds import Holds
@@ -361,7 +361,7 @@ class AsyncRedlock:
 
     async def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
-        replies = await self.nodeset.call([Call(INSPECT, self.keys.inspect)])
+        replies = await self.nodeset.call([INSPECT.on(self.keys)])
         return [node_view(reply) for reply in replies]
 
     @property

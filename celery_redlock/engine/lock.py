@@ -69,7 +69,7 @@ from typing import Any, TypeVar
 
 from .. import metrics
 from ..exceptions import ConfigurationError, LockLost, NodeUnavailable
-from ..nodes import Call, NodeSet, Reply
+from ..nodes import NodeSet, Reply
 from ..nodes.cluster import is_cluster_url
 from . import handoff
 from .acquisition import Core, Send, Step, Steps, agreeing, bounded, node_view, report_release
@@ -485,7 +485,7 @@ class Redlock:
 
     def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
-        return [node_view(reply) for reply in self.nodeset.call([Call(INSPECT, self.keys.inspect)])]
+        return [node_view(reply) for reply in self.nodeset.call([INSPECT.on(self.keys)])]
 
     @property
     def key(self) -> str:
