@@ -370,10 +370,8 @@ class LeaderMixin:
         keep = round(_state_lifetime(current, lease.timing.ttl) * 1000)
         replies = self.leader_lock.nodeset.call(
             [
-                Call(
-                    BEAT_CLAIM,
-                    (keys.lock, keys.state),
-                    (lease.token, entry.name, known, now, keep),
+                BEAT_CLAIM.on(
+                    keys, token=lease.token, entry=entry.name, known=known, run_at=now, keep_ms=keep
                 )
             ]
         )

@@ -221,11 +221,11 @@ def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> Parki
         "body": base64.b64encode(raw).decode("ascii"),
     }
     keys = parked_keys(spot.prefix)
-    call = Call(
-        PARK,
-        (keys.due, keys.runs, keys.taken, spot.gate),
-        (task.request.id, json.dumps(record), _ms(delay), _ms(LIFETIME)),
-    )
+    call = PARK.call(
+        due=keys.due, runs=keys.runs, taken=keys.taken, gate=(spot.gate,),
+        task_id=task.request.id, run=json.dumps(record), delay_ms=_ms(delay),
+        lifetime_ms=_ms(LIFETIME),
+    )  # fmt: skip
     index, maybe = _first_node(spot.nodeset, call)
     return Parking(token, index is not None, maybe)
 
@@ -261,11 +261,11 @@ def claim_start(
     starts (at least once, rather than never).
     """
     keys = parked_keys(prefix)
-    call = Call(
-        UNPARK,
-        (keys.due, keys.runs, keys.taken, keys.started, *((gate,) if gate else ())),
-        (task_id, token, _ms(horizon), f"{task_id}:{token}" if token else ""),
-    )
+    call = UNPARK.call(
+        due=keys.due, runs=keys.runs, taken=keys.taken, started=keys.started,
+        gate=(gate,) if gate else (), task_id=task_id, token=token, horizon_ms=_ms(horizon),
+        member=f"{task_id}:{token}" if token else "",
+    )  # fmt: skip
     for reply in nodeset.call([call]):
         value = None if reply is None or not reply.ok else reply.values[0]
         if value == UnparkStatus.DUPLICATE:
@@ -315,11 +315,10 @@ class Publisher:
 
     def tick(self) -> float:
         """Take and publish the runs due on every node; seconds until the next look."""
-        call = Call(
-            TAKE_DUE,
-            (self.keys.due, self.keys.runs, self.keys.taken),
-            (BATCH, _ms(LEASE), _ms(RECHECK), _ms(HANDOFF)),
-        )
+        call = TAKE_DUE.call(
+            due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken,
+            most=BATCH, lease_ms=_ms(LEASE), recheck_ms=_ms(RECHECK), handoff_ms=_ms(HANDOFF),
+        )  # fmt: skip
         pause = IDLE
         for index, reply in enumerate(self.nodeset.call([call])):
             value = None if reply is None or not reply.ok else reply.values[0]
@@ -383,8 +382,11 @@ class Publisher:
         Its hand-off mark, if it holds it, is cleared: the next run may go.
         """
         gate = record.get("gate")
-        keys = (self.keys.due, self.keys.runs, self.keys.taken, *((gate,) if gate else ()))
-        call = Call(PARK, keys, (task_id, "", _ms(delay), _ms(LIFETIME)))
+        call = PARK.call(
+            due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken,
+            gate=(gate,) if gate else (), task_id=task_id, run="", delay_ms=_ms(delay),
+            lifetime_ms=_ms(LIFETIME),
+        )  # fmt: skip
         requests: list[list[Call] | None] = [None] * len(self.nodeset.nodes)
         requests[index] = [call]
         self.nodeset.call(requests, per_node=True)

@@ -52,7 +52,7 @@ from . import forksafe, metrics
 from .engine.keys import keys_of
 from .engine.scripts import RELEASE_IF, ReleaseIfStatus
 from .engine.waiting import named_reserve_ms
-from .nodes import Call, NodeSet
+from .nodes import NodeSet
 from .poll import readable
 
 __all__ = ["DRAIN_INTERVAL", "Reaper", "announce", "encode", "flush", "forget", "in_pool_child"]
@@ -283,7 +283,7 @@ class Reaper:
 
     def _release(self, pid: int, task_id: str, key: str) -> None:
         # Named and kept for the oldest recorded waiter, as a release by its holder would.
-        call = Call(RELEASE_IF, keys_of(key).release_if, (task_id, pid, named_reserve_ms()))
+        call = RELEASE_IF.on(keys_of(key), task_id=task_id, pid=pid, reserve_ms=named_reserve_ms())
         replies = self.nodeset.call([call])
         codes = [r.values[0] for r in replies if r is not None and r.ok]
         if ReleaseIfStatus.RELEASED in codes:

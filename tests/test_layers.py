@@ -220,3 +220,34 @@ def test_the_cycle_check_finds_a_cycle():
     """The checker itself: a two-module cycle and a three-module one are reported."""
     graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": set()}
     assert sorted(_cycles(graph)) == [["a", "b"], ["c", "d", "e"]]
+
+
+#: The longest function the lock engine may have, in lines (docstring included): a
+#: reader checks a safety argument one function at a time.
+MAX_ENGINE_FUNCTION = 60
+
+
+def _long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    tree = ast.parse(source)
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)  # type: ignore[operator]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > limit  # type: ignore[operator]
+    ]
+
+
+def test_no_engine_function_is_longer_than_the_limit():
+    too_long = {
+        str(path.relative_to(PACKAGE)): found
+        for path in sorted((PACKAGE / "engine").rglob("*.py"))
+        if (found := _long_functions(path.read_text(), MAX_ENGINE_FUNCTION))
+    }
+    assert not too_long
+
+
+def test_the_length_check_finds_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_ENGINE_FUNCTION))
+    assert _long_functions(f"def f():\n{body}\n", MAX_ENGINE_FUNCTION) == [
+        ("f", MAX_ENGINE_FUNCTION + 1)
+    ]

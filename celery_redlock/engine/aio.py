@@ -38,28 +38,19 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .. import forksafe, metrics
+from .. import metrics
 from ..exceptions import LockLost, NodeUnavailable
-from ..nodes import Call, Reply
+from ..nodes import Reply
 from ..nodes.aio import AsyncNodeSet
+from .acquisition import Core, Send, Step, Steps, agreeing, node_view, report_release
 from .holds import Holds
 from .keys import DEFAULT_PREFIX
-from .kinds import Holder, Waiter
+from .kinds import Waiter
 from .lease import Lease, clock, renew_call
-from .lock import _HOST, Redlock, Step, _agreeing, _report_release, _view
+from .lock import Redlock
 from .scripts import INSPECT
 from .timing import Timing
-from .vote import (
-    Attempt,
-    budget,
-    fence_requests,
-    fences_stored,
-    release_decided,
-    tally,
-    undone_on,
-    vote_calls,
-    vote_decided,
-)
+from .vote import Attempt
 from .waiting import LoopWakeup, Subscription
 
 __all__ = ["AsyncRedlock"]
@@ -124,9 +115,9 @@ class AsyncRedlock:
         fair: bool = False,
         timing: Timing | None = None,
     ) -> None:
-        # The sync lock validates the arguments and keeps the kind, keys, timing and
-        # holds; its holds are kept per asyncio task here. Its I/O is never used.
-        self._sync = Redlock(
+        # The sync lock validates the arguments and builds the kind, keys, timing and
+        # nodes; its I/O and its holds are never used.
+        sync = Redlock(
             name,
             nodes=nodes,
             ttl=ttl,
@@ -142,16 +133,26 @@ class AsyncRedlock:
             fair=fair,
             timing=timing,
         )
-        self._sync._holds = Holds(owner=_current_task, what="asyncio task")
-        self.nodeset = AsyncNodeSet(self._sync.nodeset)
+        self._repr = repr(sync)[1:]
+        self.nodeset = AsyncNodeSet(sync.nodeset)
         self.on_lost = on_lost
-        self.kind, self.keys, self.timing = self._sync.kind, self._sync.keys, self._sync.timing
-        self.names, self.name, self.quorum = self._sync.names, self._sync.name, self._sync.quorum
-        self.mode, self.limit, self.fair = self._sync.mode, self._sync.limit, self._sync.fair
+        self.kind, self.keys, self.timing = sync.kind, sync.keys, sync.timing
+        self.names, self.name, self.quorum = sync.names, sync.name, sync.quorum
+        self.mode, self.limit, self.fair = sync.mode, sync.limit, sync.fair
         self.task_name = task_name
+        self._core = Core(
+            sync.kind,
+            sync.timing,
+            sync.nodeset,
+            min_replicas=min_replicas,
+            holds=Holds(owner=_current_task, what="asyncio task"),
+            task_id=None,
+            task_name=task_name,
+            auto_renew=auto_renew,
+        )
 
     def __repr__(self) -> str:
-        return "<Async" + repr(self._sync)[1:]
+        return "<Async" + self._repr
 
     # -- acquisition -----------------------------------------------------------
 
@@ -181,7 +182,7 @@ class AsyncRedlock:
                     if subscription is not None and self.kind.admits_others:
                         subscription.pass_on()
                     return True
-                step, pause = self._sync._next_step(attempt, blocking, give_up, started)
+                step, pause = self._core.next_step(attempt, blocking, give_up, started)
                 if step is Step.UNAVAILABLE:
                     settled = not waiter.in_doubt  # else abandoned below
                     raise NodeUnavailable(self.keys.lock, attempt.errors)
@@ -245,7 +246,7 @@ class AsyncRedlock:
         finally:
             if not settled:
                 await _unless_cancelled(self._abandon(waiter))
-        self._sync._tried(attempt, started)
+        self._core.tried(attempt, started)
 
     async def _attempt(self, waiter: Waiter) -> Attempt | None:
         """One acquisition attempt; None when it succeeded (and the hold is recorded).
@@ -254,59 +255,26 @@ class AsyncRedlock:
         nodes run on, and the undo of a failed attempt names the attempt, so it can
         arrive before them (or after the next attempt) and remove nothing it should not.
         """
-        sync, token, quorum = self._sync, waiter.token, self.quorum
-        holder = Holder("", _HOST, forksafe.pid(), f"{time.time():.3f}", self.task_name or "")
-        calls = vote_calls(
-            self.kind.acquire_call(waiter, self.timing.ttl_ms, holder),
-            sync.min_replicas,
-            self.timing.node_timeout,
-        )
-        waiter.sent = True
-        sent_at = clock()
-        replies = await self.nodeset.call(
-            calls,
-            timeout=budget(self.timing.node_timeout, sync.min_replicas),
-            decided=vote_decided(quorum, len(self.nodeset), sync.min_replicas),
-        )
-        attempt = tally(replies, clock() - sent_at, sync.min_replicas)
-        attempt.number = waiter.attempt
-        if attempt.failed() or None in replies:
-            # A request not answered runs on, on its own connection: an abandon sent
-            # later may arrive before it, so it must make the nodes refuse the token.
-            waiter.in_doubt = True
-        validity = self.timing.ttl - attempt.elapsed - self.timing.drift
-        if len(attempt.granted) >= quorum and validity > 0:
-            fences = attempt.top_fences()
-            if (
-                attempt.agreeing(fences) >= quorum or await self._sync_fence(token, fences, attempt)
-            ) and sync._won(token, fences, sent_at, len(attempt.granted), self._loss_reporter()):
-                return None
-        if not attempt.all_busy():
-            # Everywhere: a silent node may have granted it. The waiter keeps its place.
-            undo = self.kind.undo_call(token, attempt.number)
-            # The nodes that granted it only: a request not answered runs on, on a
-            # connection of its own, and nothing here learns whether that node lags.
-            unanswered = frozenset(range(len(self.nodeset)))
-            await self.nodeset.call([undo], decided=undone_on(attempt, unanswered))
-        if len(attempt.granted) >= quorum:
-            attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
-        return attempt
+        outcome = await self._drive(self._core.vote(waiter, self.nodeset))
+        if isinstance(outcome, Attempt):
+            return outcome
+        if self._core.record(outcome, self._loss_reporter(), self) is not None:
+            return None
+        return await self._drive(self._core.undo(outcome.token, outcome.attempt, self.nodeset))
 
-    async def _sync_fence(
-        self,
-        token: str,
-        fences: tuple[int, ...],
-        attempt: Attempt,
-    ) -> bool:
-        """Store the fences back on the granting nodes; True if a quorum holds them."""
-        calls = self.kind.fence_sync_calls(token, fences)
-        requests = fence_requests(len(self.nodeset), calls, attempt.granted)
-        replies = await self.nodeset.call(requests, per_node=True)
-        synced = fences_stored(replies)
-        if synced < self.quorum:
-            attempt.errors.append(f"fence stored on {synced} nodes only")
-            return False
-        return True
+    async def _drive(self, steps: Steps[T]) -> T:
+        """Run an acquisition's steps (:mod:`.acquisition`) with this loop's fan-outs."""
+        try:
+            send = next(steps)
+            while True:
+                send = steps.send(await self._send(send))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    async def _send(self, send: Send) -> list[Reply | None]:
+        return await self.nodeset.call(
+            send.calls, per_node=send.per_node, timeout=send.timeout, decided=send.decided
+        )
 
     def _loss_reporter(self) -> Callable[[LockLost], object] | None:
         """``on_lost``, delivered in this event loop (the watchdog thread finds losses)."""
@@ -328,25 +296,22 @@ class AsyncRedlock:
 
         Requests may still be on their way, on connections the undo cannot queue
         behind: ``abandon.lua`` first makes the nodes refuse the token, then the
-        release frees what they granted (as :meth:`Redlock._abandon`).
+        release frees what they granted (:meth:`.acquisition.Core.abandon_calls`).
         """
-        if not self._sync._end_abandoned(waiter):
+        if not self._core.end_abandoned(waiter):
             return
         try:
-            await self.nodeset.call(self.kind.abandon_calls(waiter.token, self.timing.ttl_ms))
+            await self.nodeset.call(self._core.abandon_calls(waiter))
         except Exception:  # the original exception matters more; the lease ends by itself
-            self._sync._undo_failed()
+            self._core.undo_failed()
 
     async def _unlock(self, token: str) -> list[Reply | None]:
         """Release ``token`` on every node, waiting for a quorum's confirmation at most."""
-        # Nothing here learns which node lags (the asyncio fan-out keeps no connection
-        # owing replies): a quorum's confirmation is enough.
-        decided = release_decided(self.quorum, frozenset(range(len(self.nodeset))))
-        return await self.nodeset.call([self.kind.release_call(token)], decided=decided)
+        return await self._send(self._core.release(token, self.nodeset))
 
     async def _reenter(self) -> bool:
         """Count one more hold if this task holds the lock on a lease still valid."""
-        token = self._sync._reenter_or_end()
+        token = self._core.reenter_or_end()
         if token is True or token is False:
             return token
         await self._unlock(token)
@@ -360,49 +325,49 @@ class AsyncRedlock:
         Only this acquisition's token is deleted. Raises :class:`LockNotOwned` if
         the calling task does not hold the lock. Cancelled, it still ends the hold.
         """
-        hold = self._sync._holds.own(self.keys.lock, "release")
+        hold = self._core.holds.own(self.keys.lock, "release")
         hold.count -= 1
         if hold.count:
             return
         lease = hold.lease
         lease.released = True
         replies = await _unless_cancelled(self._unlock(lease.token))
-        _report_release(self._sync, lease, replies)
+        report_release(self._core, lease, replies)
 
     async def extend(self) -> float:
         """Renew the lease now; the lease left, in seconds (as :meth:`Redlock.extend`)."""
-        lease = self._sync._holds.own(self.keys.lock, "extend").lease
+        lease = self._core.holds.own(self.keys.lock, "extend").lease
         lease.check()
         sent_at = clock()
         return lease.extended(await self.nodeset.call([renew_call([lease])]), sent_at)
 
     def check(self) -> None:
         """Raise :class:`LockLost` unless this task holds the lock and the lease is sure."""
-        self._sync.check()
+        self._core.check()
 
     async def owned(self) -> bool:
         """True if this task holds the lock: a quorum of nodes has its token."""
-        hold = self._sync._holds.live()
+        hold = self._core.holds.live()
         if hold is None:
             return False
         token = hold.lease.token
         replies = await self.nodeset.call(self.kind.owned_calls(token))
-        return _agreeing(replies, lambda values: self.kind.owns(values, token)) >= self.quorum
+        return agreeing(replies, lambda values: self.kind.owns(values, token)) >= self.quorum
 
     async def locked(self) -> bool:
         """True if a quorum of nodes says the lock is held (``acquire`` would wait)."""
         replies = await self.nodeset.call(self.kind.locked_calls())
-        return _agreeing(replies, self.kind.held) >= self.quorum
+        return agreeing(replies, self.kind.held) >= self.quorum
 
     async def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
-        replies = await self.nodeset.call([Call(INSPECT, self.keys.inspect)])
-        return [_view(reply) for reply in replies]
+        replies = await self.nodeset.call([INSPECT.on(self.keys)])
+        return [node_view(reply) for reply in replies]
 
     @property
     def lease(self) -> Lease | None:
         """The calling task's current (or last) lease on this lock."""
-        return self._sync.lease
+        return self._core.holds.lease()
 
     @property
     def key(self) -> str:
@@ -412,16 +377,17 @@ class AsyncRedlock:
     @property
     def fence(self) -> int:
         """The fencing token of the calling task's acquisition (see ``Redlock.fence``)."""
-        return self._sync.fence
+        return self._core.fence()
 
     @property
     def fences(self) -> dict[str, int]:
         """Each resource's fencing token for the current acquisition, by name."""
-        return self._sync.fences
+        lease = self.lease
+        return {} if lease is None else dict(zip(self.names, lease.fences, strict=True))
 
     def remaining(self) -> float:
         """Seconds of lease left by the local deadline; 0 when not held."""
-        return self._sync.remaining()
+        return self._core.remaining()
 
     async def __aenter__(self) -> AsyncRedlock:
         await self.acquire()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from redis.exceptions import ResponseError
 
 from ..exceptions import NodeUnavailable
-from ..nodes import Call, NodeSet, Reply
+from ..nodes import NodeSet, Reply
 from .keys import LockKeys, claim_key
 from .scripts import CLAIM, CLAIM_START, THROTTLE, UNCLAIM, ClaimStatus, UnclaimStatus
 
@@ -80,19 +80,17 @@ def claim(
     Raises:
         NodeUnavailable: too few nodes answered to decide.
     """
-    call = Call(
-        CLAIM,
-        (claim_key(keys, task_name), keys.lock),
-        (
-            task_id,
-            max(1, round(ttl * 1000)),
-            task_name,
-            f"{time.time():.3f}",
-            replace,
-            "" if debounce is None else max(0, round(debounce * 1000)),
-            args,
-            "1" if running else "",
-        ),
+    call = CLAIM.call(
+        claim=claim_key(keys, task_name),
+        lock=keys.lock,
+        task_id=task_id,
+        ttl_ms=max(1, round(ttl * 1000)),
+        task_name=task_name,
+        claimed_at=f"{time.time():.3f}",
+        replace=replace,
+        debounce_ms="" if debounce is None else max(0, round(debounce * 1000)),
+        args=args,
+        running="1" if running else "",
     )
     for _ in range(SPLIT_ROUNDS):
         replies = nodeset.call([call], decided=_decided(nodeset) if len(nodeset) > 1 else None)
@@ -133,7 +131,7 @@ def unclaim(nodeset: NodeSet, keys: LockKeys, task_id: str, task_name: str) -> U
         # Sent to every node; a node slower than the majority is not waited for.
         return any(count >= nodeset.quorum for count in said(replies).values())
 
-    call = Call(UNCLAIM, (claim_key(keys, task_name),), (task_id,))
+    call = UNCLAIM.call(claim=claim_key(keys, task_name), task_id=task_id)
     replies = nodeset.call([call], decided=decided if len(nodeset) > 1 else None)
     for status, count in said(replies).items():
         if count >= nodeset.quorum:
@@ -150,7 +148,9 @@ def start(
     with ``args`` (the last call's) for that long. Runs when a majority says so, or
     when too few nodes answer to say otherwise (the execution lock still guards it).
     """
-    replies = nodeset.call([Call(CLAIM_START, (claim_key(keys, task_name),), (task_id, args))])
+    replies = nodeset.call(
+        [CLAIM_START.call(claim=claim_key(keys, task_name), task_id=task_id, args=args)]
+    )
     later: list[tuple[float, str]] = []
     for reply in replies:
         if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
@@ -172,7 +172,7 @@ def admit(nodeset: NodeSet, keys: LockKeys, task_id: str, window: float) -> floa
     answering admits it (the execution lock still guards the body).
     """
     replies = nodeset.call(
-        [Call(THROTTLE, (keys.throttle,), (task_id, max(1, round(window * 1000))))]
+        [THROTTLE.on(keys, task_id=task_id, window_ms=max(1, round(window * 1000)))]
     )
     waits = [
         int(reply.values[0][1]) / 1000

@@ -179,36 +179,6 @@ class LockKeys(NamedTuple):
         """The record of blocked waiters: queue (arrival), deadlines, process channels."""
         return (self.queue, self.waiting, self.wake)
 
-    @property
-    def release_shared(self) -> tuple[str, str, str]:
-        """KEYS of ``release_shared.lua``: the channel, the shared set and its details."""
-        return (self.channel, self.shared, self.holders)
-
-    @property
-    def fair_leave(self) -> tuple[str, ...]:
-        """KEYS of ``fair_leave.lua``: the lock, the record of waiters, the channel."""
-        return (self.lock, *self.record, self.channel)
-
-    @property
-    def release_if(self) -> tuple[str, ...]:
-        """KEYS of ``release_if.lua``: the lock and channel, the shares, the waiters."""
-        return (self.lock, self.channel, self.shared, self.holders, *self.record)
-
-    @property
-    def fence_sync(self) -> tuple[str, str, str]:
-        """KEYS of ``fence_sync.lua``: the lock, its fence counter, the shares' details."""
-        return (self.lock, self.fence, self.holders)
-
-    @property
-    def budget_keys(self) -> tuple[str, str, str]:
-        """KEYS of ``rate.lua`` and ``budget_read.lua``: the log, the budget, the queued runs."""
-        return (self.rate, self.budget, self.queued)
-
-    @property
-    def inspect(self) -> tuple[str, str]:
-        """KEYS of ``inspect.lua``: the lock and its fence counter."""
-        return (self.lock, self.fence)
-
 
 #: What follows the lock key in each of its keys (``""`` for the lock key itself).
 SUFFIXES: dict[str, str] = {
@@ -217,13 +187,9 @@ SUFFIXES: dict[str, str] = {
 }
 
 
-def release_keys(resources: Sequence[LockKeys], *, record: bool = False) -> tuple[str, ...]:
-    """KEYS of ``release.lua``.
-
-    Each lock with its channel (then the record of waiters).
-    """
-    keys = tuple(key for resource in resources for key in (resource.lock, resource.channel))
-    return keys + resources[0].record if record else keys
+def release_keys(resources: Sequence[LockKeys]) -> tuple[str, ...]:
+    """The group ``locks*`` of ``release.lua``'s KEYS: each lock with its channel."""
+    return tuple(key for resource in resources for key in (resource.lock, resource.channel))
 
 
 def process_channel(channel: str, host: str, pid: int) -> str:

@@ -37,11 +37,17 @@ from .keys import LockKeys, lock_keys, release_keys
 from .scripts import (
     ABANDON,
     ACQUIRE,
+    ACQUIRE_FAIR,
     ACQUIRE_SHARED,
+    ACQUIRE_WAKE,
     FAIR_LEAVE,
     FENCE_SYNC,
+    FENCE_SYNC_SHARED,
     RELEASE,
+    RELEASE_FAIR,
     RELEASE_SHARED,
+    RELEASE_WAKE,
+    WAKE_LEAVE,
     Script,
 )
 from .timing import check_kind
@@ -128,7 +134,9 @@ class Kind(abc.ABC):
         A lock's keys do not change, and they are most of what its acquire and release
         calls send (10 and 8 of 22 and 12 arguments): encoded once per lock, an
         acquire + release packs in about half the time.
-        ``keys`` must be the same for one ``script`` and key count, as a lock's are.
+        ``keys`` must be the same for one ``script`` and key count, as a lock's are;
+        both come from the script's signature (:attr:`Script.build_keys`,
+        :attr:`Script.build_argv`), which alone knows their positions.
         """
         shape = (script.name, len(keys), len(args))
         head = self._heads.get(shape)
@@ -163,7 +171,7 @@ class Kind(abc.ABC):
         ``ttl_ms``), so a request that arrives later grants nothing; then the release,
         behind it on the same connection, frees what an earlier arrival granted.
         """
-        return [Call(ABANDON, (self.keys.abandoned,), (token, ttl_ms)), self.release_call(token)]
+        return [ABANDON.on(self.keys, token=token, ttl_ms=ttl_ms), self.release_call(token)]
 
     @abc.abstractmethod
     def acquire_call(
@@ -232,21 +240,27 @@ class Exclusive(Kind):
     # and a recorded waiter's place lapses unless refreshed.
     refreshes_while_waiting = True
     hands_over = True
-    #: How the record names waiters (``acquire.lua`` ARGV[11]): any may take a free
-    #: lock, but the one a release named is kept a reservation.
-    naming: ClassVar[str] = "wake"
+    #: The scripts (acquire, release, leave) of a lock with a record of waiters: any
+    #: waiter may take a free lock, but the one a release named is kept a reservation.
+    scripts: ClassVar[tuple[Script, Script, Script]] = (ACQUIRE_WAKE, RELEASE_WAKE, WAKE_LEAVE)
 
     def __init__(self, resources: Sequence[LockKeys]) -> None:
         super().__init__(resources)
         #: The nodes keep a record of the blocked waiters (one resource only).
         self.records = len(self.resources) == 1
+        #: The scripts that acquire, release and leave the record (None: no record).
+        self._acquire, self._release = self.scripts[:2] if self.records else (ACQUIRE, RELEASE)
+        self._leave: Script | None = self.scripts[2] if self.records else None
         # The keys of every acquire and release call: fixed for the lock, built once.
-        self._acquire_keys = (
-            *(key for resource in self.resources for key in resource.resource),
-            *(self.keys.record if self.records else ()),
-            self.keys.abandoned,
+        record = self.keys.record if self.records else ()
+        self._acquire_keys = self._acquire.build_keys(
+            resources=[key for resource in self.resources for key in resource.resource],
+            record=record,
+            abandoned=self.keys.abandoned,
         )
-        self._release_keys = release_keys(self.resources, record=self.records)
+        self._release_keys = self._release.build_keys(
+            locks=release_keys(self.resources), record=record
+        )
 
     def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
         """A waiter with its arrival stamped, when several nodes must agree on the order.
@@ -266,20 +280,18 @@ class Exclusive(Kind):
         if self.records:
             # A blocking waiter keeps its place one lease unless refreshed (it comes
             # back every renewal interval); a try is never recorded.
-            record = (
-                str(ttl_ms if waiter.blocking else 0),
-                waiter.arrival,
-                self.naming,
-                process_channel(self.keys.channel),
-            )
+            waiter_ms = str(ttl_ms if waiter.blocking else 0)
+            channel = process_channel(self.keys.channel)
         else:
-            record = ("", waiter.arrival, "", "")
-        return self.encoded(
-            ACQUIRE,
-            self._acquire_keys,
-            (waiter.token, ttl_ms, *holder, "1" if waiter.blocking else "", *record,
-             *((predecessor, *timing.TURN) if predecessor else ()), waiter.next_attempt()),
+            waiter_ms, channel = "", ""
+        args = self._acquire.build_argv(
+            token=waiter.token, ttl_ms=ttl_ms, task_id=holder.task_id, host=holder.host,
+            pid=holder.pid, acquired_at=holder.acquired_at, task_name=holder.task_name,
+            blocking="1" if waiter.blocking else "", waiter_ms=waiter_ms, arrival=waiter.arrival,
+            channel=channel, attempt=waiter.next_attempt(),
+            handoff=(predecessor, *timing.TURN) if predecessor else (),
         )  # fmt: skip
+        return self.encoded(self._acquire, self._acquire_keys, args)
 
     def release_call(self, token: str) -> Call:
         """``release.lua`` on every resource; on one, it names a recorded waiter.
@@ -287,12 +299,17 @@ class Exclusive(Kind):
         ``token`` also leaves the record: a Redlock holder stays recorded on a node that
         refused it (still held there by its predecessor) while the others granted it.
         """
-        return self.encoded(RELEASE, self._release_keys, self._release_args(token))
+        return self.encoded(self._release, self._release_keys, self._release_args(token, ""))
 
-    def _release_args(self, token: str) -> tuple[str | int, ...]:
+    def _release_args(self, token: str, attempt: int | str) -> tuple[str | int, ...]:
         if not self.records:
-            return (token,)
-        return (token, self.naming, named_reserve_ms(), process_channel(self.keys.channel))
+            return self._release.build_argv(token=token, reserve_ms="", channel="", attempt=attempt)
+        return self._release.build_argv(
+            token=token,
+            reserve_ms=named_reserve_ms(),
+            channel=process_channel(self.keys.channel),
+            attempt=attempt,
+        )
 
     def undo_call(self, token: str, attempt: int) -> Call:
         """As :meth:`release_call`, but only up to ``attempt``, and ``token`` keeps its place.
@@ -301,8 +318,7 @@ class Exclusive(Kind):
         nodes nobody to name for a moment, and each would wake one waiter per process
         (measured with 6 processes on 3 nodes: the split votes then fed themselves).
         """
-        args = self._release_args(token)
-        return self.encoded(RELEASE, self._release_keys, (*args, *[""] * (4 - len(args)), attempt))
+        return self.encoded(self._release, self._release_keys, self._release_args(token, attempt))
 
     def wake_token(self, waiter: Waiter) -> Named | None:
         """A recorded waiter is woken by the release that names it (or by ``''``)."""
@@ -314,14 +330,14 @@ class Exclusive(Kind):
         Else a fair waiter would hold the queue up for a ttl, and a named one keep the
         lock idle for its reservation.
         """
-        if not self.records:
+        if self._leave is None:
             return None
-        return Call(FAIR_LEAVE, self.keys.fair_leave, (token, self.naming, named_reserve_ms()))
+        return self._leave.on(self.keys, token=token, reserve_ms=named_reserve_ms())
 
     def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
         """One ``fence_sync.lua`` call per resource."""
         return [
-            Call(FENCE_SYNC, resource.fence_sync, (token, fence, ""))
+            FENCE_SYNC.on(resource, token=token, granted=fence)
             for resource, fence in zip(self.resources, fences, strict=True)
         ]
 
@@ -359,7 +375,8 @@ class Fair(Exclusive):
     # local waiter that is: takeovers offered to the others were refused, each at the
     # cost of a round trip (measured: fair throughput with 8 threads fell by a third).
     hands_over = False
-    naming = "fair"
+    # Only the head of the queue may take a free lock; a release names it.
+    scripts = (ACQUIRE_FAIR, RELEASE_FAIR, FAIR_LEAVE)
 
     def __init__(self, keys: LockKeys) -> None:
         super().__init__((keys,))
@@ -401,23 +418,30 @@ class Shared(Kind):
         """Take one share (``acquire_shared.lua``); a limit of 0 means none."""
         if predecessor:
             raise ValueError("a share is never handed over")
-        return Call(
-            ACQUIRE_SHARED,
-            (*self.keys.resource, self.keys.abandoned),
-            (waiter.token, ttl_ms, self.limit or 0, *holder, waiter.next_attempt()),
+        return ACQUIRE_SHARED.on(
+            self.keys,
+            token=waiter.token,
+            ttl_ms=ttl_ms,
+            limit=self.limit or 0,
+            task_id=holder.task_id,
+            host=holder.host,
+            pid=holder.pid,
+            acquired_at=holder.acquired_at,
+            task_name=holder.task_name,
+            attempt=waiter.next_attempt(),
         )
 
     def release_call(self, token: str) -> Call:
         """Give back the share."""
-        return Call(RELEASE_SHARED, self.keys.release_shared, (token,))
+        return RELEASE_SHARED.on(self.keys, token=token, attempt="")
 
     def undo_call(self, token: str, attempt: int) -> Call:
         """Give back the share unless a later attempt of ``token`` counted it."""
-        return Call(RELEASE_SHARED, self.keys.release_shared, (token, attempt))
+        return RELEASE_SHARED.on(self.keys, token=token, attempt=attempt)
 
     def fence_sync_calls(self, token: str, fences: tuple[int, ...]) -> list[Call]:
         """Store the share's fence back (in its details, not the exclusive lock)."""
-        return [Call(FENCE_SYNC, self.keys.fence_sync, (token, fences[0], "s"))]
+        return [FENCE_SYNC_SHARED.on(self.keys, token=token, granted=fences[0])]
 
     def renew_entries(self) -> tuple[tuple[str, str], ...]:
         """The share in the shared set, and its details."""

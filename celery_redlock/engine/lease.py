@@ -314,14 +314,13 @@ def _verdict(codes: Sequence[int]) -> int:
 
 def renew_entries(entries: list[tuple[Lease, tuple[str, str]]]) -> Call:
     """One renew_many call for ``entries``: (lease, (key, kind)) pairs, at most :data:`CHUNK`."""
-    return Call(
-        RENEW_MANY,
-        tuple(key for _, (key, _) in entries),
-        tuple(
+    return RENEW_MANY.call(
+        holds=[key for _, (key, _) in entries],
+        leases=[
             item
             for lease, (_, kind) in entries
             for item in (lease.token, lease.timing.ttl_ms, kind)
-        ),
+        ],
     )
 
 
@@ -372,7 +371,9 @@ def renew_chunks(leases: list[Lease]) -> list[Call]:
         resp = b"".join(
             [RENEW_MANY.evalsha_resp(n, 3 * n), *keys_resp[start:end], *args_resp[start:end]]
         )
-        calls.append(Call(RENEW_MANY, tuple(chunk_keys), tuple(args[3 * start : 3 * end]), resp))
+        call_keys = RENEW_MANY.build_keys(holds=chunk_keys)
+        call_args = RENEW_MANY.build_argv(leases=args[3 * start : 3 * end])
+        calls.append(Call(RENEW_MANY, call_keys, call_args, resp))
     return calls
 
 

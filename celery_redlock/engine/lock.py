@@ -45,50 +45,43 @@ A held ``Redlock`` that is garbage-collected (the program dropped the last
 reference without releasing) is released with a ``ResourceWarning`` when it
 renews automatically; with ``auto_renew=False`` its lease just runs out.
 
-Where the parts are: :mod:`.kinds` builds what each kind of lock (exclusive, fair,
-shared) sends and reads; :mod:`.vote` sends one attempt and tallies it; :mod:`.holds`
-keeps the holds per thread; :mod:`.lease` is a lease and its deadline; :mod:`.renewal`
-the watchdog; :mod:`.waiting` the release notifications. This module keeps the
-sequence that ties them: attempts and waits, the hold, the release, and the undo.
-
-Why this module is larger than the project's ~400-line guide (and ``Redlock`` than ~250):
-what is left is the public API users read (the argument reference, fifteen methods
-and properties, most of them a few lines over :mod:`.kinds` and :mod:`.holds`) and
-the two exception-safe sequences. ``acquire`` and ``release`` stay whole, each with
-the ``try``/``finally`` that undoes what an exception (maybe asynchronous) interrupted,
-beside the undo helpers they call (``_abandon``, ``_end_interrupted_release``):
-split across modules, a gap between a call and its ``try`` is a place where an
-exception leaves a hold behind (``tests/unit/engine/test_lock_handles.py`` injects
+Where the parts are: :mod:`.acquisition` holds one acquisition's steps without I/O
+(vote, fence sync, record, undo, what to do after a lost attempt), which this module
+and :mod:`.aio` both drive; :mod:`.kinds` builds what each kind of lock (exclusive,
+fair, shared) sends and reads; :mod:`.vote` tallies an attempt; :mod:`.holds` keeps
+the holds per thread; :mod:`.lease` is a lease and its deadline; :mod:`.renewal` the
+watchdog; :mod:`.waiting` the release notifications; :mod:`.handoff` the handoff
+between threads of this process. This module is the threaded driver: its fan-outs,
+its waits between attempts (``_Acquiring``), the release, and the undo of a call an
+exception interrupted. ``acquire`` and ``release`` each keep the ``try``/``finally``
+that undoes what an exception (maybe asynchronous) interrupted beside the undo helpers
+they call: split across modules, a gap between a call and its ``try`` is a place where
+an exception leaves a hold behind (``tests/unit/engine/test_lock_handles.py`` injects
 exceptions at random points to find one).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import random
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from redis.exceptions import ResponseError
-
-from .. import forksafe, metrics
-from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from ..nodes import ALIVE_GRACE, Call, NodeSet, Reply
+from .. import metrics
+from ..exceptions import ConfigurationError, LockLost, NodeUnavailable
+from ..nodes import NodeSet, Reply
 from ..nodes.cluster import is_cluster_url
 from . import handoff
+from .acquisition import Core, Send, Step, Steps, agreeing, bounded, node_view, report_release
 from .handoff import Grant
-from .holds import Hold, Holds, finalize
+from .holds import Hold, Holds
 from .keys import DEFAULT_PREFIX
-from .kinds import Holder, Waiter, kind_of
+from .kinds import Waiter, kind_of
 from .lease import Lease, clock, renew_call
-from .renewal import get_renewer
-from .scripts import INSPECT, ReleaseStatus
+from .scripts import INSPECT
 from .timing import Timing
-from .vote import Attempt, budget, release_decided, sent_only, sync_fences, undone_on, vote
-from .waiting import HOST, Subscription, subscribed
+from .vote import Attempt, budget, sent_only
+from .waiting import Subscription, subscribed
 
 __all__ = ["DEFAULT_URL", "Redlock", "Step"]
 
@@ -96,25 +89,7 @@ logger = logging.getLogger("celery_redlock.lock")
 
 DEFAULT_URL = "redis://localhost:6379/0"
 
-#: Upper bound of the random pause between two attempts that failed without a
-#: holder to wait for (split votes, unreachable nodes), as Redlock prescribes.
-RETRY_DELAY = 0.2
-
-#: Upper bound of the random pause after a split vote, per node: 10 ms x N.
-SPLIT_BACKOFF = 0.002
-
-
-_HOST = HOST  # the host the scripts record for a holder and a waiter
-
-
-class Step(enum.Enum):
-    """What a blocking acquisition does after an attempt that did not win."""
-
-    UNAVAILABLE = "too many nodes failed for any quorum: raise NodeUnavailable"
-    GIVE_UP = "not blocking, or the timeout passed: return False"
-    SPLIT = "a split vote: step back a random moment"
-    WAIT = "held: wait for its release notification, or its lease's end"
-    RETRY = "no holder to wait for: retry after a random pause"
+T = TypeVar("T")
 
 
 class Redlock:
@@ -176,11 +151,7 @@ class Redlock:
         fair: bool = False,
         timing: Timing | None = None,
     ) -> None:
-        names = [name] if isinstance(name, str) else list(dict.fromkeys(name))
-        if not names or not all(isinstance(n, str) for n in names):
-            raise ConfigurationError(
-                f"a lock name must be a non-empty string or a sequence of them, got {name!r}"
-            )
+        names = _names(name)
         self.kind = kind_of(names, key_prefix, mode, limit, fair)
         self.mode, self.limit, self.fair = self.kind.mode, self.kind.limit, self.kind.fair
         self.names = tuple(names)
@@ -193,12 +164,7 @@ class Redlock:
         self.nodeset = NodeSet.get(
             [DEFAULT_URL] if nodes is None else nodes, timeout=self.timing.node_timeout
         )
-        if len(self.resources) > 1 and any(is_cluster_url(n.url) for n in self.nodeset.nodes):
-            raise ConfigurationError(
-                f"a lock on several resources ({list(self.names)!r}) cannot use a Redis Cluster "
-                "node: each resource's keys hash to a slot of their own, and one script "
-                "cannot take keys in several slots; use independent nodes, or one resource"
-            )
+        _check_cluster(self.names, self.nodeset)
         self.quorum = self.kind.quorum(len(self.nodeset))
         #: This lock as :mod:`.handoff` finds it among the process's holds and waiters.
         self.local_key = (
@@ -211,7 +177,16 @@ class Redlock:
         self.task_id = task_id
         self.task_name = task_name
         self._holds = Holds()
-        self._finalizer: weakref.finalize[..., Redlock] | None = None
+        self._core = Core(
+            self.kind,
+            self.timing,
+            self.nodeset,
+            min_replicas=min_replicas,
+            holds=self._holds,
+            task_id=task_id,
+            task_name=task_name,
+            auto_renew=auto_renew,
+        )
 
     def __repr__(self) -> str:
         names = self.keys.lock if len(self.resources) == 1 else [k.lock for k in self.resources]
@@ -237,101 +212,33 @@ class Redlock:
         """
         if self._reenter():
             return True
-        started = clock()
-        give_up = None if timeout is None or not blocking else started + timeout
-        waiter = self.kind.new_waiter(blocking, len(self.nodeset))
-        subscription: Subscription | None = None
-        offer: handoff.Offer | None = None
-        handed: Grant | Attempt | None = None
-        acquired = settled = undone = False
+        run = _Acquiring(self, blocking, timeout)
         try:
             try:
-                if blocking and handoff.held_here(self):
-                    # Another thread of this process holds it, so Redis could only say
-                    # "busy": queue up for its handoff without asking.
-                    subscription = self._subscribe(waiter)
-                    held = handoff.held_here(self)
-                    if held:
-                        offer = handoff.offer(self, waiter, subscription.event)
-                        subscription.wait(
-                            self._bounded(min(held, self.timing.renew_interval), give_up)
-                        )
-                if (
-                    blocking
-                    and subscription is None
-                    and subscribed(self.nodeset.nodes, self.keys.channel)
-                ):
-                    # This process still listens to the lock's channel (it waited for it
-                    # a moment ago): register first, and a refusal waits at once, with
-                    # no retry once subscribed.
-                    subscription = self._subscribe(waiter)
+                run.start()
                 while True:
-                    handed = None
-                    if offer is not None:
-                        handed = offer.withdraw(self._patience())
-                        offer = None
-                    if isinstance(handed, Grant):
-                        attempt = self._record(handed)  # handed over by a releasing thread
-                    else:
-                        # Nobody handed it over, or a takeover lost (the lock held by a
-                        # third party, or the process's turn over): ask the nodes
-                        # ourselves. The takeover's wake-up may have merged with a
-                        # release's announcement to this waiter, which waiting on its
-                        # busy answer would then wait out, up to the fallback.
-                        attempt = self._attempt(waiter)
+                    attempt = run.attempt()
                     if attempt is None:
-                        acquired = settled = True
-                        if metrics.enabled:
-                            metrics.acquired(self.task_name, clock() - started)
-                        if subscription is not None and self.kind.admits_others:
-                            subscription.pass_on()  # a share does not exclude the next waiter
+                        run.won()
                         return True
-                    step, pause = self._next_step(attempt, blocking, give_up, started)
+                    step, pause = self._core.next_step(attempt, blocking, run.give_up, run.started)
                     if step is Step.UNAVAILABLE:
                         # The attempt undid its part; unanswered requests still need
-                        # the abandon (below).
-                        settled = not waiter.in_doubt
+                        # the abandon (in finish()).
+                        run.settled = not run.waiter.in_doubt
                         raise NodeUnavailable(self.keys.lock, attempt.errors)
                     if step is Step.GIVE_UP:
-                        settled = not waiter.in_doubt
+                        run.settled = not run.waiter.in_doubt
                         return False
-                    if step is Step.SPLIT:
-                        time.sleep(pause)
-                        if subscription is not None:
-                            subscription.clear()
-                    elif step is Step.WAIT:
-                        if subscription is None:
-                            subscription = self._subscribe(waiter)
-                            continue  # retry once subscribed, so no release is missed
-                        offer = handoff.offer(self, waiter, subscription.event)
-                        subscription.wait(pause)
-                    else:
-                        time.sleep(pause)
+                    run.pause(step, pause)
             finally:
-                if offer is not None:
-                    offer.abandon()
-                if isinstance(handed, Grant) and not acquired:
-                    handoff.forget(self, handed)
-                if not settled:
-                    # Left by an exception (maybe asynchronous: a soft time limit, our own
-                    # abort) at any point after the first request went out, or given up
-                    # with a request unanswered: whatever the nodes granted, or will
-                    # grant when a request still on the way arrives, must not outlive
-                    # this call.
-                    self._abandon(waiter)
-                    undone = True
-                if subscription is not None:
-                    subscription.close()
-                if blocking and not acquired:
-                    leave = self.kind.leave_call(waiter.token)
-                    if leave is not None:  # else a queued place holds others up for a ttl
-                        self.nodeset.call([leave])
+                run.finish()
         except BaseException:
-            if acquired or not (settled or undone):
-                # Landed after the hold was recorded (in the clean-up above, say):
-                # acquire() raises, so the caller will never release it. Or a second
-                # exception landed before the undo above was done. End it here.
-                self._abandon(waiter)
+            if run.acquired or not (run.settled or run.undone):
+                # Landed after the hold was recorded (in finish(), say): acquire()
+                # raises, so the caller will never release it. Or a second exception
+                # landed before finish() was done with the undo. End it here.
+                self._abandon(run.waiter)
             raise
 
     def _subscribe(self, waiter: Waiter) -> Subscription:
@@ -349,58 +256,9 @@ class Redlock:
             quorum=1 if named is None else self.quorum,
         )
 
-    @staticmethod
-    def _bounded(pause: float, give_up: float | None) -> float:
-        return pause if give_up is None else max(0.0, min(pause, give_up - clock()))
-
     def _patience(self) -> float:
         """How long a waiter claimed by a releasing thread waits for its takeover."""
         return handoff.PATIENCE_BUDGETS * budget(self.timing.node_timeout, self.min_replicas)
-
-    def _next_step(
-        self, attempt: Attempt, blocking: bool, give_up: float | None, started: float
-    ) -> tuple[Step, float]:
-        """What a blocking ``acquire`` does after a failed attempt, and for how long."""
-        if len(attempt.errors) > len(self.nodeset) - self.quorum and not (
-            blocking and self._not_yet_down(started)
-        ):
-            # Too many nodes failed for any quorum: waiting would hide a Redis outage
-            # behind a lock that looks busy.
-            return Step.UNAVAILABLE, 0.0
-        if not blocking or (give_up is not None and clock() >= give_up):
-            if metrics.enabled:
-                metrics.busy(self.task_name)
-            return Step.GIVE_UP, 0.0
-        if attempt.granted:
-            # A split vote: nobody won and every contender is undoing its part, which
-            # announces releases that would wake us all again at once. Step back a
-            # random moment, as Redlock prescribes, and ignore the wake-ups our own
-            # undo caused.
-            step, pause = Step.SPLIT, random.uniform(0, SPLIT_BACKOFF * len(self.nodeset))
-        elif attempt.busy_ttl:
-            # TTL fallback: an expiry publishes nothing. A waiter whose mark on the
-            # nodes lapses (a queue place, a waiting writer) comes back in time to
-            # renew it.
-            step, pause = Step.WAIT, min(attempt.busy_ttl) + random.uniform(0, 0.01)
-            if self.kind.refreshes_while_waiting:
-                pause = min(pause, self.timing.renew_interval)
-        else:
-            step, pause = Step.RETRY, random.uniform(0, RETRY_DELAY)
-        return step, self._bounded(pause, give_up)
-
-    def _not_yet_down(self, started: float) -> bool:
-        """Whether a blocking acquisition begun at ``started`` retries failed nodes.
-
-        A node is down once it has had :data:`ALIVE_GRACE` to answer this process and
-        answered nothing: before that, or while a quorum of nodes answers other
-        requests of this process, a failed attempt means this thread (or the machine)
-        was starved of CPU, not that Redis is out. A process whose hundreds of threads
-        all ask at once reads its first replies late; a cold start is not an outage.
-        """
-        now = clock()
-        return now - started < ALIVE_GRACE or (
-            self.nodeset.answering(since=time.monotonic() - ALIVE_GRACE) >= self.quorum
-        )
 
     def try_acquire(self) -> None:
         """Take the lock now or raise :class:`LockBusy` naming the holder."""
@@ -421,46 +279,31 @@ class Redlock:
             if not (settled or undone):  # a second exception landed before the undo
                 self._abandon(waiter)
             raise
-        self._tried(attempt, started)
-
-    def _tried(self, attempt: Attempt | None, started: float) -> None:
-        """Count ``try_acquire``'s attempt; raise :class:`LockBusy` or why not held."""
-        if attempt is None:
-            if metrics.enabled:
-                metrics.acquired(self.task_name, clock() - started)
-            return
-        if attempt.busy_ttl:
-            if metrics.enabled:
-                metrics.busy(self.task_name)
-            raise LockBusy(self.keys.lock, attempt.holder, min(attempt.busy_ttl))
-        raise NodeUnavailable(self.keys.lock, attempt.errors)
+        self._core.tried(attempt, started)
 
     def _abandon(self, waiter: Waiter) -> None:
-        """Undo an acquisition interrupted by an exception, wherever it stopped.
-
-        The undo may overtake a request still on its way (on a connection the
-        interruption closed, or one that timed out), so it first makes the nodes refuse
-        the token (``abandon.lua``), then releases what they granted.
-        """
-        if not self._end_abandoned(waiter):
+        """Undo an acquisition interrupted by an exception, wherever it stopped."""
+        if not self._core.end_abandoned(waiter):
             return
-        calls = self.kind.abandon_calls(waiter.token, self.timing.ttl_ms)
-        _undo_surely(lambda: self.nodeset.call(calls), self._undo_failed)
+        calls = self._core.abandon_calls(waiter)
+        _undo_surely(lambda: self.nodeset.call(calls), self._core.undo_failed)
 
-    def _end_abandoned(self, waiter: Waiter) -> bool:
-        """End the hold an interrupted acquisition recorded; whether it sent anything."""
-        hold = self._holds.entry()
-        if hold is not None and hold.lease.token == waiter.token:
-            hold.lease.released = True  # first: the renewer must stop renewing it
-            hold.count = 0
-        return waiter.sent
+    def _drive(self, steps: Steps[T]) -> T:
+        """Run an acquisition's steps (:mod:`.acquisition`) with this thread's fan-outs."""
+        try:
+            send = next(steps)
+            while True:
+                send = steps.send(self._send(send))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
-    def _undo_failed(self) -> None:
-        logger.warning(
-            "Lock(%r): could not undo an interrupted acquisition; it expires within %.1fs",
-            self.keys.lock,
-            self.timing.ttl,
-            exc_info=True,
+    def _send(self, send: Send) -> list[Reply | None]:
+        return self.nodeset.call(
+            send.calls,
+            per_node=send.per_node,
+            timeout=send.timeout,
+            decided=send.decided,
+            patient=send.patient,
         )
 
     def _attempt(self, waiter: Waiter) -> Attempt | None:
@@ -472,135 +315,31 @@ class Redlock:
 
     def _record(self, grant: Grant) -> Attempt | None:
         """Record a granted acquisition as this thread's hold; None once recorded."""
-        if self._won(grant.token, grant.fences, grant.sent_at, len(grant.attempt.granted)):
+        lease = self._core.record(grant, self.on_lost, self)
+        if lease is not None:
+            handoff.holding(self, lease)
             return None
         handoff.forget(self, grant)  # if it was a takeover: it will not be held
-        return self._undo(grant.token, grant.attempt)
+        return self._drive(self._core.undo(grant.token, grant.attempt, self.nodeset))
 
     def _vote(
         self, waiter: Waiter, predecessor: str = "", wait_all: bool = False
     ) -> Grant | Attempt:
-        """Ask the nodes for ``waiter``'s lock: a Grant, or the Attempt that lost.
-
-        A Grant is a quorum's, with agreeing fences, not recorded yet; a losing
-        Attempt's grants are undone already.
+        """Ask the nodes for ``waiter``'s lock (:meth:`.acquisition.Core.vote`).
 
         ``predecessor``: a takeover by a releasing thread of this process
         (:mod:`.handoff`), which may run in that thread.
         """
-        token, quorum = waiter.token, self.quorum
-        holder = Holder(
-            self.task_id or "", _HOST, forksafe.pid(), f"{time.time():.3f}", self.task_name or ""
-        )
-        acquire = self.kind.acquire_call(waiter, self.timing.ttl_ms, holder, predecessor)
-        waiter.sent = True
-        attempt, sent_at = vote(
-            self.nodeset, acquire, quorum, self.min_replicas, self.timing.node_timeout, wait_all
-        )
-        attempt.number = waiter.attempt
-        if attempt.failed():
-            # Those connections are closed: an undo goes out on others, and may
-            # arrive first. (A reply not waited for is read, and an undo sent, on the
-            # same connection, behind the request.)
-            waiter.in_doubt = True
-        validity = self.timing.ttl - attempt.elapsed - self.timing.drift
-        if len(attempt.granted) >= quorum and validity > 0:
-            fences = attempt.top_fences()
-            if attempt.agreeing(fences) >= quorum or self._sync_fence(token, fences, attempt):
-                return Grant(token, fences, sent_at, attempt)
-        return self._undo(token, attempt)
-
-    def _undo(self, token: str, attempt: Attempt) -> Attempt:
-        """Undo what a losing (or spent) attempt was granted; the attempt, for the caller."""
-        if not attempt.all_busy():
-            # Undo everywhere, including nodes that did not answer (they may have
-            # granted it after all) and nodes whose replicas did not confirm; wait only
-            # for the nodes that granted it. The undo names the attempt, so it removes
-            # nothing a later attempt of this token wrote, whenever it arrives.
-            self._unlock(token, undo=attempt)
-        if len(attempt.granted) >= self.quorum:
-            attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
-        return attempt
-
-    def _sync_fence(self, token: str, fences: tuple[int, ...], attempt: Attempt) -> bool:
-        """Store the fences back on the granting nodes; True if a quorum holds them."""
-        calls = self.kind.fence_sync_calls(token, fences)
-        synced = sync_fences(self.nodeset, calls, attempt.granted)
-        if synced < self.quorum:
-            attempt.errors.append(f"fence stored on {synced} nodes only")
-            return False
-        return True
+        return self._drive(self._core.vote(waiter, self.nodeset, predecessor, wait_all))
 
     @property
     def owner(self) -> str:
         """Who holds this object's acquisitions, for logs: ``task[task id]`` or ``-``."""
-        if self.task_id:
-            return f"{self.task_name or 'task'}[{self.task_id}]"
-        return self.task_name or "-"
+        return self._core.owner
 
-    def _won(
-        self,
-        token: str,
-        fences: tuple[int, ...],
-        sent_at: float,
-        granted: int,
-        on_lost: Callable[[LockLost], object] | None = None,
-    ) -> bool:
-        """Record the hold; False if the lease ran out before it could be recorded.
-
-        ``on_lost`` replaces :attr:`on_lost` for this hold (AsyncRedlock's delivers the
-        loss to the holder's event loop).
-        """
-        report = on_lost or self.on_lost
-        callbacks = [report] if report is not None else []
-        lease = Lease(
-            self.keys,
-            token,
-            fences[0],
-            self.nodeset,
-            self.timing,
-            sent_at,
-            callbacks,
-            owner=self.owner,
-            task_name=self.task_name,
-            entries=self.kind.renew_entries(),
-            fences=fences,
-            quorum=self.quorum,
-        )
-        if clock() >= lease.give_up_at:
-            # Paused (or slowed) between the vote and here, e.g. by the fence sync:
-            # a lease that is over by the local clock is not a hold.
-            return False
-        self._holds.add(lease)
-        handoff.holding(self, lease)
-        if self.auto_renew:
-            if self._finalizer is None:
-                self._finalizer = weakref.finalize(
-                    self, finalize, self._holds, self.keys.lock, self.kind.release_call
-                )
-            get_renewer().add(lease)
-        logger.debug(
-            "Lock(%r) acquired by %s: fence %s, %d of %d nodes",
-            self.keys.lock,
-            self.owner,
-            fences[0] if len(fences) == 1 else fences,
-            granted,
-            len(self.nodeset),
-        )
-        return True
-
-    def _unlock(self, token: str, *, undo: Attempt | None = None) -> list[Reply | None]:
-        """Release ``token`` on every node, waiting for a quorum's confirmation at most.
-
-        ``undo``: only what that attempt (or an earlier one) was granted, for an attempt
-        that lost the vote (it tries again, so it keeps its place among the recorded
-        waiters), waiting for the nodes that may hold it (:func:`.vote.undone_on`).
-        """
-        if undo is not None:
-            call = self.kind.undo_call(token, undo.number)
-            return self.nodeset.call([call], decided=undone_on(undo, self.nodeset.lagging()))
-        decided = release_decided(self.quorum, self.nodeset.lagging())
-        return self.nodeset.call([self.kind.release_call(token)], decided=decided)
+    def _unlock(self, token: str) -> list[Reply | None]:
+        """Release ``token`` on every node, waiting for a quorum's confirmation at most."""
+        return self._send(self._core.release(token, self.nodeset))
 
     # -- holding -----------------------------------------------------------------
 
@@ -610,29 +349,11 @@ class Redlock:
         A hold whose lease has run out by the local deadline (not renewed, or lost)
         is dropped instead: the caller then makes a real acquisition.
         """
-        token = self._reenter_or_end()
+        token = self._core.reenter_or_end()
         if token is True or token is False:
             return token
         self._unlock(token)
         return False
-
-    def _reenter_or_end(self) -> bool | str:
-        """Count one more hold on a lease still valid (True); False: no hold.
-
-        Else the token of a hold whose lease has run out, ended here: the caller
-        frees whatever may be left of it on the nodes (within the drift allowance it
-        can still be there) before a real acquisition.
-        """
-        hold = self._holds.live()
-        if hold is None:
-            return False
-        lease = hold.lease
-        if lease.lost is None and clock() < lease.give_up_at:
-            hold.count += 1
-            return True
-        lease.released = True  # stop renewing it
-        hold.count = 0
-        return lease.token
 
     @property
     def lease(self) -> Lease | None:
@@ -682,7 +403,7 @@ class Redlock:
             if metrics.enabled:
                 metrics.released(self.task_name, clock() - lease.sent_at)
         elif not handed.touched:  # else the takeover's undo freed it: nothing to report
-            _report_release(self, lease, replies)
+            report_release(self._core, lease, replies)
 
     def _unlock_elsewhere(self, token: str, granted: Sequence[int]) -> list[Reply | None]:
         """Release ``token`` on the nodes a takeover did not reach (none, usually).
@@ -742,10 +463,7 @@ class Redlock:
         Local and immediate (no round trip): the lease is in doubt once the local
         deadline minus the safety margin has passed without a confirmed renewal.
         """
-        lease = self.lease
-        if lease is None:
-            raise LockLost(self.keys.lock, "never acquired", None)
-        lease.check()
+        self._core.check()
 
     def owned(self) -> bool:
         """True if this object holds the lock: a quorum of nodes has its token."""
@@ -754,7 +472,7 @@ class Redlock:
             return False
         token = hold.lease.token
         replies = self.nodeset.call(self.kind.owned_calls(token))
-        return _agreeing(replies, lambda values: self.kind.owns(values, token)) >= self.quorum
+        return agreeing(replies, lambda values: self.kind.owns(values, token)) >= self.quorum
 
     def locked(self) -> bool:
         """True if a quorum of nodes says the lock is held, so that ``acquire`` would wait.
@@ -763,11 +481,11 @@ class Redlock:
         resource is held exclusively, or ``limit`` shares are taken.
         """
         replies = self.nodeset.call(self.kind.locked_calls())
-        return _agreeing(replies, self.kind.held) >= self.quorum
+        return agreeing(replies, self.kind.held) >= self.quorum
 
     def inspect(self) -> list[dict[str, Any]]:
         """Each node's view of the lock: holder fields, ``pttl`` and the fence counter."""
-        return [_view(reply) for reply in self.nodeset.call([Call(INSPECT, self.keys.inspect)])]
+        return [node_view(reply) for reply in self.nodeset.call([INSPECT.on(self.keys)])]
 
     @property
     def key(self) -> str:
@@ -789,10 +507,7 @@ class Redlock:
                 acquired, or several threads did and this one is none of them). A
                 write guarded by no fence is a bug: there is no ``None`` to pass on.
         """
-        lease = self.lease
-        if lease is None:
-            raise LockNotOwned(self.key, "no fence: no acquisition of this thread's")
-        return lease.fence
+        return self._core.fence()
 
     @property
     def fences(self) -> dict[str, int]:
@@ -804,8 +519,7 @@ class Redlock:
 
     def remaining(self) -> float:
         """Seconds of lease left by the local deadline; 0 when not held."""
-        hold = self._holds.live()
-        return 0.0 if hold is None else hold.lease.remaining()
+        return self._core.remaining()
 
     def __enter__(self) -> Redlock:
         self.acquire()
@@ -813,6 +527,126 @@ class Redlock:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def _names(name: str | Sequence[str]) -> list[str]:
+    """The resources a lock protects, from its ``name`` argument, checked."""
+    names = [name] if isinstance(name, str) else list(dict.fromkeys(name))
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ConfigurationError(
+            f"a lock name must be a non-empty string or a sequence of them, got {name!r}"
+        )
+    return names
+
+
+def _check_cluster(names: Sequence[str], nodeset: NodeSet) -> None:
+    """A lock on several resources cannot use a Redis Cluster node."""
+    if len(names) > 1 and any(is_cluster_url(n.url) for n in nodeset.nodes):
+        raise ConfigurationError(
+            f"a lock on several resources ({list(names)!r}) cannot use a Redis Cluster "
+            "node: each resource's keys hash to a slot of their own, and one script "
+            "cannot take keys in several slots; use independent nodes, or one resource"
+        )
+
+
+class _Acquiring:
+    """One call of :meth:`Redlock.acquire`: its waiter, and how it waits between attempts.
+
+    The attempts themselves are :class:`.acquisition.Core`'s; this is the threaded
+    driver's side: the release subscription, and the offer to this process's releasing
+    threads (:mod:`.handoff`). The flags say how far it got, for :meth:`finish` and for
+    ``acquire``'s last resort against a second exception.
+    """
+
+    def __init__(self, lock: Redlock, blocking: bool, timeout: float | None) -> None:
+        self.lock = lock
+        self.blocking = blocking
+        self.started = clock()
+        self.give_up = None if timeout is None or not blocking else self.started + timeout
+        self.waiter = lock.kind.new_waiter(blocking, len(lock.nodeset))
+        self.subscription: Subscription | None = None
+        self.offer: handoff.Offer | None = None
+        self.handed: Grant | Attempt | None = None
+        #: The hold is recorded / nothing is left to undo / the undo was done.
+        self.acquired = self.settled = self.undone = False
+
+    def start(self) -> None:
+        """Before the first attempt: queue up behind a holder of this process, if any."""
+        lock = self.lock
+        if not self.blocking:
+            return
+        if handoff.held_here(lock):
+            # Another thread of this process holds it, so Redis could only say "busy":
+            # queue up for its handoff without asking.
+            self.subscription = lock._subscribe(self.waiter)
+            held = handoff.held_here(lock)
+            if held:
+                self.offer = handoff.offer(lock, self.waiter, self.subscription.event)
+                self.subscription.wait(bounded(min(held, lock.timing.renew_interval), self.give_up))
+        elif subscribed(lock.nodeset.nodes, lock.keys.channel):
+            # This process still listens to the lock's channel (it waited for it a
+            # moment ago): register first, and a refusal waits at once, with no retry
+            # once subscribed.
+            self.subscription = lock._subscribe(self.waiter)
+
+    def attempt(self) -> Attempt | None:
+        """Take a handoff offered meanwhile, else ask the nodes; None once held."""
+        self.handed = None
+        if self.offer is not None:
+            self.handed = self.offer.withdraw(self.lock._patience())
+            self.offer = None
+        if isinstance(self.handed, Grant):
+            return self.lock._record(self.handed)  # handed over by a releasing thread
+        # Nobody handed it over, or a takeover lost (the lock held by a third party, or
+        # the process's turn over): ask the nodes ourselves. The takeover's wake-up may
+        # have merged with a release's announcement to this waiter, which waiting on
+        # its busy answer would then wait out, up to the fallback.
+        return self.lock._attempt(self.waiter)
+
+    def won(self) -> None:
+        """The hold is recorded: count it, and let the next waiter of a share try."""
+        self.acquired = self.settled = True
+        if metrics.enabled:
+            metrics.acquired(self.lock.task_name, clock() - self.started)
+        if self.subscription is not None and self.lock.kind.admits_others:
+            self.subscription.pass_on()  # a share does not exclude the next waiter
+
+    def pause(self, step: Step, pause: float) -> None:
+        """Wait as ``step`` says before the next attempt."""
+        if step is Step.SPLIT:
+            time.sleep(pause)
+            if self.subscription is not None:
+                self.subscription.clear()  # the wake-ups our own undo caused
+        elif step is Step.WAIT:
+            if self.subscription is None:
+                # Retry at once once subscribed, so no release is missed.
+                self.subscription = self.lock._subscribe(self.waiter)
+                return
+            self.offer = handoff.offer(self.lock, self.waiter, self.subscription.event)
+            self.subscription.wait(pause)
+        else:
+            time.sleep(pause)
+
+    def finish(self) -> None:
+        """Leave, held or not: undo what an interrupted or given-up attempt left."""
+        lock = self.lock
+        if self.offer is not None:
+            self.offer.abandon()
+        if isinstance(self.handed, Grant) and not self.acquired:
+            handoff.forget(lock, self.handed)
+        if not self.settled:
+            # Left by an exception (maybe asynchronous: a soft time limit, our own
+            # abort) at any point after the first request went out, or given up with a
+            # request unanswered: whatever the nodes granted, or will grant when a
+            # request still on the way arrives, must not outlive this call.
+            lock._abandon(self.waiter)
+            self.undone = True
+        if self.subscription is not None:
+            self.subscription.close()
+        if self.blocking and not self.acquired:
+            leave = lock.kind.leave_call(self.waiter.token)
+            if leave is not None:  # else a queued place holds others up for a ttl
+                lock.nodeset.call([leave])
 
 
 def _undo_surely(send: Callable[[], object], failed: Callable[[], None]) -> None:
@@ -833,70 +667,3 @@ def _undo_surely(send: Callable[[], object], failed: Callable[[], None]) -> None
         except Exception:
             failed()
         raise
-
-
-def _agreeing(replies: list[Reply | None], says: Callable[[list[Any]], bool]) -> int:
-    """Nodes whose answer ``says`` yes to."""
-    return sum(1 for reply in replies if reply is not None and reply.ok and says(reply.values))
-
-
-def _view(reply: Reply | None) -> dict[str, Any]:
-    """One node's ``inspect.lua`` answer as ``Redlock.inspect`` gives it."""
-    if reply is None or not reply.ok or isinstance(reply.values[0], ResponseError):
-        error = reply.describe_error() if reply is not None and reply.error else "no reply"
-        return {"node": reply.node.safe_url if reply else None, "error": error}
-    value = reply.values[0]
-    fields = value[2:]
-    return {
-        "node": reply.node.safe_url,
-        "pttl": value[0],
-        "fence_counter": value[1],
-        **dict(zip(fields[::2], fields[1::2], strict=True)),
-    }
-
-
-def _report_release(lock: Redlock, lease: Lease, replies: list[Reply | None]) -> None:
-    """Count a release in the metrics and the log; say why if a quorum did not confirm it."""
-    if metrics.enabled and lease.lost is None:
-        metrics.released(lock.task_name, clock() - lease.sent_at)
-    codes = [r.values[0] for r in replies if r is not None and r.ok]
-    released = codes.count(ReleaseStatus.RELEASED)
-    if lease.lost is None and released < lock.quorum:
-        _warn_release(lock, lease, codes)
-    logger.debug(
-        "Lock(%r) released by %s: fence %s, %d of %d nodes",
-        lock.keys.lock,
-        lock.owner,
-        lease.fence,
-        released,
-        len(lock.nodeset),
-    )
-
-
-def _warn_release(lock: Redlock, lease: Lease, codes: list[Any]) -> None:
-    """Say why a release was not confirmed by a quorum, and what follows."""
-    left = max(0.0, lease.deadline - clock())
-    unanswered = len(lock.nodeset) - len(codes)
-    if codes.count(ReleaseStatus.TAKEN) or codes.count(ReleaseStatus.GONE):
-        if left <= 0:
-            return  # the lease had simply run out
-        logger.error(
-            "Lock(%r) was no longer held by %s at release (fence %s): gone on %d and "
-            "held by another owner on %d of %d nodes, %.1fs before its local deadline; "
-            "the other owner's lock was left alone",
-            lock.keys.lock,
-            lock.owner,
-            lease.fence,
-            codes.count(ReleaseStatus.GONE),
-            codes.count(ReleaseStatus.TAKEN),
-            len(lock.nodeset),
-            left,
-        )
-    if unanswered and left > 0:
-        logger.warning(
-            "Lock(%r) release not confirmed by %d of %d nodes; there it expires within %.1fs",
-            lock.keys.lock,
-            unanswered,
-            len(lock.nodeset),
-            left,
-        )

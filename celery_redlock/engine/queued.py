@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ..nodes import Call, NodeSet
+from ..nodes import NodeSet
 from .keys import QUEUED_GRACE, LockKeys
-from .scripts import NOTE_QUEUED
+from .scripts import NOTE_QUEUED, NOTE_STARTED
 
 __all__ = ["note_queued", "note_started"]
 
@@ -45,7 +45,12 @@ def note_started(nodeset: NodeSet, resources: Sequence[LockKeys], task_id: str) 
 def _note(nodeset: NodeSet, resources: Sequence[LockKeys], task_id: str, delay: str) -> None:
     keys = tuple(resource.queued for resource in resources)
     grace = round(QUEUED_GRACE * 1000)
-    for reply in nodeset.call([Call(NOTE_QUEUED, keys, (task_id, delay, grace))]):
+    call = (
+        NOTE_STARTED.call(queued=keys, task_id=task_id)
+        if delay == ""
+        else NOTE_QUEUED.call(queued=keys, task_id=task_id, delay_ms=delay, grace_ms=grace)
+    )
+    for reply in nodeset.call([call]):
         failed = None if reply is None else reply.error or reply.values[0]
         if isinstance(failed, BaseException):
             logger.debug("Run %s not noted as queued on a lock node: %r", task_id, failed)

@@ -65,7 +65,7 @@ from ..nodes import Call, NodeSet, Reply
 from ..nodes.aio import AsyncNodeSet
 from .keys import DEFAULT_PREFIX, QUEUED_GRACE, LockKeys, lock_keys
 from .lock import DEFAULT_URL
-from .scripts import RATE, RATE_RETURN, RateStatus
+from .scripts import RATE, RATE_OWNED, RATE_PEEK, RATE_RETURN, RateStatus
 from .timing import DEFAULT_NODE_TIMEOUT, MIN_NODE_TIMEOUT, seconds
 
 __all__ = [
@@ -166,16 +166,16 @@ def rate_calls(
     logged it before publishing the copy): the start moves to now if the window still
     has room for it there, else it is given back and the run refused.
     """
-    mode = "peek" if peek else "owned" if owned else ""
-    args: tuple[object, ...] = (budget.limit, budget.window_ms, member, mode)
-    if task_id:
-        args += (task_id, round(jitter * 1000), round(QUEUED_GRACE * 1000))
-    return Call(RATE, keys.budget_keys, args)
+    queued = (round(jitter * 1000), round(QUEUED_GRACE * 1000)) if task_id else ("", "")
+    return (RATE_PEEK if peek else RATE_OWNED if owned else RATE).on(
+        keys, limit=budget.limit, window_ms=budget.window_ms, member=member,
+        task_id=task_id or "", jitter_ms=queued[0], grace_ms=queued[1],
+    )  # fmt: skip
 
 
 def return_calls(keys: LockKeys, member: str, undo: Sequence[bool]) -> list[list[Call] | None]:
     """Per node, the ``rate_return.lua`` call giving ``member``'s start back (or nothing)."""
-    call = Call(RATE_RETURN, (keys.rate,), (member,))
+    call = RATE_RETURN.on(keys, member=member)
     return [[call] if u else None for u in undo]
 
 

@@ -421,10 +421,9 @@ class _Listener:
         in its own thread: an announcement that names it wakes it where it is, with no
         hop from the listener thread to it (the wake-up of a waiting prefork child, the
         one task thread of its process, is on the path of every handoff between
-        processes). Anything else it reads it dispatches as the
-        listener would. A wake-up from elsewhere (a releasing thread of this process)
-        interrupts its poll through :attr:`Wakeup.reader`. Otherwise, and for a waiter
-        that is not alone, it waits for the listener thread to wake it.
+        processes). Anything else it reads it dispatches as the listener would. A
+        wake-up from elsewhere (a releasing thread of this process) interrupts its poll
+        through :attr:`Wakeup.reader`. A waiter not alone waits for the listener thread.
 
         An exception raised while it parses (a soft time limit landing in it) leaves the
         connection's state unknown: the listener thread replaces the connection and

@@ -133,8 +133,19 @@ class AsyncNodeSet:
         self.quorum = nodeset.quorum
         self.timeout = nodeset.timeout
 
+    #: A request not waited for runs on, on a connection of its own: a later request
+    #: to that node may arrive first.
+    queues_behind = False
+
     def __len__(self) -> int:
         return len(self.nodes)
+
+    def lagging(self) -> frozenset[int]:
+        """Every node: a quorum's answer is never held up by the others.
+
+        This fan-out keeps no connection owing replies, so nothing tells which node lags.
+        """
+        return frozenset(range(len(self.nodes)))
 
     async def call(
         self,

@@ -81,6 +81,10 @@ class NodeSet:
             node.widen_timeout(timeout)
         return node
 
+    #: A request whose reply a fan-out did not wait for keeps its connection, owing the
+    #: reply: the thread's next request to that node goes out behind it.
+    queues_behind = True
+
     def __len__(self) -> int:
         return len(self.nodes)
 

@@ -23,7 +23,7 @@ from typing import Any
 from ..engine.keys import QUEUED_GRACE, keys_of, lock_name_of
 from ..engine.rate import UNITS, Budget
 from ..engine.scripts import BUDGET_READ
-from ..nodes import Call, NodeSet
+from ..nodes import NodeSet
 from .inventory import reply_error, resolve_key, scan_lock_keys
 
 __all__ = ["BudgetView", "NodeBudget", "held_budgets", "read_budgets"]
@@ -149,7 +149,7 @@ def read_budgets(
     grace = round(QUEUED_GRACE * 1000)
     for start in range(0, len(keys), READ_CHUNK):
         chunk = keys[start : start + READ_CHUNK]
-        calls = [Call(BUDGET_READ, keys_of(key).budget_keys, (grace,)) for key in chunk]
+        calls = [BUDGET_READ.on(keys_of(key), grace_ms=grace) for key in chunk]
         for node, reply in zip(nodeset.nodes, nodeset.call(calls, timeout=timeout), strict=True):
             error = reply_error(reply)
             if error is not None:

@@ -138,7 +138,9 @@ def clear_claim(
         One ``{"node", "result", "error"}`` per node; result is ``cleared``, ``gone``,
         ``taken`` or ``error``.
     """
-    replies = nodeset.call([Call(UNCLAIM, (claim.claim_key,), (claim.task_id,))], timeout=timeout)
+    replies = nodeset.call(
+        [UNCLAIM.call(claim=claim.claim_key, task_id=claim.task_id)], timeout=timeout
+    )
     results: list[dict[str, Any]] = []
     for node, reply in zip(nodeset.nodes, replies, strict=True):
         error = reply_error(reply)

@@ -331,7 +331,7 @@ def read_locks(
     per_key: dict[str, list[NodeView]] = {key: [] for key in keys}
     for start in range(0, len(keys), READ_CHUNK):
         chunk = keys[start : start + READ_CHUNK]
-        calls = [Call(INSPECT, keys_of(key).inspect) for key in chunk]
+        calls = [INSPECT.on(keys_of(key)) for key in chunk]
         for i, reply in enumerate(nodeset.call(calls, timeout=timeout)):
             node = nodeset.nodes[i].safe_url
             if reply is None or reply.error is not None:

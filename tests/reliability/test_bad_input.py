@@ -22,19 +22,25 @@ from celery_redlock.engine.keys import claim_key, lock_keys, release_keys
 from celery_redlock.engine.names import MAX_DEPTH, task_lock_name
 from celery_redlock.engine.scripts import (
     ACQUIRE,
+    ACQUIRE_FAIR,
     ACQUIRE_SHARED,
+    ACQUIRE_WAKE,
     BEAT_CLAIM,
     CLAIM,
     CLAIM_START,
     FAIR_LEAVE,
     FENCE_SYNC,
+    FENCE_SYNC_SHARED,
     INSPECT,
     RELEASE,
+    RELEASE_FAIR,
     RELEASE_IF,
     RELEASE_SHARED,
+    RELEASE_WAKE,
     RENEW_MANY,
     THROTTLE,
     UNCLAIM,
+    WAKE_LEAVE,
 )
 from celery_redlock.settings import OPTIONS, from_conf
 from tests.apps.locked import create_app
@@ -226,16 +232,20 @@ KEYS = lock_keys("owned")
 OWNER, TASK_ID, PID = "owner-token", "owner-task", "4242"
 SCRIPTS = {
     "acquire": (ACQUIRE, list(KEYS.resource)),
-    "acquire (fair)": (ACQUIRE, [*KEYS.resource, *KEYS.record]),
+    "acquire (fair)": (ACQUIRE_FAIR, [*KEYS.resource, *KEYS.record]),
+    "acquire (wake)": (ACQUIRE_WAKE, [*KEYS.resource, *KEYS.record]),
     "acquire_shared": (ACQUIRE_SHARED, list(KEYS.resource)),
     "renew_many": (RENEW_MANY, [KEYS.lock]),
     "release": (RELEASE, list(release_keys([KEYS]))),
-    "release (fair)": (RELEASE, list(release_keys([KEYS], record=True))),
-    "release_shared": (RELEASE_SHARED, list(KEYS.release_shared)),
-    "fair_leave": (FAIR_LEAVE, list(KEYS.fair_leave)),
-    "release_if": (RELEASE_IF, list(KEYS.release_if)),
-    "fence_sync": (FENCE_SYNC, list(KEYS.fence_sync)),
-    "inspect": (INSPECT, list(KEYS.inspect)),
+    "release (fair)": (RELEASE_FAIR, [*release_keys([KEYS]), *KEYS.record]),
+    "release (wake)": (RELEASE_WAKE, [*release_keys([KEYS]), *KEYS.record]),
+    "release_shared": (RELEASE_SHARED, list(RELEASE_SHARED.on(KEYS, token="", attempt="").keys)),
+    "fair_leave": (FAIR_LEAVE, list(FAIR_LEAVE.on(KEYS, token="", reserve_ms="").keys)),
+    "wake_leave": (WAKE_LEAVE, list(WAKE_LEAVE.on(KEYS, token="", reserve_ms="").keys)),
+    "release_if": (RELEASE_IF, list(RELEASE_IF.on(KEYS, task_id="", pid="", reserve_ms="").keys)),
+    "fence_sync": (FENCE_SYNC, [KEYS.lock, KEYS.fence]),
+    "fence_sync_shared": (FENCE_SYNC_SHARED, [KEYS.fence, KEYS.holders]),
+    "inspect": (INSPECT, [KEYS.lock, KEYS.fence]),
     "beat_claim": (BEAT_CLAIM, [KEYS.lock, KEYS.state]),
     "claim": (CLAIM, [claim_key(KEYS, TASK_ID), KEYS.lock]),
     "unclaim": (UNCLAIM, [claim_key(KEYS, TASK_ID)]),
@@ -261,7 +271,7 @@ def script_node(tmp_path_factory):
 @given(name=st.sampled_from(sorted(SCRIPTS)), argv=st.lists(argv_item, max_size=13))
 # Found by hypothesis on valkey, whose Lua reads 'NAN' as a number: the fair queue's
 # ZADD refused it half-way through acquire.lua.
-@example(name="acquire (fair)", argv=["0", "1", "", "", "", "", "", "", "1", "NAN", "fair", ""])
+@example(name="acquire (fair)", argv=["0", "1", "", "", "", "", "", "", "1", "NAN", "", "1"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_malformed_script_arguments_never_touch_a_lock_they_do_not_own(script_node, name, argv):
     """Any ARGV (wrong count, types, empty): an answer or a clear error; the lock intact."""

@@ -1,49 +1,57 @@
 -- acquire: take an exclusive lock on one or more resources, all of them or none.
 --
--- Four keys per resource i (taken together in one script, so no lock-order deadlock):
--- KEYS[4i-3]  lock hash (fields: token, attempt, fence, task_id, task_name, host,
---             pid, acquired_at, ttl)
--- KEYS[4i-2]  fence counter (next_fence, fence.lua: fences only grow for a resource,
---             and the counter expires a horizon after the last one)
--- KEYS[4i-1]  shared holders (sorted set token -> lease deadline, node clock, ms)
--- KEYS[4i]    shared holders' details (hash token -> json)
--- With a record of blocked waiters (one resource only, see wake.lua) three more keys:
--- KEYS[5]     queue (sorted set token -> arrival)   KEYS[6]  waiter deadlines
--- KEYS[7]     wake (hash token -> the waiter's process channel)
--- Then, optional (the library always sends it): the lock's abandoned tokens
--- (abandon.lua), whose requests are refused
+-- Three scripts run this file, told apart by the prelude's NAMING (never by an
+-- argument): acquire ('': any number of resources, no record of waiters),
+-- acquire_wake and acquire_fair (one resource, with a record of its blocked waiters,
+-- see wake.lua). 'wake': anyone may take a free lock, but a lock that a release
+-- reserved for the waiter it named is refused to everyone else. 'fair': only the head
+-- of the queue may take a free lock.
 --
--- ARGV[1]  owner token (128 random bits, new for every acquisition)
--- ARGV[2]  lease in milliseconds (positive integer)
--- ARGV[3]  holder task id ('' when the holder is not a task)
--- ARGV[4]  holder host name      ARGV[5] holder pid
--- ARGV[6]  acquired-at, unix seconds on the client's clock (display only)
--- ARGV[7]  holder task name ('' when the holder is not a task)
--- ARGV[8]  '1': a blocking writer; if shared holders keep it out, mark it waiting
---          (WRITER_MARK in the shared set) so that no new shared holder gets in
--- ARGV[9]  '' : no record of waiters (and no record keys); else how long, in ms, a
---          refused blocking requester keeps its place unless it refreshes it ('0': a
---          try, which is never recorded)
--- ARGV[10] arrival order for the queue ('' : this node numbers arrivals)
--- ARGV[11] with a record: 'fair', only the head of the queue may take a free lock;
---          'wake', anyone may, but a lock that a release reserved for the waiter it
---          named (wake.lua) is refused to everyone else
--- ARGV[12] the requester's process channel, recorded with its place ('' : none)
--- ARGV[13..16] optional, all four: a handoff. ARGV[13] the token of the holder that
---          hands its locks over (a release in the same process); a lock it holds
---          counts as free, and is taken over in place (a new fence, the new holder's
---          fields), so it is never free in between for a third party to take.
---          ARGV[14], ARGV[15], ARGV[16]: the process's turn (non-negative integers).
---          Once a blocking attempt of another process (host, pid) was refused, the
---          holder's process may hand the lock over ARGV[14] more times, for at most
---          ARGV[15] ms; then a takeover is refused, and the lock's release reserves
---          it for ARGV[16] ms against that process (see release.lua).
+-- KEYS[1..4n]  resources*  four keys per resource (taken together in one script, so
+--             no lock-order deadlock): the lock hash (fields: token, attempt, fence,
+--             task_id, task_name, host, pid, acquired_at, ttl), the fence counter
+--             (next_fence, fence.lua: fences only grow for a resource, and the counter
+--             expires a horizon after the last one), the shared holders (sorted set
+--             token -> lease deadline, node clock, ms) and their details (hash token ->
+--             json)
+-- KEYS[..]    record*   with a record (one resource): queue (sorted set token ->
+--             arrival), waiter deadlines, wake (hash token -> the waiter's process
+--             channel); none for acquire
+-- KEYS[..]    abandoned  optional (the library always sends it): the lock's abandoned
+--             tokens (abandon.lua), whose requests are refused
 --
--- ARGV[#ARGV] (13th, or 17th with a handoff) this attempt's number: the attempts of
---          one acquisition share its token and are numbered 1, 2, ...; a lock written
---          or found held by the token records the largest number that counted it
---          (field 'attempt'), and the undo of an earlier attempt leaves it alone
---          (release.lua), however late that undo arrives.
+-- ARGV[1]   token       owner token (128 random bits, new for every acquisition)
+-- ARGV[2]   ttl_ms      lease in milliseconds (positive integer)
+-- ARGV[3]   task_id     holder task id ('' when the holder is not a task)
+-- ARGV[4]   host        holder host name
+-- ARGV[5]   pid         holder pid
+-- ARGV[6]   acquired_at  unix seconds on the client's clock (display only)
+-- ARGV[7]   task_name   holder task name ('' when the holder is not a task)
+-- ARGV[8]   blocking    '1': a blocking writer; if shared holders keep it out, mark it
+--                       waiting (WRITER_MARK in the shared set) so that no new shared
+--                       holder gets in
+-- ARGV[9]   waiter_ms   with a record: how long, in ms, a refused blocking requester
+--                       keeps its place unless it refreshes it ('0': a try, which is
+--                       never recorded); ignored without
+-- ARGV[10]  arrival     arrival order for the queue ('' : this node numbers arrivals)
+-- ARGV[11]  channel     the requester's process channel, recorded with its place
+--                       ('' : none)
+-- ARGV[12]  attempt     this attempt's number: the attempts of one acquisition share
+--                       its token and are numbered 1, 2, ...; a lock written or found
+--                       held by the token records the largest number that counted it
+--                       (field 'attempt'), and the undo of an earlier attempt leaves it
+--                       alone (release.lua), however late that undo arrives.
+-- ARGV[13..16]  handoff*  optional, all four or none: a handoff. The token of the
+--                       holder that hands its locks over (a release in the same
+--                       process): a lock it holds counts as free, and is taken over in
+--                       place (a new fence, the new holder's fields), so it is never
+--                       free in between for a third party to take. Then the process's
+--                       turn (non-negative integers): once a blocking attempt of
+--                       another process (host, pid) was refused, the holder's process
+--                       may hand the lock over that many more times, for at most that
+--                       many ms; then a takeover is refused, and the lock's release
+--                       reserves it for the last one's ms against that process (see
+--                       release.lua).
 --
 -- Fields a turn keeps in the lock hash (a takeover keeps them, a release drops them):
 --   waited    node ms when a blocking attempt of another process was first refused
@@ -64,19 +72,22 @@
 --                                       may change
 --          {3}                          refused: this token's acquisition was
 --                                       abandoned (nothing written)
-if #ARGV ~= 13 and #ARGV ~= 17 then
-    return redis.error_reply('ERR celery_redlock acquire: expected 13 or 17 arguments, got ' .. #ARGV)
+if #ARGV ~= 12 and #ARGV ~= 16 then
+    return redis.error_reply('ERR celery_redlock acquire: expected 12 or 16 arguments, got ' .. #ARGV)
 end
-local attempt = tonumber(ARGV[#ARGV])
+local token, ttl_ms, task_id, host, pid = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local acquired_at, task_name, blocking, waiter_ms = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local arrival, channel = ARGV[10], ARGV[11]
+local attempt = tonumber(ARGV[12])
 if not attempt or attempt < 1 or attempt ~= math.floor(attempt) then
     return redis.error_reply('ERR celery_redlock acquire: the attempt number must be a positive integer')
 end
-local predecessor = #ARGV == 17 and ARGV[13] or ''
-if predecessor == '' or predecessor == ARGV[1] then
+local predecessor = #ARGV == 16 and ARGV[13] or ''
+if predecessor == '' or predecessor == token then
     predecessor = nil
 end
 local turn = {}
-if #ARGV == 17 then
+if #ARGV == 16 then
     for j = 14, 16 do
         local value = tonumber(ARGV[j])
         if not value or value < 0 or value > 2592000000 or value ~= math.floor(value) then
@@ -88,35 +99,32 @@ end
 -- Leases are capped at 30 days (settings.MAX_SECONDS): Lua hands a number of 1e14 or
 -- more to Redis as '1e+14', which PEXPIRE refuses after the key was written.
 local MAX_LEASE = 2592000000
-local ttl = tonumber(ARGV[2])
+local ttl = tonumber(ttl_ms)
 if not ttl or ttl <= 0 or ttl > MAX_LEASE or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire: lease must be a positive integer of ms, at most 30 days')
 end
-local record = ARGV[9] ~= ''
+local record = NAMING ~= ''
 if record then
-    local waiter_lease = tonumber(ARGV[9])
+    local waiter_lease = tonumber(waiter_ms)
     if not waiter_lease or waiter_lease < 0 or waiter_lease > MAX_LEASE
             or waiter_lease ~= math.floor(waiter_lease) then
         return redis.error_reply('ERR celery_redlock acquire: the place of a waiter must last an integer of ms, 0 to 30 days')
     end
-    if ARGV[11] ~= 'fair' and ARGV[11] ~= 'wake' then
-        return redis.error_reply("ERR celery_redlock acquire: with a record of waiters, ARGV[11] must be 'fair' or 'wake'")
-    end
 end
-if ARGV[10] ~= nil and ARGV[10] ~= '' then
+if arrival ~= nil and arrival ~= '' then
     -- Some Lua builds read 'nan' and 'inf' as numbers: ZADD would refuse them half-way.
-    local arrival = tonumber(ARGV[10])
-    if not arrival or arrival ~= arrival or arrival == math.huge or arrival == -math.huge then
+    local order = tonumber(arrival)
+    if not order or order ~= order or order == math.huge or order == -math.huge then
         return redis.error_reply('ERR celery_redlock acquire: arrival order must be a finite number')
     end
 end
-if ARGV[1] == nil or ARGV[1] == '' then
+if token == nil or token == '' then
     return redis.error_reply('ERR celery_redlock acquire: empty owner token')
 end
-if ARGV[1] == YIELD_MARK then
+if token == YIELD_MARK then
     return redis.error_reply('ERR celery_redlock acquire: the owner token is the reservation mark')
 end
-local fair = record and ARGV[11] == 'fair'
+local fair = NAMING == 'fair'
 local rest = #KEYS - (record and 3 or 0)
 local abandoned
 if rest % 4 == 1 then
@@ -128,8 +136,6 @@ if n < 1 or n ~= math.floor(n) or (record and n ~= 1) then
     return redis.error_reply('ERR celery_redlock acquire: expected 4 keys per resource '
         .. '(and 3 record keys with a record of waiters, one resource only), then 1 optional')
 end
-local channel = ARGV[12]
-local token = ARGV[1]
 -- A request that arrives after its acquisition was abandoned (abandon.lua) grants
 -- nothing and queues nowhere: nobody would hold or release it.
 if abandoned and redis.call('ZSCORE', abandoned, token) then
@@ -176,7 +182,7 @@ for i = 1, n do
     -- One read of what a refusal needs (a call each would be five calls).
     local held = redis.call('HMGET', lock, 'token', 'for', 'host', 'pid', 'task_id', 'waited', 'wake')
     local current = held[1]
-    local same_process = held[3] == ARGV[4] and held[4] == ARGV[5]
+    local same_process = held[3] == host and held[4] == pid
     if current == token then
         owned = owned + 1
         mine[i] = true
@@ -188,14 +194,14 @@ for i = 1, n do
             reserved[i] = named or true
         else
             -- Refused: kept for the named waiter, or against the yielding process.
-            if ARGV[8] == '1' and not (named and held[7] == channel) then
+            if blocking == '1' and not (named and held[7] == channel) then
                 mark_waited(lock, held)
             end
             blocked = {0, redis.call('PTTL', lock), ''}
             break
         end
     elseif current and current ~= predecessor then
-        if ARGV[8] == '1' and not fair and not same_process then
+        if blocking == '1' and not fair and not same_process then
             mark_waited(lock, held)
         end
         blocked = {0, redis.call('PTTL', lock), held[5] or ''}
@@ -215,7 +221,7 @@ for i = 1, n do
         local wait
         wait, no_shares[i] = shared_wait(shared, KEYS[4 * i])
         if wait then
-            if ARGV[8] == '1' then
+            if blocking == '1' then
                 redis.call('ZADD', shared, clock() + ttl, WRITER_MARK)
                 if redis.call('PTTL', shared) < ttl then
                     redis.call('PEXPIRE', shared, ttl)
@@ -249,17 +255,17 @@ if record then
             blocked = {0, math.max(0, tonumber(deadline or clock()) - clock()), ''}
         end
     end
-    local waiter_ttl = tonumber(ARGV[9]) or 0
+    local waiter_ttl = tonumber(waiter_ms) or 0
     if blocked and waiter_ttl > 0 then
         -- A place once taken keeps its arrival (NX): one call for a first try, which
         -- every blocked waiter's is (a token is new per acquisition), where asking
         -- first cost two; a refresh reads the last arrival for nothing.
-        local arrival = tonumber(ARGV[10])
-        if not arrival then
+        local order = tonumber(arrival)
+        if not order then
             local last = redis.call('ZRANGE', queue, -1, -1, 'WITHSCORES')[2]
-            arrival = math.max(clock(), (tonumber(last) or 0) + 1)
+            order = math.max(clock(), (tonumber(last) or 0) + 1)
         end
-        redis.call('ZADD', queue, 'NX', arrival, token)
+        redis.call('ZADD', queue, 'NX', order, token)
         redis.call('ZADD', waiting, clock() + waiter_ttl, token)
         -- The queue and the waiters' deadlines hold the same tokens (written and
         -- forgotten together), so they are created and emptied together: the queue's
@@ -320,9 +326,9 @@ for i = 1, n do
         end
         fence = next_fence(KEYS[4 * i - 2], ttl)
         redis.call('HSET', lock, 'token', token, 'attempt', attempt, 'fence', fence_text(fence),
-                   'task_id', ARGV[3],
-                   'task_name', ARGV[7] or '', 'host', ARGV[4], 'pid', ARGV[5],
-                   'acquired_at', ARGV[6], 'ttl', ttl)
+                   'task_id', task_id,
+                   'task_name', task_name or '', 'host', host, 'pid', pid,
+                   'acquired_at', acquired_at, 'ttl', ttl)
         if others_waited then
             redis.call('HSETNX', lock, 'waited', clock())
         end

@@ -5,18 +5,27 @@
 -- holders to leave marks itself (WRITER_MARK in the shared set, see acquire.lua): new
 -- shares are then refused, so a stream of readers cannot starve writers.
 --
--- KEYS[1]  lock hash (the exclusive holder)   KEYS[2]  fence counter
--- KEYS[3]  shared holders (sorted set token -> lease deadline, node clock, ms)
--- KEYS[4]  shared holders' details (hash token -> json: fence, task_id, pid, ...)
--- KEYS[5]  optional (the library always sends it): the lock's abandoned tokens
---          (abandon.lua), whose requests are refused
--- ARGV[1]  owner token          ARGV[2]  lease in milliseconds (positive integer)
--- ARGV[3]  limit (0: any number of shared holders)
--- ARGV[4]  holder task id ('' when the holder is not a task; a task id that holds a
---          share already is refused: a redelivered message must not overlap itself)
--- ARGV[5]  holder host   ARGV[6]  holder pid   ARGV[7]  acquired-at   ARGV[8]  task name
--- ARGV[9]  this attempt's number (acquire.lua's last argument): the share records the
---          largest that counted it, and the undo of an earlier one leaves it alone
+-- KEYS[1]  lock         lock hash (the exclusive holder)
+-- KEYS[2]  fence        fence counter
+-- KEYS[3]  shared       shared holders (sorted set token -> lease deadline, node
+--                       clock, ms)
+-- KEYS[4]  holders      shared holders' details (hash token -> json: fence, task_id,
+--                       pid, ...)
+-- KEYS[5]  abandoned    optional (the library always sends it): the lock's abandoned
+--                       tokens (abandon.lua), whose requests are refused
+-- ARGV[1]  token        owner token
+-- ARGV[2]  ttl_ms       lease in milliseconds (positive integer)
+-- ARGV[3]  limit        0: any number of shared holders
+-- ARGV[4]  task_id      holder task id ('' when the holder is not a task; a task id
+--                       that holds a share already is refused: a redelivered message
+--                       must not overlap itself)
+-- ARGV[5]  host         holder host
+-- ARGV[6]  pid          holder pid
+-- ARGV[7]  acquired_at  unix seconds on the client's clock (display only)
+-- ARGV[8]  task_name    holder task name
+-- ARGV[9]  attempt      this attempt's number (as acquire.lua's): the share records
+--                       the largest that counted it, and the undo of an earlier one
+--                       leaves it alone
 --
 -- Returns  {1, fence}                  acquired a share
 --          {2, fence}                  this token held one already; lease refreshed
@@ -25,23 +34,24 @@
 if #ARGV ~= 9 then
     return redis.error_reply('ERR celery_redlock acquire_shared: expected 9 arguments, got ' .. #ARGV)
 end
+local token, ttl_ms, limit_text, task_id, host = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local pid, acquired_at, task_name = ARGV[6], ARGV[7], ARGV[8]
 local attempt = tonumber(ARGV[9])
 if not attempt or attempt < 1 or attempt ~= math.floor(attempt) then
     return redis.error_reply('ERR celery_redlock acquire_shared: the attempt number must be a positive integer')
 end
 -- Capped at 30 days, as in acquire.lua (PEXPIRE refuses what Lua writes as '1e+14').
-local ttl = tonumber(ARGV[2])
+local ttl = tonumber(ttl_ms)
 if not ttl or ttl <= 0 or ttl > 2592000000 or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire_shared: lease must be a positive integer of ms, at most 30 days')
 end
-local limit = tonumber(ARGV[3])
+local limit = tonumber(limit_text)
 if not limit or limit < 0 or limit ~= math.floor(limit) then
     return redis.error_reply('ERR celery_redlock acquire_shared: limit must be an integer >= 0')
 end
-if ARGV[1] == nil or ARGV[1] == '' or ARGV[1] == WRITER_MARK then
+if token == nil or token == '' or token == WRITER_MARK then
     return redis.error_reply('ERR celery_redlock acquire_shared: bad owner token')
 end
-local token = ARGV[1]
 local lock, shared, holders = KEYS[1], KEYS[3], KEYS[4]
 if KEYS[5] and redis.call('ZSCORE', KEYS[5], token) then
     return {3}
@@ -81,12 +91,12 @@ local writer = redis.call('ZSCORE', shared, WRITER_MARK)
 if writer then
     return {0, math.max(0, tonumber(writer) - now), ''}
 end
-if ARGV[4] ~= '' then
+if task_id ~= '' then
     local details = redis.call('HGETALL', holders)
     for j = 2, #details, 2 do
-        if cjson.decode(details[j]).task_id == ARGV[4] then
+        if cjson.decode(details[j]).task_id == task_id then
             local until_ms = redis.call('ZSCORE', shared, details[j - 1])
-            return {0, math.max(0, tonumber(until_ms or now) - now), ARGV[4]}
+            return {0, math.max(0, tonumber(until_ms or now) - now), task_id}
         end
     end
 end
@@ -98,7 +108,7 @@ end
 local fence = next_fence(KEYS[2], ttl)
 redis.call('ZADD', shared, now + ttl, token)
 redis.call('HSET', holders, token, cjson.encode({
-    fence = fence_text(fence), task_id = ARGV[4], host = ARGV[5], pid = ARGV[6],
-    acquired_at = ARGV[7], task_name = ARGV[8], ttl = ttl, attempt = attempt}))
+    fence = fence_text(fence), task_id = task_id, host = host, pid = pid,
+    acquired_at = acquired_at, task_name = task_name, ttl = ttl, attempt = attempt}))
 extend_keys()
 return {1, fence}

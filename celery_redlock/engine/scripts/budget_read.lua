@@ -2,10 +2,12 @@
 -- `celery redlock ls`, `inspect` and `doctor`. Reads only: writes nothing, not even
 -- the trim rate.lua does (entries past the window or the grace are not counted).
 --
--- KEYS[1]  the key's starts (sorted set, see rate.lua)
--- KEYS[2]  the budget (string 'N/WINDOW_MS', written by rate.lua)
--- KEYS[3]  the runs waiting on the queue for the key (sorted set, see queued.lua)
--- ARGV[1]  the grace in ms (keys.QUEUED_GRACE) after which a run due is not counted
+-- KEYS[1]  rate      the key's starts (sorted set, see rate.lua)
+-- KEYS[2]  budget    the budget (string 'N/WINDOW_MS', written by rate.lua)
+-- KEYS[3]  queued    the runs waiting on the queue for the key (sorted set, see
+--                    queued.lua)
+-- ARGV[1]  grace_ms  the grace in ms (keys.QUEUED_GRACE) after which a run due is not
+--                    counted
 --
 -- Returns  {budget, used, wait_ms, queued}
 --          budget  'N/WINDOW_MS', or '' when none is recorded (no start for one
@@ -13,7 +15,8 @@
 --          used    starts in the current window (without a budget: in the log)
 --          wait_ms until a start would be admitted (0: now; -1 without a budget)
 --          queued  runs waiting on the queue, due at most the grace ago
-local grace = tonumber(ARGV[1])
+local grace_ms = ARGV[1]
+local grace = tonumber(grace_ms)
 if not grace or grace <= 0 then
     return redis.error_reply('ERR celery_redlock budget_read: grace must be positive ms')
 end

@@ -6,17 +6,19 @@
 -- Checking and freeing the claim are one step, so a call either lands in this run's
 -- claim (and is run by it) or finds no claim and queues a new copy.
 --
--- KEYS[1]  claim hash
--- ARGV[1]  task id   ARGV[2]  the copy's own arguments, serialized as claim.lua got them
+-- KEYS[1]  claim    claim hash
+-- ARGV[1]  task_id  task id
+-- ARGV[2]  args     the copy's own arguments, serialized as claim.lua got them
 --
 -- Returns  {1}                  run now; the claim is freed
 --          {0, wait_ms, args}   not yet, or not with these arguments: requeue with args
 --                               after wait_ms (0: at once); the claim stays
 --          {-1}                 no claim of this task id (expired or taken over): run
-if ARGV[1] == nil or ARGV[1] == '' then
+local task_id, args = ARGV[1], ARGV[2]
+if task_id == nil or task_id == '' then
     return redis.error_reply('ERR celery_redlock claim_start: empty task id')
 end
-if redis.call('HGET', KEYS[1], 'task_id') ~= ARGV[1] then
+if redis.call('HGET', KEYS[1], 'task_id') ~= task_id then
     return {-1}
 end
 local fields = redis.call('HMGET', KEYS[1], 'due', 'args')
@@ -26,8 +28,8 @@ if fields[1] then
     local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     wait = math.max(0, tonumber(fields[1]) - now)
 end
-if wait > 0 or (fields[2] and fields[2] ~= ARGV[2]) then
-    return {0, wait, fields[2] or ARGV[2]}
+if wait > 0 or (fields[2] and fields[2] ~= args) then
+    return {0, wait, fields[2] or args}
 end
 redis.call('DEL', KEYS[1])
 return {1}

@@ -1,6 +1,7 @@
 -- inspect: one consistent snapshot of a lock.
 --
--- KEYS[1]  lock hash     KEYS[2]  fence counter
+-- KEYS[1]  lock   lock hash
+-- KEYS[2]  fence  fence counter
 --
 -- Returns  {pttl, fence_counter, field1, value1, field2, value2, ...}
 --          pttl is -2 when the lock is free; fence_counter is 0 before the first use

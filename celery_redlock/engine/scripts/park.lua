@@ -2,23 +2,24 @@
 -- until it is due, for whichever worker is alive to publish it once (take_due.lua).
 -- The message itself is acknowledged: no worker holds a copy while the run waits.
 --
--- KEYS[1]  the parked runs' due times (sorted set: task id -> ms, node clock)
--- KEYS[2]  the parked runs (hash: task id -> the run, JSON, opaque here)
--- KEYS[3]  how often each parked run was taken (hash: task id -> count)
--- KEYS[4]  the hand-off mark of the run's lock (take_due.lua); optional: cleared if it
---          names this run (handed the key, it found it taken again: the next may go)
--- ARGV[1]  the run's task id
--- ARGV[2]  the run (JSON); '' to put back a run already parked (taken, then refused
+-- KEYS[1]  due       the parked runs' due times (sorted set: task id -> ms, node clock)
+-- KEYS[2]  runs      the parked runs (hash: task id -> the run, JSON, opaque here)
+-- KEYS[3]  taken     how often each parked run was taken (hash: task id -> count)
+-- KEYS[4]  gate*     the hand-off mark of the run's lock (take_due.lua); optional:
+--                    cleared if it names this run (handed the key, it found it taken again: the next may go)
+-- ARGV[1]  task_id   the run's task id
+-- ARGV[2]  run       the run (JSON); '' to put back a run already parked (taken, then refused
 --          again by the budget before it was published: it keeps its record)
--- ARGV[3]  ms from now until the run is due (whole, >= 0)
--- ARGV[4]  lifetime in ms: how long after its due a run nobody takes is kept (no
+-- ARGV[3]  delay_ms  ms from now until the run is due (whole, >= 0)
+-- ARGV[4]  lifetime_ms  lifetime in ms: how long after its due a run nobody takes is kept (no
 --          worker alive); the keys expire that long after the latest due
 --
 -- Returns  1  parked
---          0  ARGV[2] was '' and the run is parked no more (its copy started, or
+--          0  run was '' and the run is parked no more (its copy started, or
 --             its record expired): nothing written
--- A run parked anew (ARGV[2] given) replaces its earlier record and take count.
-if ARGV[1] == nil or ARGV[1] == '' then
+-- A run parked anew (run given) replaces its earlier record and take count.
+local task_id, run = ARGV[1], ARGV[2]
+if task_id == nil or task_id == '' then
     return redis.error_reply('ERR celery_redlock park: empty task id')
 end
 local delay, lifetime = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -27,17 +28,17 @@ if not delay or delay < 0 or delay ~= math.floor(delay) or not lifetime or lifet
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if ARGV[2] == '' then
-    if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
-        redis.call('ZREM', KEYS[1], ARGV[1])
+if run == '' then
+    if redis.call('HEXISTS', KEYS[2], task_id) == 0 then
+        redis.call('ZREM', KEYS[1], task_id)
         return 0
     end
 else
-    redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-    redis.call('HDEL', KEYS[3], ARGV[1])
+    redis.call('HSET', KEYS[2], task_id, run)
+    redis.call('HDEL', KEYS[3], task_id)
 end
-redis.call('ZADD', KEYS[1], now + delay, ARGV[1])
-if KEYS[4] and redis.call('GET', KEYS[4]) == ARGV[1] then
+redis.call('ZADD', KEYS[1], now + delay, task_id)
+if KEYS[4] and redis.call('GET', KEYS[4]) == task_id then
     redis.call('DEL', KEYS[4])
 end
 -- Runs nobody took within their lifetime (no worker ran that long) are dropped, a

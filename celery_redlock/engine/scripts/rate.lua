@@ -1,30 +1,34 @@
 -- rate: admit one start of a key under a budget of N starts per sliding window
 -- (lock_rate, RateLimit), judged on this node's clock. A log of the starts, exact.
 --
--- KEYS[1]  the key's starts (sorted set: member -> start time in ms, node clock)
--- KEYS[2]  the budget (string 'N/WINDOW_MS'); optional
--- KEYS[3]  the runs waiting on the queue for the key (sorted set: task id -> due
---          time in ms, node clock; the library queued.lua); optional
--- ARGV[1]  N, the starts allowed per window (integer, 1 to 1000000)
--- ARGV[2]  the window in milliseconds (positive integer, at most 30 days)
--- ARGV[3]  this start's member (unique per admission: a token)
--- ARGV[4]  '' to admit; 'peek' to only count (writes nothing but the trim); 'owned'
---          to admit a start logged earlier for this run (a parked run's copy: its
---          publisher logged the start before publishing it) at this moment instead
--- ARGV[5]  the task id of the run asking ('' or absent: none, e.g. a RateLimit)
--- ARGV[6]  with a task id: ms after its slot when the refused run is due again
---          (a small random margin it is put back with)
--- ARGV[7]  with a task id: the grace in ms (keys.QUEUED_GRACE) of KEYS[3]'s entries
+-- Three scripts run this file, told apart by the prelude's PEEK and OWNED (never by an
+-- argument): rate admits (or refuses) a start; rate_peek only counts, and writes
+-- nothing but the trim; rate_owned admits a start logged earlier for this run (a
+-- parked run's copy: its publisher logged the start before publishing it) at this
+-- moment instead.
+--
+-- KEYS[1]  rate       the key's starts (sorted set: member -> start time in ms, node
+--                     clock)
+-- KEYS[2]  budget     the budget (string 'N/WINDOW_MS'); optional
+-- KEYS[3]  queued     the runs waiting on the queue for the key (sorted set: task id
+--                     -> due time in ms, node clock; the library queued.lua); optional
+-- ARGV[1]  limit      N, the starts allowed per window (integer, 1 to 1000000)
+-- ARGV[2]  window_ms  the window in milliseconds (positive integer, at most 30 days)
+-- ARGV[3]  member     this start's member (unique per admission: a token)
+-- ARGV[4]  task_id    the task id of the run asking ('' or absent: none, e.g. a
+--                     RateLimit)
+-- ARGV[5]  jitter_ms  with a task id: ms after its slot when the refused run is due
+--                     again (a small random margin it is put back with)
+-- ARGV[6]  grace_ms   with a task id: the grace in ms (keys.QUEUED_GRACE) of the
+--                     queued runs' entries
 --
 -- Returns  {1, used, 0}        admitted: the start is logged; used counts it
 --          {0, used, wait_ms}  N starts in the last window: the oldest leaves it
 --                              in wait_ms (at least 1)
 --          {2, used, wait_ms}  peek: used now, and wait_ms until a start would be
 --                              admitted (0: now)
--- A member logged already is admitted again without a second entry (the same
--- admission sent again), except with 'owned' (then it is judged again, at now).
 -- A member logged already (the same admission sent again) is admitted again without a
--- second entry. The key expires one window after its last start: nothing of it
+-- second entry (except by rate_owned: then it is judged again, at now). The key expires one window after its last start: nothing of it
 -- outlives its last use by more than one window.
 --
 -- Starts are logged in ms with the node clock's microseconds as decimals, and a start
@@ -33,7 +37,7 @@
 -- 999.4 ms).
 --
 -- A refused run with a task id gets a place in line, not only the next slot: the
--- runs already waiting for the key (KEYS[3], due earlier than this run's own earlier
+-- runs already waiting for the key (queued, due earlier than this run's own earlier
 -- entry, if any) are served first, slot after slot, so the k-th waiting run is due
 -- when the ((k mod N)+1)-th of the last N starts leaves the window, floor(k/N) windows
 -- later. Without it, every refused run came back at the next slot and all but N were
@@ -48,22 +52,24 @@
 -- script, rate_return, an older version's rate.lua during an upgrade) would have to
 -- skip it, and one that did not would admit N - 1 or miscount the oldest start. Beside
 -- it, the log stays exactly the starts. A refused run with a task id is recorded in
--- KEYS[3] as due at the end of its wait (plus ARGV[6]); an admitted one leaves it.
-local limit = tonumber(ARGV[1])
+-- queued as due at the end of its wait (plus jitter_ms); an admitted one leaves it.
+local limit, window, member = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local task_id, jitter_ms, grace_text = ARGV[4], ARGV[5], ARGV[6]
 if not limit or limit < 1 or limit > 1000000 or limit ~= math.floor(limit) then
     return redis.error_reply('ERR celery_redlock rate: N must be an integer from 1 to 1000000')
 end
-local window = tonumber(ARGV[2])
 if not window or window <= 0 or window > 2592000000 or window ~= math.floor(window) then
     return redis.error_reply('ERR celery_redlock rate: window must be a positive integer of ms, at most 30 days')
 end
-if ARGV[3] == nil or ARGV[3] == '' then
+if member == nil or member == '' then
     return redis.error_reply('ERR celery_redlock rate: empty member')
 end
-local task_id = KEYS[3] and ARGV[5] ~= '' and ARGV[5] or nil
+if not KEYS[3] or task_id == '' then
+    task_id = nil
+end
 local jitter, grace = 0, nil
 if task_id then
-    jitter, grace = tonumber(ARGV[6]), grace_ms(ARGV[7])
+    jitter, grace = tonumber(jitter_ms), grace_ms(grace_text)
     if not jitter or jitter < 0 or jitter ~= math.floor(jitter) or not grace then
         return redis.error_reply('ERR celery_redlock rate: a task id needs a whole jitter >= 0 and a grace > 0 in ms')
     end
@@ -110,14 +116,14 @@ local function starts()
         redis.call('ZREM', KEYS[3], task_id)
     end
 end
-if ARGV[4] == 'peek' then
+if PEEK then
     if used < limit then
         return {2, used, 0}
     end
     return {2, used, wait_ms(0)}
 end
-if redis.call('ZSCORE', KEYS[1], ARGV[3]) then
-    if ARGV[4] ~= 'owned' then
+if redis.call('ZSCORE', KEYS[1], member) then
+    if not OWNED then
         starts()
         return {1, used, 0}
     end
@@ -125,7 +131,7 @@ if redis.call('ZSCORE', KEYS[1], ARGV[3]) then
     -- broker; it moves to now, the body's start, if the window still has room for it
     -- without it (the copy may come late: the starts logged since must not be crowded
     -- into one window with it). Else it is given back and the run is refused as any.
-    redis.call('ZREM', KEYS[1], ARGV[3])
+    redis.call('ZREM', KEYS[1], member)
     used = used - 1
 end
 if used >= limit then
@@ -135,7 +141,7 @@ if used >= limit then
     end
     return {0, used, wait}
 end
-redis.call('ZADD', KEYS[1], ms_text(now_us), ARGV[3])
+redis.call('ZADD', KEYS[1], ms_text(now_us), member)
 redis.call('PEXPIRE', KEYS[1], window)
 if KEYS[2] then
     redis.call('SET', KEYS[2], string.format('%d/%d', limit, window), 'PX', window)

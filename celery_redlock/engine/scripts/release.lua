@@ -1,24 +1,31 @@
 -- release: delete the locks this token holds, and announce each release.
 --
--- KEYS[2i-1]  lock hash of resource i (i = 1..n)   KEYS[2i]  its release channel
--- With a record of waiters (ARGV[2] 'fair' or 'wake', one resource, see wake.lua):
---             KEYS[3] queue, KEYS[4] waiter deadlines, KEYS[5] wake (process channels)
--- ARGV[1]     owner token
--- ARGV[2]     '' (or absent): publish '' on each KEYS[2i] (one waiter per subscribed
---             process wakes). 'fair': name the head of the queue, which keeps its
---             place. 'wake': name the oldest recorded waiter, which leaves the record,
---             and reserve the lock for it (wake.lua). A named waiter hears it on its
---             process channel alone; '' goes to KEYS[2] only when nobody is recorded.
--- ARGV[3]     ('wake') the reservation, in ms (non-negative integer); at most a third
---             of the released lease (the default renewal interval) is used
--- ARGV[4]     ('wake') the releasing process's channel: when this release yields the
---             process's turn (below), its own recorded waiters are passed over
--- ARGV[5]     optional: the undo of an acquisition attempt that lost the vote, by its
---             number (a positive integer): a lock is deleted only if no later attempt
---             of the token wrote or claimed it (its field 'attempt' is at most this
---             one), so an undo that arrives late, behind the next attempt, cannot
---             delete what that attempt counts; and the token keeps its place in the
---             record (it tries again)
+-- Three scripts run this file, told apart by the prelude's NAMING (never by an
+-- argument), one per acquire script: release (''), release_wake and release_fair.
+-- '': publish '' on each lock's channel (one waiter per subscribed process wakes).
+-- 'fair': name the head of the queue, which keeps its place. 'wake': name the oldest
+-- recorded waiter, which leaves the record, and reserve the lock for it (wake.lua).
+-- A named waiter hears it on its process channel alone; '' goes to the lock's channel
+-- only when nobody is recorded.
+--
+-- KEYS[1..2n]  locks*   per resource i (i = 1..n): its lock hash, its release channel
+-- KEYS[..]     record*  release_wake and release_fair (one resource, see wake.lua):
+--                       queue, waiter deadlines, wake (process channels); none for
+--                       release
+-- ARGV[1]  token       owner token
+-- ARGV[2]  reserve_ms  ('wake') the reservation, in ms (non-negative integer); at
+--                      most a third of the released lease (the default renewal
+--                      interval) is used; else ignored
+-- ARGV[3]  channel     ('wake') the releasing process's channel: when this release
+--                      yields the process's turn (below), its own recorded waiters are
+--                      passed over; else ignored
+-- ARGV[4]  attempt     '' for a release. Else the undo of an acquisition attempt that
+--                      lost the vote, by its number (a positive integer): a lock is
+--                      deleted only if no later attempt of the token wrote or claimed
+--                      it (its field 'attempt' is at most this one), so an undo that
+--                      arrives late, behind the next attempt, cannot delete what that
+--                      attempt counts; and the token keeps its place in the record (it
+--                      tries again)
 --
 -- With a record, the token also leaves it (unless an undo: a Redlock holder this node
 -- refused stays recorded here), and a reservation made for it here (named by this
@@ -31,28 +38,27 @@
 --          0  gone already (expired or released), wholly or in part
 --         -1  a lock is held by another token (or, for an undo, by a later attempt of
 --             this one): that one is left alone
-if ARGV[1] == nil or ARGV[1] == '' then
+local token, reserve_ms, channel, attempt = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+if token == nil or token == '' then
     return redis.error_reply('ERR celery_redlock release: empty owner token')
 end
-if ARGV[1] == YIELD_MARK then
+if token == YIELD_MARK then
     return redis.error_reply('ERR celery_redlock release: the owner token is the reservation mark')
 end
-local token = ARGV[1]
-local how = ARGV[2] or ''
 local reserve, wrong = 0, nil
-if how ~= '' then
-    reserve, wrong = naming_args(how, ARGV[3])
+if NAMING ~= '' then
+    reserve, wrong = naming_args(NAMING, reserve_ms)
 end
 if not reserve then
     return redis.error_reply('ERR celery_redlock release: ' .. wrong)
 end
-local record = how ~= ''
+local record = NAMING ~= ''
 if record and #KEYS ~= 5 then
     return redis.error_reply('ERR celery_redlock release: a record of waiters takes 5 keys')
 end
 local undo = nil
-if ARGV[5] ~= nil and ARGV[5] ~= '' then
-    undo = tonumber(ARGV[5])
+if attempt ~= nil and attempt ~= '' then
+    undo = tonumber(attempt)
     if not undo or undo < 1 or undo ~= math.floor(undo) then
         return redis.error_reply('ERR celery_redlock release: an attempt number must be a positive integer')
     end
@@ -65,7 +71,7 @@ local function name_after(lock, held, cap, skip)
     if not record then
         return nil
     end
-    return name_next(lock, KEYS[2], parts, how, math.min(reserve, cap), skip, held.fence or '0')
+    return name_next(lock, KEYS[2], parts, NAMING, math.min(reserve, cap), skip, held.fence or '0')
 end
 
 if record and not undo then
@@ -83,7 +89,7 @@ for i = 1, n do
         taken = true  -- written or claimed by a later attempt of this token: it counts it
     elseif fields[1] == token then
         redis.call('DEL', lock)
-        local skip = held.yield and ARGV[4] ~= nil and ARGV[4] ~= '' and ARGV[4]
+        local skip = held.yield and channel ~= nil and channel ~= '' and channel
         local named = name_after(lock, held, math.floor((tonumber(held.ttl) or 0) / 3), skip)
         if held.yield and held.host and held.pid and redis.call('EXISTS', lock) == 0 then
             redis.call('HSET', lock, 'token', YIELD_MARK, 'host', held.host, 'pid', held.pid,

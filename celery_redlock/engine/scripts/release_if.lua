@@ -5,30 +5,36 @@
 -- the pair names one execution attempt (a redelivery of the same task id runs in
 -- another process, or in the same process only after this one has ended).
 --
--- KEYS[1]  lock hash   KEYS[2]  its release channel
--- KEYS[3]  shared set, KEYS[4] shared holders' details (optional: shares too)
--- KEYS[5]  queue, KEYS[6] waiter deadlines, KEYS[7] wake (optional: the record of
---          blocked waiters, see wake.lua)
--- ARGV[1]  task id   ARGV[2]  pid
--- ARGV[3]  optional: the reservation for the waiter a release names, in ms (at most a
---          third of the released lease is used; default 0)
+-- KEYS[1]  lock        lock hash
+-- KEYS[2]  channel     its release channel
+-- KEYS[3]  shared      shared set (optional, with holders: shares too)
+-- KEYS[4]  holders     shared holders' details
+-- KEYS[5]  queue       optional, with waiting and wake: the record of blocked
+--                      waiters, see wake.lua
+-- KEYS[6]  waiting     waiter deadlines
+-- KEYS[7]  wake        waiters' process channels
+-- ARGV[1]  task_id     task id
+-- ARGV[2]  pid         pid
+-- ARGV[3]  reserve_ms  optional: the reservation for the waiter a release names, in
+--                      ms (at most a third of the released lease is used; default 0)
 --
--- A deleted lock is announced as release.lua's 'wake' does: the oldest recorded
--- waiter is named on its process channel (and the lock reserved for it); '' is
--- published on KEYS[2] when nobody is recorded, and for a share.
+-- A deleted lock is announced as release_wake's does: the oldest recorded waiter is
+-- named on its process channel (and the lock reserved for it); '' is published on
+-- the channel when nobody is recorded, and for a share.
 -- Returns  1  released
 --          0  gone already
 --         -1  held by another task or process: left alone
-if ARGV[1] == nil or ARGV[1] == '' then
+local task_id, pid, reserve_ms = ARGV[1], ARGV[2], ARGV[3]
+if task_id == nil or task_id == '' then
     return redis.error_reply('ERR celery_redlock release_if: empty task id')
 end
-local reserve = ms_arg(ARGV[3] or '0')
+local reserve = ms_arg(reserve_ms or '0')
 if not reserve then
     return redis.error_reply('ERR celery_redlock release_if: a reservation must be a non-negative integer of ms')
 end
 local holder = redis.call('HMGET', KEYS[1], 'task_id', 'pid', 'fence', 'ttl')
 if holder[1] ~= false then
-    if holder[1] ~= ARGV[1] or holder[2] ~= ARGV[2] then
+    if holder[1] ~= task_id or holder[2] ~= pid then
         return -1
     end
     redis.call('DEL', KEYS[1])
@@ -47,7 +53,7 @@ if #KEYS >= 4 then
     local details = redis.call('HGETALL', KEYS[4])
     for j = 2, #details, 2 do
         local holder_details = cjson.decode(details[j])
-        if holder_details.task_id == ARGV[1] and tostring(holder_details.pid) == ARGV[2] then
+        if holder_details.task_id == task_id and tostring(holder_details.pid) == pid then
             redis.call('ZREM', KEYS[3], details[j - 1])
             redis.call('HDEL', KEYS[4], details[j - 1])
             redis.call('PUBLISH', KEYS[2], '')

@@ -1,10 +1,15 @@
 -- renew_many: extend the lease of every hold this process has on a node, in one call.
 --
--- KEYS[i]      the key of entry i: a lock hash, a shared set or a holders hash
--- ARGV[3i-2]   owner token of entry i
--- ARGV[3i-1]   new lease of entry i in milliseconds (positive integer)
--- ARGV[3i]     kind of entry i: 'x' an exclusive hold (lock hash), 's' a share (the
---              shared set), 'd' the shared holders' details (kept as long as a share)
+-- KEYS[1..n]   holds*   the key of each hold i: a lock hash, a shared set or a
+--                       holders hash
+-- ARGV[1..3n]  leases*  three per hold i, in the order of the keys: its owner token,
+--                       its new lease in milliseconds (positive integer), and its kind:
+--                       'x' an exclusive hold (lock hash), 's' a share (the shared
+--                       set), 'd' the shared holders' details (kept as long as a share)
+--
+-- The kind is data of each hold, not a mode of the call: one call renews every hold a
+-- process has on a node, whatever its kind (a script per kind would cost a renewal one
+-- call per kind), and each kind's key is renewed the one way its type allows.
 --
 -- Returns one code per key, in order:
 --           1  renewed

@@ -2,13 +2,13 @@
 -- this worker to publish; a run whose worker dies before its copy starts is due again
 -- when the lease ends, and another worker takes it. Atomic: one worker takes a run.
 --
--- KEYS[1]  the parked runs' due times (sorted set: task id -> ms, node clock)
--- KEYS[2]  the parked runs (hash: task id -> the run, JSON)
--- KEYS[3]  how often each parked run was taken (hash: task id -> count)
--- ARGV[1]  the most runs to take (a bound on this call's work)
--- ARGV[2]  the lease in ms: a run taken is due again that long after
--- ARGV[3]  ms until a run waiting for a key that is still held is looked at again
--- ARGV[4]  ms the hand-off mark of a key lasts (a run published for its release
+-- KEYS[1]  due    the parked runs' due times (sorted set: task id -> ms, node clock)
+-- KEYS[2]  runs   the parked runs (hash: task id -> the run, JSON)
+-- KEYS[3]  taken  how often each parked run was taken (hash: task id -> count)
+-- ARGV[1]  most        the most runs to take (a bound on this call's work)
+-- ARGV[2]  lease_ms    the lease in ms: a run taken is due again that long after
+-- ARGV[3]  recheck_ms  ms until a run waiting for a key that is still held is looked at again
+-- ARGV[4]  handoff_ms  ms the hand-off mark of a key lasts (a run published for its release
 --          has that long to start before the next one is published)
 --
 -- Returns  {next_ms, id, run, taken, id, run, taken, ...}: next_ms the ms until the

@@ -54,7 +54,7 @@ local function naming_args(how, reserve)
     if how == 'fair' then
         return 0
     elseif how ~= 'wake' then
-        return nil, "ARGV[2] must be 'fair' or 'wake'"
+        return nil, "how must be 'fair' or 'wake'"
     end
     local ms = ms_arg(reserve)
     if not ms then

@@ -20,8 +20,9 @@ from celery_redlock import Redlock
 from celery_redlock.engine import handoff, timing
 from celery_redlock.engine.keys import YIELD_MARK
 from celery_redlock.engine.lease import clock
-from celery_redlock.engine.lock import _HOST
 from celery_redlock.engine.scripts import ACQUIRE, RELEASE
+from celery_redlock.engine.waiting import HOST as _HOST
+from tests.harness.lua import run
 from tests.harness.servers import wait_for
 from tests.unit.engine.test_handoff import Waiting, offered
 
@@ -31,15 +32,20 @@ OTHER_PID = os.getpid() + 100_000  # a pid no process of this host has
 def other_process_attempt(client, lock: Redlock, token: str, blocking: bool = True):
     """``acquire.lua`` as a thread of another process (same host, another pid) sends it,
     without a record of waiters (as a lock on several resources does)."""
-    return client.eval(
-        ACQUIRE.source, 4, *lock.keys.resource, token, 30_000, "", _HOST, OTHER_PID, 0, "",
-        "1" if blocking else "", "", "", "", "", 1,
+    return run(
+        client, ACQUIRE, resources=lock.keys.resource, record=(),
+        abandoned=lock.keys.abandoned, token=token, ttl_ms=30_000, task_id="", host=_HOST,
+        pid=OTHER_PID, acquired_at=0, task_name="",
+        blocking="1" if blocking else "", waiter_ms="", arrival="", channel="", attempt=1,
+        handoff=(),
     )  # fmt: skip
 
 
 def other_process_release(client, lock: Redlock, token: str):
-    keys = (lock.keys.lock, lock.keys.channel)
-    return client.eval(RELEASE.source, 2, *keys, token)
+    return run(
+        client, RELEASE, locks=(lock.keys.lock, lock.keys.channel), record=(), token=token,
+        reserve_ms="", channel="", attempt="",
+    )  # fmt: skip
 
 
 @pytest.fixture

@@ -23,10 +23,13 @@ from celery_redlock.engine.kinds import Exclusive, Fair, Holder, Shared, kind_of
 from celery_redlock.engine.renewal import get_renewer
 from celery_redlock.engine.scripts import (
     ACQUIRE,
+    ACQUIRE_FAIR,
     ACQUIRE_SHARED,
     FAIR_LEAVE,
     FENCE_SYNC,
+    FENCE_SYNC_SHARED,
     RELEASE,
+    RELEASE_FAIR,
     RELEASE_SHARED,
 )
 from celery_redlock.engine.waiting import named_reserve_ms, process_channel
@@ -91,18 +94,18 @@ def test_an_exclusive_lock_on_two_resources_takes_and_frees_both_in_one_call():
     waiter = kind.new_waiter(True, 3)
     call = kind.acquire_call(waiter, 5000, HOLDER)
     assert call.script is ACQUIRE and call.keys == (*a.resource, *b.resource, a.abandoned)
-    # No record of waiters (several resources): no waiter's place, arrival, naming, channel.
-    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "", "", "", 1)
+    # No record of waiters (several resources): no waiter's place, arrival or channel.
+    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "", "", 1)
     assert kind.acquire_call(waiter, 5000, HOLDER).args[-1] == 2, "each attempt is numbered"
     assert kind.release_call("tok") == Call(
-        RELEASE, (a.lock, a.channel, b.lock, b.channel), ("tok",)
+        RELEASE, (a.lock, a.channel, b.lock, b.channel), ("tok", "", "", "")
     )
     undo = kind.undo_call("tok", 2)
     assert undo.keys == (a.lock, a.channel, b.lock, b.channel)
-    assert undo.args == ("tok", "", "", "", 2), "an undo names its attempt"
+    assert undo.args == ("tok", "", "", 2), "an undo names its attempt"
     assert kind.fence_sync_calls("tok", (3, 9)) == [
-        Call(FENCE_SYNC, a.fence_sync, ("tok", 3, "")),
-        Call(FENCE_SYNC, b.fence_sync, ("tok", 9, "")),
+        Call(FENCE_SYNC, (a.lock, a.fence), ("tok", 3)),
+        Call(FENCE_SYNC, (b.lock, b.fence), ("tok", 9)),
     ]
     assert kind.renew_entries() == ((a.lock, "x"), (b.lock, "x"))
     assert kind.leave_call("tok") is None and kind.wake_token(waiter) is None
@@ -145,18 +148,21 @@ def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
     several = kind.new_waiter(True, 3)
     assert one_node.arrival == "" and float(several.arrival) > 0
     call = kind.acquire_call(several, 5000, HOLDER)
+    assert call.script is ACQUIRE_FAIR
     assert call.keys == (*keys.resource, *keys.record, keys.abandoned)
     channel = process_channel(keys.channel)
-    assert call.args[-6:] == ("1", "5000", several.arrival, "fair", channel, 1)
+    assert call.args[-5:] == ("1", "5000", several.arrival, channel, 1)
     try_call = kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER)
-    assert try_call.args[-6:] == ("", "0", "", "fair", channel, 1)
-    assert kind.release_call("tok").args == ("tok", "fair", named_reserve_ms(), channel)
-    assert kind.undo_call("tok", 4).args == ("tok", "fair", named_reserve_ms(), channel, 4), (
+    assert try_call.args[-5:] == ("", "0", "", channel, 1)
+    assert kind.release_call("tok").script is RELEASE_FAIR
+    assert kind.release_call("tok").args == ("tok", named_reserve_ms(), channel, "")
+    assert kind.undo_call("tok", 4).args == ("tok", named_reserve_ms(), channel, 4), (
         "a split vote's loser names its attempt, and keeps its place"
     )
     assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.record)
     leave = kind.leave_call("tok")
-    assert leave is not None and (leave.script, leave.keys) == (FAIR_LEAVE, keys.fair_leave)
+    assert leave is not None and leave.script is FAIR_LEAVE
+    assert leave.keys == (keys.lock, *keys.record, keys.channel)
     assert kind.wake_token(several) is several
 
 
@@ -169,7 +175,12 @@ def test_a_share_is_its_own_set_entry_and_a_full_limit_reads_as_locked():
     assert limited.acquire_call(waiter, 5000, HOLDER).script is ACQUIRE_SHARED
     assert unlimited.acquire_call(waiter, 5000, HOLDER).args[2] == 0
     assert limited.release_call("tok").script is RELEASE_SHARED
-    assert limited.fence_sync_calls("tok", (4,))[0].args == ("tok", 4, "s")
+    sync = limited.fence_sync_calls("tok", (4,))[0]
+    assert (sync.script, sync.keys, sync.args) == (
+        FENCE_SYNC_SHARED,
+        (keys.fence, keys.holders),
+        ("tok", 4),
+    )
     assert limited.renew_entries() == ((keys.shared, "s"), (keys.holders, "d"))
     assert limited.admits_others and not limited.refreshes_while_waiting
     assert limited.held([0, 2]) and limited.held([1, 0]) and not limited.held([0, 1])

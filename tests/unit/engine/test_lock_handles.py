@@ -158,7 +158,7 @@ def test_an_exception_right_after_the_grant_gives_back_what_was_granted(redis_no
     Deterministic counterpart of the stress test below: before the fix, acquire()
     raised, yet the object held the lock and the watchdog renewed it for ever.
     """
-    import celery_redlock.engine.lock as lock_module
+    import celery_redlock.engine.acquisition as lock_module
 
     client = redis_node.client()
     renewer = get_renewer()

@@ -11,8 +11,9 @@ from celery_redlock import RateLimit
 from celery_redlock.engine.keys import QUEUED_GRACE, lock_keys
 from celery_redlock.engine.queued import note_queued, note_started
 from celery_redlock.engine.rate import Budget, rate_calls
-from celery_redlock.engine.scripts import BUDGET_READ, NOTE_QUEUED, RATE
+from celery_redlock.engine.scripts import BUDGET_READ, NOTE_QUEUED, NOTE_STARTED, RATE
 from celery_redlock.nodes import NodeSet
+from tests.harness.lua import run
 from tests.harness.servers import wait_for
 
 KEYS = lock_keys("api:acme")
@@ -29,12 +30,12 @@ def start(client, member, task_id="", limit=2, window=60_000, jitter=0, grace=GR
     call = rate_calls(KEYS, Budget(limit, window / 1000), member, task_id=task_id)
     args = list(call.args)
     if task_id:
-        args[5:7] = [jitter, grace]
+        args[4:6] = [jitter, grace]
     return client.eval(RATE.source, len(call.keys), *call.keys, *args)
 
 
 def read(client, grace=GRACE):
-    return client.eval(BUDGET_READ.source, 3, *KEYS.budget_keys, grace)
+    return run(client, BUDGET_READ, KEYS, grace_ms=grace)
 
 
 def test_an_admission_records_its_budget_beside_the_log_and_it_expires_with_it(redis_node):
@@ -51,7 +52,7 @@ def test_an_admission_records_its_budget_beside_the_log_and_it_expires_with_it(r
     assert start(c, "c")[:2] == [0, 2]
     assert read(c) == ["2/60000", 2, pytest.approx(60_000, abs=1000), 0]
     short = lock_keys("api:short")
-    c.eval(RATE.source, 3, *short.budget_keys, 1, 300, "x", "")
+    run(c, RATE, short, limit=1, window_ms=300, member="x", task_id="", jitter_ms="", grace_ms="")
     wait_for(lambda: not c.exists(short.rate, short.budget), timeout=5)
 
 
@@ -85,8 +86,8 @@ def test_busy_runs_are_noted_and_entries_past_their_grace_are_neither_counted_no
     than the grace is not counted, is dropped by the next write, and the key expires
     its grace after the latest due."""
     c = redis_node.client()
-    note = lambda task_id, delay, grace=300: c.eval(  # noqa: E731
-        NOTE_QUEUED.source, 1, KEYS.queued, task_id, delay, grace
+    note = lambda task_id, delay, grace=300: run(  # noqa: E731
+        c, NOTE_QUEUED, queued=[KEYS.queued], task_id=task_id, delay_ms=delay, grace_ms=grace
     )
     assert note("gone", 0) == 1
     assert note("later", 5_000) == 1
@@ -96,7 +97,7 @@ def test_busy_runs_are_noted_and_entries_past_their_grace_are_neither_counted_no
     assert note("later", 5_000) == 1
     assert c.zrange(KEYS.queued, 0, -1) == ["later"], "the next write drops it"
     assert 5_000 < c.pttl(KEYS.queued) <= 5_300
-    assert c.eval(NOTE_QUEUED.source, 1, KEYS.queued, "later", "", 300) == 1
+    assert run(c, NOTE_STARTED, queued=[KEYS.queued], task_id="later") == 1
     assert not c.exists(KEYS.queued), "the last run started: nothing left"
     with pytest.raises(Exception, match="celery_redlock note_queued"):
         note("x", -1)

@@ -11,14 +11,14 @@ import pytest
 from celery_redlock import AsyncRateLimit, ConfigurationError, NodeUnavailable, RateLimit
 from celery_redlock.engine.keys import lock_keys
 from celery_redlock.engine.rate import Budget, parse_rate
-from celery_redlock.engine.scripts import RATE, RATE_RETURN
+from celery_redlock.engine.scripts import RATE, RATE_PEEK, RATE_RETURN
 from tests.harness.servers import wait_for
 
 KEYS = lock_keys("api:stripe")
 
 
-def rate(client, member, limit=3, window=60_000, peek=""):
-    return client.eval(RATE.source, 1, KEYS.rate, limit, window, member, peek)
+def rate(client, member, limit=3, window=60_000, peek=False):
+    return client.eval((RATE_PEEK if peek else RATE).source, 1, KEYS.rate, limit, window, member)
 
 
 def node_ms(client):
@@ -39,7 +39,7 @@ def test_the_script_admits_n_starts_per_window_and_says_when_the_next_fits(redis
     assert 0 < c.pttl(KEYS.rate) <= 60_000, "expires one window after its last start"
     assert rate(c, "b") == [1, 3, 0], "the same admission sent again"
     assert c.zcard(KEYS.rate) == 3
-    status, used, wait = rate(c, "-", peek="peek")
+    status, used, wait = rate(c, "-", peek=True)
     assert (status, used) == (2, 3) and 59_000 < wait <= 60_000
     assert c.zcard(KEYS.rate) == 3, "peek logs nothing"
     assert c.eval(RATE_RETURN.source, 1, KEYS.rate, "a") == 1
@@ -64,7 +64,7 @@ def test_the_script_refuses_bad_arguments_with_its_own_message(redis_node, bad):
     c = redis_node.client()
     limit, window, member = bad
     with pytest.raises(Exception, match="celery_redlock rate"):
-        c.eval(RATE.source, 1, KEYS.rate, limit, window, member, "")
+        c.eval(RATE.source, 1, KEYS.rate, limit, window, member)
     assert not c.exists(KEYS.rate)
 
 
@@ -222,7 +222,7 @@ def _refuse(client, task_id, limit=2, window=1000):
     """A refusal of ``task_id`` (rate_calls' arguments: no margin, 60 s grace)."""
     keys = (KEYS.rate, KEYS.budget, KEYS.queued)
     member = f"m-{task_id}"
-    return client.eval(RATE.source, 3, *keys, limit, window, member, "", task_id, 0, 60_000)
+    return client.eval(RATE.source, 3, *keys, limit, window, member, task_id, 0, 60_000)
 
 
 def test_refused_runs_get_places_in_line_n_per_window(redis_node):

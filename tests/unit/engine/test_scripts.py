@@ -11,18 +11,22 @@ from celery_redlock.engine import scripts
 from celery_redlock.engine.keys import LockKeys, lock_keys, release_keys
 from celery_redlock.engine.scripts import (
     ACQUIRE,
+    ACQUIRE_FAIR,
     ACQUIRE_SHARED,
     BEAT_CLAIM,
     FAIR_LEAVE,
     FENCE_SYNC,
+    FENCE_SYNC_SHARED,
     INSPECT,
     RELEASE,
+    RELEASE_FAIR,
     RELEASE_IF,
     RELEASE_SHARED,
     RENEW_MANY,
 )
 from tests.harness import wait_for
 from tests.harness.fences import assert_clock_fence, assert_counter_expires, horizon_ms
+from tests.harness.lua import run
 
 # Every script against every server binary of the compatibility matrix.
 pytestmark = pytest.mark.smoke
@@ -32,19 +36,36 @@ KEYS = lock_keys("job")
 
 def acquire(client, token, ttl=10_000, task_id="t1", pid=100, keys=KEYS, writer="", fair=""):
     resources = [keys] if isinstance(keys, LockKeys) else keys
-    names = [key for resource in resources for key in resource.resource]
-    if fair:
-        names += resources[0].record
-    return client.eval(
-        ACQUIRE.source, len(names), *names, token, ttl, task_id, "h", pid, 0, "task",
-        writer, fair, "", "fair" if fair else "", "", 1,
+    return run(
+        client, ACQUIRE_FAIR if fair else ACQUIRE,
+        resources=[key for resource in resources for key in resource.resource],
+        record=resources[0].record if fair else (), abandoned=resources[0].abandoned,
+        token=token, ttl_ms=ttl, task_id=task_id, host="h", pid=pid, acquired_at=0,
+        task_name="task", blocking=writer, waiter_ms=fair, arrival="", channel="", attempt=1,
+        handoff=(),
     )  # fmt: skip
 
 
 def share(client, token, limit=0, ttl=10_000, task_id="", keys=KEYS):
-    return client.eval(
-        ACQUIRE_SHARED.source, 4, *keys.resource, token, ttl, limit, task_id, "h", 7, 0, "task", 1
-    )
+    return run(
+        client, ACQUIRE_SHARED, keys, token=token, ttl_ms=ttl, limit=limit, task_id=task_id,
+        host="h", pid=7, acquired_at=0, task_name="task", attempt=1,
+    )  # fmt: skip
+
+
+def release(client, token, keys=(KEYS,), fair=False):
+    return run(
+        client, RELEASE_FAIR if fair else RELEASE, locks=release_keys(keys),
+        record=keys[0].record if fair else (), token=token, reserve_ms="", channel="", attempt="",
+    )  # fmt: skip
+
+
+def release_share(client, token):
+    return run(client, RELEASE_SHARED, KEYS, token=token, attempt="")
+
+
+def renew(client, holds, leases):
+    return run(client, RENEW_MANY, holds=holds, leases=leases)
 
 
 def test_scripts_load_from_the_installed_package():
@@ -137,10 +158,7 @@ def test_renew_many_reports_each_key(redis_node):
     k1, k2, k3 = lock_keys("k1"), lock_keys("k2"), lock_keys("k3")
     acquire(c, "a", ttl=1000, keys=k1)
     acquire(c, "other", ttl=1000, keys=k2)
-    codes = c.eval(
-        RENEW_MANY.source, 3, k1.lock, k2.lock, k3.lock,
-        "a", 60_000, "x", "a", 60_000, "x", "a", 60_000, "x",
-    )  # fmt: skip
+    codes = renew(c, [k1.lock, k2.lock, k3.lock], ["a", 60_000, "x"] * 3)
     assert codes == [1, -1, 0]
     assert c.pttl(k1.lock) > 1000
     assert c.pttl(k2.lock) <= 1000, "a lock held by another token is not extended"
@@ -152,12 +170,12 @@ def test_renew_many_validates_before_renewing_anything(redis_node):
     k1, k2 = lock_keys("k1"), lock_keys("k2")
     acquire(c, "a", ttl=1000, keys=k1)
     with pytest.raises(redis.ResponseError, match="positive integer"):
-        c.eval(RENEW_MANY.source, 2, k1.lock, k2.lock, "a", 60_000, "x", "a", -1, "x")
+        renew(c, [k1.lock, k2.lock], ["a", 60_000, "x", "a", -1, "x"])
     assert c.pttl(k1.lock) <= 1000
     with pytest.raises(redis.ResponseError, match="token, lease and kind per key"):
-        c.eval(RENEW_MANY.source, 2, k1.lock, k2.lock, "a", 60_000, "x")
+        renew(c, [k1.lock, k2.lock], ["a", 60_000, "x"])
     with pytest.raises(redis.ResponseError, match="kind must be"):
-        c.eval(RENEW_MANY.source, 1, k1.lock, "a", 60_000, "q")
+        renew(c, [k1.lock], ["a", 60_000, "q"])
 
 
 def test_release_deletes_only_its_own_token_and_announces_it(redis_node):
@@ -167,13 +185,13 @@ def test_release_deletes_only_its_own_token_and_announces_it(redis_node):
     pubsub = c.pubsub()
     pubsub.subscribe(KEYS.channel)
     assert pubsub.get_message(timeout=1)["type"] == "subscribe"
-    assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), "intruder") == -1
+    assert release(c, "intruder") == -1
     assert c.exists(KEYS.lock)
-    assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), "a") == 1
+    assert release(c, "a") == 1
     assert not c.exists(KEYS.lock)
     message = pubsub.get_message(timeout=1)
     assert (message["type"], message["channel"]) == ("message", KEYS.channel)
-    assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), "a") == 0
+    assert release(c, "a") == 0
     assert pubsub.get_message(timeout=0.2) is None, "no announcement for a no-op release"
     pubsub.close()
 
@@ -195,15 +213,18 @@ def test_fence_sync_only_raises_the_counter(redis_node):
     """The counter moves up to the quorum's fence, never down, and keeps its expiry."""
     c = redis_node.client()
     _, fence = acquire(c, "a")
-    sync = (FENCE_SYNC.source, 3, KEYS.lock, KEYS.fence, KEYS.holders)
+
+    def sync(token, granted):
+        return run(c, FENCE_SYNC, KEYS, token=token, granted=granted)
+
     counter_ttl = assert_counter_expires(c, KEYS.fence, 10_000)
     quorum = fence + 7  # another node seeded its counter 7 µs later
-    assert c.eval(*sync, "a", quorum, "") == 1
+    assert sync("a", quorum) == 1
     assert c.get(KEYS.fence) == str(quorum)
     assert c.hget(KEYS.lock, "fence") == str(quorum)
     assert 0 < c.pttl(KEYS.fence) <= counter_ttl, "the counter keeps its expiry"
-    assert c.eval(*sync, "b", 3, "") == 0
-    assert c.eval(*sync, "b", fence, "") == 0
+    assert sync("b", 3) == 0
+    assert sync("b", fence) == 0
     assert c.get(KEYS.fence) == str(quorum)
     assert 0 < c.pttl(KEYS.fence) <= counter_ttl
 
@@ -214,7 +235,10 @@ def test_a_counter_that_expired_starts_again_above_every_earlier_fence(redis_nod
     expired or was deleted, the next fence (from the node's clock) is still larger
     than every fence the lock was given."""
     c = redis_node.client()
-    sync = (FENCE_SYNC.source, 3, KEYS.lock, KEYS.fence, KEYS.holders)
+
+    def sync(token, granted, script=FENCE_SYNC):
+        return run(c, script, KEYS, token=token, granted=granted)
+
     fences = []
 
     def exclusive(token, ttl=1_000):
@@ -222,7 +246,7 @@ def test_a_counter_that_expired_starts_again_above_every_earlier_fence(redis_nod
         assert code == 1 and fence > max(fences, default=0), (fence, fences)
         assert c.get(KEYS.fence) == str(fence)
         assert_counter_expires(c, KEYS.fence, ttl)
-        assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), token) == 1
+        assert release(c, token) == 1
         fences.append(fence)
         return fence
 
@@ -231,7 +255,7 @@ def test_a_counter_that_expired_starts_again_above_every_earlier_fence(redis_nod
         assert code == 1 and fence > max(fences, default=0), (fence, fences)
         assert c.get(KEYS.fence) == str(fence)
         assert_counter_expires(c, KEYS.fence, ttl)
-        assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, token) == 1
+        assert release_share(c, token) == 1
         fences.append(fence)
         return fence
 
@@ -258,28 +282,28 @@ def test_a_counter_that_expired_starts_again_above_every_earlier_fence(redis_nod
     code, fence = acquire(c, "e")
     assert code == 1 and fence == fences[-1] + 1
     c.delete(KEYS.fence)
-    assert c.eval(*sync, "e", fence + 5, "") == 1
+    assert sync("e", fence + 5) == 1
     assert c.get(KEYS.fence) == c.hget(KEYS.lock, "fence") == str(fence + 5)
     assert_counter_expires(c, KEYS.fence, 0)
     c.persist(KEYS.fence)
-    assert c.eval(*sync, "e", fence + 6, "") == 1
+    assert sync("e", fence + 6) == 1
     assert c.get(KEYS.fence) == str(fence + 6)
     assert_counter_expires(c, KEYS.fence, 0)
     c.persist(KEYS.fence)
-    assert c.eval(*sync, "e", fence, "") == 1, "a lower fence: the counter stays"
+    assert sync("e", fence) == 1, "a lower fence: the counter stays"
     assert c.get(KEYS.fence) == str(fence + 6)
     assert_counter_expires(c, KEYS.fence, 0)
-    assert c.eval(RELEASE.source, 2, *release_keys([KEYS]), "e") == 1
+    assert release(c, "e") == 1
     fences += [fence, fence + 6]
     # A share's fence is synced into its details, with every digit.
     code, fence = share(c, "r4")
     assert code == 1 and fence == fences[-1] + 1
     c.delete(KEYS.fence)
-    assert c.eval(*sync, "r4", fence + 3, "s") == 1
+    assert sync("r4", fence + 3, FENCE_SYNC_SHARED) == 1
     assert json.loads(c.hget(KEYS.holders, "r4"))["fence"] == str(fence + 3)
     assert c.get(KEYS.fence) == str(fence + 3)
     assert_counter_expires(c, KEYS.fence, 0)
-    assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r4") == 1
+    assert release_share(c, "r4") == 1
     fences += [fence, fence + 3]
     # A counter from before counters expired (no TTL): counted on, and given one.
     c.persist(KEYS.fence)
@@ -292,9 +316,9 @@ def test_a_counter_that_expired_starts_again_above_every_earlier_fence(redis_nod
 def test_inspect_snapshot(redis_node):
     """Inspect returns PTTL, the fence counter and the holder's fields."""
     c = redis_node.client()
-    assert c.eval(INSPECT.source, 2, KEYS.lock, KEYS.fence) == [-2, 0]
+    assert run(c, INSPECT, KEYS) == [-2, 0]
     acquire(c, "a", task_id="t9", pid=42)
-    pttl, counter, *flat = c.eval(INSPECT.source, 2, KEYS.lock, KEYS.fence)
+    pttl, counter, *flat = run(c, INSPECT, KEYS)
     fields = dict(zip(flat[::2], flat[1::2], strict=True))
     assert 0 < pttl <= 10_000 and counter == int(fields["fence"])
     assert_clock_fence(counter, c)
@@ -308,7 +332,9 @@ def test_beat_claim_checks_leadership_and_advances_once(redis_node):
     acquire(c, "leader", keys=keys)
 
     def claim(token, known, now):
-        return c.eval(BEAT_CLAIM.source, 2, keys.lock, keys.state, token, "entry", known, now)
+        return run(
+            c, BEAT_CLAIM, keys, token=token, entry="entry", known=known, run_at=now, keep_ms=""
+        )
 
     assert claim("usurper", "", "10") == [-1]
     assert claim("leader", "", "10") == [1]
@@ -335,7 +361,7 @@ def test_acquire_takes_several_resources_all_or_none(redis_node):
     assert acquire(c, "mine", keys=[a, b]) == [2, fence_a, fence_b], "the same token refreshes both"
     for keys in (a, b):
         assert_counter_expires(c, keys.fence, 10_000)
-    assert c.eval(RELEASE.source, 4, *release_keys([a, b]), "mine") == 1
+    assert release(c, "mine", keys=(a, b)) == 1
     assert c.exists(a.lock, b.lock) == 0
 
 
@@ -353,9 +379,9 @@ def test_shares_exclude_writers_and_respect_the_limit(redis_node):
     assert code == 0 and 0 < wait <= 10_000, "the limit is reached"
     code, wait, holder = acquire(c, "w")
     assert (code, holder) == (0, "") and wait > 0, "a writer waits for the shares"
-    assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r1") == 1
-    assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r1") == 0
-    assert c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r2") == 1
+    assert release_share(c, "r1") == 1
+    assert release_share(c, "r1") == 0
+    assert release_share(c, "r2") == 1
     assert acquire(c, "w")[0] == 1
     code, _, holder = share(c, "r4", task_id="t5")
     assert (code, holder) == (0, "t1"), "no share while a writer holds it"
@@ -369,8 +395,8 @@ def test_a_waiting_writer_stops_new_shares(redis_node):
     assert share(c, "r2")[0] == 1, "a writer that only tried does not block readers"
     assert acquire(c, "w", writer="1")[0] == 0
     assert share(c, "r3")[0] == 0, "the waiting writer is served first"
-    c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r1")
-    c.eval(RELEASE_SHARED.source, 3, *KEYS.release_shared, "r2")
+    release_share(c, "r1")
+    release_share(c, "r2")
     assert acquire(c, "w", writer="1")[0] == 1
     assert c.zrange(KEYS.shared, 0, -1) == [], "the writer's mark is gone with it"
 
@@ -381,10 +407,10 @@ def test_expired_shares_are_dropped_and_not_renewed(redis_node):
     code, fence = share(c, "r1", ttl=50, task_id="t1")
     assert code == 1
     assert_clock_fence(fence, c)
-    renew = (RENEW_MANY.source, 2, KEYS.shared, KEYS.holders, "r1", 60_000, "s", "r1", 60_000, "d")
-    assert c.eval(*renew) == [1, 1]
+    holds, leases = [KEYS.shared, KEYS.holders], ["r1", 60_000, "s", "r1", 60_000, "d"]
+    assert renew(c, holds, leases) == [1, 1]
     c.zadd(KEYS.shared, {"r1": 0})  # its deadline passes
-    assert c.eval(*renew)[0] == 0
+    assert renew(c, holds, leases)[0] == 0
     assert acquire(c, "w")[0] == 1, "an expired share does not keep a writer out"
     assert c.hlen(KEYS.holders) == 0, "its details went with it"
 
@@ -401,9 +427,8 @@ def test_release_if_frees_a_dead_childs_share(redis_node):
     """The parent's cleanup finds a share by task id and pid too."""
     c = redis_node.client()
     share(c, "r1", task_id="t1")
-    keys = KEYS.release_if
-    assert c.eval(RELEASE_IF.source, len(keys), *keys, "t1", 8) == 0, "another pid"
-    assert c.eval(RELEASE_IF.source, len(keys), *keys, "t1", 7) == 1
+    assert run(c, RELEASE_IF, KEYS, task_id="t1", pid=8, reserve_ms=0) == 0, "another pid"
+    assert run(c, RELEASE_IF, KEYS, task_id="t1", pid=7, reserve_ms=0) == 1
     assert c.zcard(KEYS.shared) == 0
 
 
@@ -418,16 +443,15 @@ def test_fair_queue_serves_arrival_order(redis_node):
     pubsub = c.pubsub()
     pubsub.subscribe(KEYS.channel)
     pubsub.get_message(timeout=1)
-    fair_keys = release_keys([KEYS], record=True)
-    assert c.eval(RELEASE.source, len(fair_keys), *fair_keys, "holder", "fair") == 1
+    assert release(c, "holder", fair=True) == 1
     assert pubsub.get_message(timeout=1)["data"] == "w1", "the release names the head"
     assert acquire(c, "w2", fair="10000")[0] == 0, "not w2's turn"
     assert acquire(c, "try", fair="0")[0] == 0
     assert acquire(c, "w1", fair="10000")[0] == 1
     assert c.zrange(KEYS.queue, 0, -1) == ["w2"]
-    c.eval(RELEASE.source, len(fair_keys), *fair_keys, "w1", "fair")
+    release(c, "w1", fair=True)
     assert pubsub.get_message(timeout=1)["data"] == "w2"
-    assert c.eval(FAIR_LEAVE.source, len(KEYS.fair_leave), *KEYS.fair_leave, "w2") == 1
+    assert run(c, FAIR_LEAVE, KEYS, token="w2", reserve_ms="") == 1
     assert acquire(c, "try", fair="0")[0] == 1, "an empty queue lets a try in"
     pubsub.close()
 
@@ -438,7 +462,6 @@ def test_a_dead_fair_waiter_leaves_the_queue(redis_node):
     acquire(c, "holder", fair="10000")
     acquire(c, "dead", fair="10000")
     c.zadd(KEYS.waiting, {"dead": 0})  # its deadline passes
-    fair_keys = release_keys([KEYS], record=True)
-    c.eval(RELEASE.source, len(fair_keys), *fair_keys, "holder", "fair")
+    release(c, "holder", fair=True)
     assert acquire(c, "next", fair="10000")[0] == 1
     assert c.zcard(KEYS.queue) == 0

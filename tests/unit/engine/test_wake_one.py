@@ -30,9 +30,16 @@ import pytest
 
 from celery_redlock import Redlock
 from celery_redlock.engine.keys import YIELD_MARK, lock_keys, process_channel, release_keys
-from celery_redlock.engine.scripts import ACQUIRE, FAIR_LEAVE, RELEASE, RELEASE_IF
+from celery_redlock.engine.scripts import (
+    ACQUIRE_FAIR,
+    ACQUIRE_WAKE,
+    RELEASE_IF,
+    RELEASE_WAKE,
+    WAKE_LEAVE,
+)
 from celery_redlock.engine.waiting import HOST, NAMED_RESERVE
 from tests.harness import wait_for
+from tests.harness.lua import run
 from tests.harness.waits import count_waiting
 
 # -- the scripts: who is named, on which channel, and the reservation ---------------------
@@ -44,22 +51,24 @@ def attempt(
     client, token: str, channel: str, blocking: bool = True, pid: int = 1, naming: str = "wake"
 ):
     """``acquire.lua`` for one resource with a record of waiters, as ``Exclusive`` sends it."""
-    keys = (*KEYS.resource, *KEYS.record, KEYS.abandoned)
-    return client.eval(
-        ACQUIRE.source, len(keys), *keys, token, 30_000, f"task-{token}", "h", pid, 0,
-        f"name-{token}", "1" if blocking else "", "30000" if blocking else "0", "", naming,
-        channel, 1,
+    return run(
+        client, ACQUIRE_FAIR if naming == "fair" else ACQUIRE_WAKE, resources=KEYS.resource,
+        record=KEYS.record, abandoned=KEYS.abandoned, token=token, ttl_ms=30_000,
+        task_id=f"task-{token}", host="h", pid=pid, acquired_at=0, task_name=f"name-{token}",
+        blocking="1" if blocking else "", waiter_ms="30000" if blocking else "0", arrival="",
+        channel=channel, attempt=1, handoff=(),
     )  # fmt: skip
 
 
 def release(client, token: str, reserve: int = 5000):
-    keys = release_keys([KEYS], record=True)
-    return client.eval(RELEASE.source, len(keys), *keys, token, "wake", reserve, "")
+    return run(
+        client, RELEASE_WAKE, locks=release_keys([KEYS]), record=KEYS.record, token=token,
+        reserve_ms=reserve, channel="", attempt="",
+    )  # fmt: skip
 
 
 def leave_record(client, token: str):
-    keys = KEYS.fair_leave
-    return client.eval(FAIR_LEAVE.source, len(keys), *keys, token, "wake", 5000)
+    return run(client, WAKE_LEAVE, KEYS, token=token, reserve_ms=5000)
 
 
 def messages(pubsub) -> list[tuple[str, str]]:
@@ -163,12 +172,11 @@ def test_the_reaper_and_a_forced_release_name_a_waiter_too(listening):
     client, pubsub = listening
     keys = (*KEYS.resource, *KEYS.record)
     client.eval(
-        ACQUIRE.source, len(keys), *keys, "child", 30_000, "task-1", "h", 77, 0, "", "1",
-        "30000", "", "wake", "proc:3", 1,
+        ACQUIRE_WAKE.source, len(keys), *keys, "child", 30_000, "task-1", "h", 77, 0, "", "1",
+        "30000", "", "proc:3", 1,
     )  # fmt: skip
     attempt(client, "w1", "proc:1")
-    keys = KEYS.release_if
-    assert client.eval(RELEASE_IF.source, len(keys), *keys, "task-1", 77, 5000) == 1
+    assert run(client, RELEASE_IF, KEYS, task_id="task-1", pid=77, reserve_ms=5000) == 1
     assert messages(pubsub) == [("proc:1", "w1")]
     assert client.hget(KEYS.lock, "for") == "w1"
 

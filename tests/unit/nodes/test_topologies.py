@@ -11,7 +11,7 @@ import redis
 
 from celery_redlock import NodeUnavailable, Redlock
 from celery_redlock.engine.keys import lock_keys, release_keys
-from celery_redlock.engine.scripts import ACQUIRE, RELEASE
+from celery_redlock.engine.scripts import ACQUIRE_WAKE, RELEASE_WAKE
 from tests.harness import free_port
 from tests.harness.fences import assert_clock_fence
 
@@ -124,15 +124,17 @@ def test_acl_user_runs_the_turn_of_a_process_another_process_waits_for(redis_fac
     handoffs (HINCRBY). Both were missing from the documented set."""
     (server,) = redis_factory(1)
     client = redis.Redis.from_url(acl_user(server, MINIMAL_ACL), decode_responses=True)
-    sha = client.script_load(ACQUIRE.source)
+    sha = client.script_load(ACQUIRE_WAKE.source)
     keys = lock_keys("topology")
-    record = (*keys.resource, *keys.record)
 
     def acquire(token, pid, writer="", handoff=()):
-        return client.evalsha(
-            sha, len(record), *record, token, 10_000, "t", "h", pid, 0, "task", writer,
-            "10000" if writer else "0", "", "wake", f"{keys.channel}:h:{pid}", *handoff, 1,
+        call = ACQUIRE_WAKE.call(
+            resources=keys.resource, record=keys.record, abandoned=keys.abandoned, token=token,
+            ttl_ms=10_000, task_id="t", host="h", pid=pid, acquired_at=0, task_name="task",
+            blocking=writer, waiter_ms="10000" if writer else "0", arrival="",
+            channel=f"{keys.channel}:h:{pid}", attempt=1, handoff=handoff,
         )  # fmt: skip
+        return client.evalsha(sha, len(call.keys), *call.keys, *call.args)
 
     try:
         assert acquire("a", 100)[0] == 1
@@ -141,11 +143,12 @@ def test_acl_user_runs_the_turn_of_a_process_another_process_waits_for(redis_fac
         assert acquire("a2", 100, handoff=("a", 8, 60_000, 1_000))[0] == 1, "a takeover"
         assert server.client().hget(keys.lock, "handoffs") == "1"
         # The release names the recorded waiter on its process channel and keeps the lock.
-        release = release_keys([keys], record=True)
-        args = ("a2", "wake", 500, f"{keys.channel}:h:100")
-        assert (
-            client.evalsha(client.script_load(RELEASE.source), len(release), *release, *args) == 1
-        )
+        release = RELEASE_WAKE.call(
+            locks=release_keys([keys]), record=keys.record, token="a2", reserve_ms=500,
+            channel=f"{keys.channel}:h:100", attempt="",
+        )  # fmt: skip
+        sha = client.script_load(RELEASE_WAKE.source)
+        assert client.evalsha(sha, len(release.keys), *release.keys, *release.args) == 1
         assert server.client().hget(keys.lock, "for") == "b"
     finally:
         client.close()
