@@ -63,14 +63,17 @@ from .engine.keys import handed_key, keys_of, parked_keys
 from .engine.rate import Budget, judge, rate_calls, return_calls
 from .engine.scripts import PARK, TAKE_DUE, UNPARK, UnparkStatus
 from .nodes import Call, NodeSet
+from .nodes.cluster import ClusterNode
 
 __all__ = [
     "LEASE",
+    "MAYBE_HEADER",
     "MEMBER_HEADER",
     "PARKED_HEADER",
     "Parking",
     "Publisher",
     "Spot",
+    "can_park",
     "claim_start",
     "park",
     "spot",
@@ -82,6 +85,11 @@ logger = logging.getLogger("celery_redlock.task")
 
 #: Header of a parked run's copy: the token of its parking (its copies share it).
 PARKED_HEADER = "redlock_parked"
+
+#: Header of a copy put back on the queue after a parking whose reply did not come back:
+#: that parking's token (the node may keep the run; of the two copies, the first to
+#: start runs). Not :data:`PARKED_HEADER`: no record is known to bring this copy back.
+MAYBE_HEADER = "redlock_parked_maybe"
 
 #: Header of a parked rate run's copy: the member of the start the publisher logged for
 #: it in the budget (its admission finds it logged: the copy owns its slot).
@@ -190,6 +198,15 @@ class Parking:
     maybe: bool
 
 
+def can_park(nodeset: NodeSet) -> bool:
+    """Whether runs can be parked on ``nodeset``: no Redis Cluster among its nodes.
+
+    The parked runs of every lock are a few keys (the due set is one sorted set), which
+    a cluster would spread over several slots; there runs go back on the queue.
+    """
+    return not any(isinstance(node, ClusterNode) for node in nodeset.nodes)
+
+
 def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> Parking:
     """Park the running delivery's run for ``delay`` seconds (see :class:`Parking`).
 
@@ -199,12 +216,15 @@ def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> Parki
     keeps it (every publisher takes from every node).
     """
     token = secrets.token_hex(8)
+    if not can_park(spot.nodeset):
+        return Parking(token, parked=False, maybe=False)
     signature = task.signature_from_request(task.request)
     signature.set(
         headers={
             **(signature.options.get("headers") or {}),
             **headers,
             PARKED_HEADER: token,
+            MAYBE_HEADER: None,
             MEMBER_HEADER: None,
         }
     )
@@ -255,8 +275,9 @@ def claim_start(
 ) -> bool:
     """Whether this delivery may start its body: no other copy of its run started.
 
-    ``token``: the copy's :data:`PARKED_HEADER` (``""`` for a message the broker gave
-    again after its worker died: it may not run while its run is parked). The run
+    ``token``: the copy's :data:`PARKED_HEADER` or :data:`MAYBE_HEADER` (``""`` for a
+    message the broker gave again after its worker died: it may not run while its run
+    is parked). The run
     leaves the parked runs. A node that does not answer counts as no record: the run
     starts (at least once, rather than never).
     """

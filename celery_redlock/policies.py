@@ -260,7 +260,9 @@ def defer(
     # No node took it. If one may have (no reply), the copy carries that parking's
     # token: of it and the parked one, the first to start runs (parking.claim_start).
     maybe = token.value if token is not None and token.maybe else None
-    put_back(task, countdown, headers={**added, parking.PARKED_HEADER: maybe})
+    put_back(
+        task, countdown, headers={**added, parking.PARKED_HEADER: None, parking.MAYBE_HEADER: maybe}
+    )
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 

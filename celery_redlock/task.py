@@ -53,7 +53,7 @@ from .engine.names import call_lock_name, signature
 from .engine.queued import note_started
 from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
-from .parking import PARKED_HEADER, Spot, claim_start
+from .parking import MAYBE_HEADER, PARKED_HEADER, Spot, can_park, claim_start
 from .policies import (
     Skipped,
     already_done,
@@ -629,10 +629,14 @@ def _first_copy(task: Task, lock: Redlock, settings: Settings, task_id: str) -> 
     Only a parked run's copy, and a message the broker gave again after its worker
     died (it may have been parked since), pay this call (:func:`parking.claim_start`).
     """
-    token = request_header(task.request, PARKED_HEADER)
+    token = request_header(task.request, PARKED_HEADER) or request_header(
+        task.request, MAYBE_HEADER
+    )
     redelivered = bool((getattr(task.request, "delivery_info", None) or {}).get("redelivered"))
     if getattr(task.request, "is_eager", False) or not (token or redelivered):
         return True
+    if not can_park(lock.nodeset):
+        return True  # nothing is parked there
     visibility = budgets.broker_visibility(task.app)
     # The stranded copy of a dead worker comes back after the broker's visibility
     # timeout (Redis, SQS), or as its connection drops (AMQP): kept that long.

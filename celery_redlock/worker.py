@@ -115,7 +115,7 @@ class RedlockStep(bootsteps.StartStopStep):
             self.reaper.start()
         if not self.prefork:
             get_renewer().start()
-        if self.nodeset is not None:
+        if self.nodeset is not None and parking.can_park(self.nodeset):
             # Every worker publishes the parked runs that come due, whichever parked them.
             parking.start_publisher(self.app, self.nodeset, self.prefix)
 
@@ -170,8 +170,10 @@ def _on_worker_process_init(**kwargs: Any) -> None:
     if _reaper is not None:
         _reaper.child_init()
     get_renewer().start()
-    parent = os.getppid()
-    start_daemon(partial(_exit_when_orphaned, parent), "celery_redlock-orphan-watch")
+    if _reaper is not None:
+        # A prefork child. (The solo pool sends this signal in the worker's own process,
+        # whose parent is a shell or a supervisor: it must outlive them.)
+        start_daemon(partial(_exit_when_orphaned, os.getppid()), "celery_redlock-orphan-watch")
 
 
 #: Seconds between a pool child's looks at whether its worker's main process lives.

@@ -190,4 +190,3 @@ late = make_late_app(REDIS_URL)
 beat = make_beat_app(
     REDIS_URL, os.environ.get("REDLOCK_TEST_RATE_AT"), os.environ.get("REDLOCK_TEST_RATE")
 )
-
