@@ -1,7 +1,8 @@
-"""One acquisition attempt's vote: sent to every node, tallied, fences stored back.
+"""One acquisition attempt's vote: what is sent to every node, and how it is tallied.
 
 The acquire call goes to every node and the answers are tallied as they come; where
-the granting nodes disagree on the fence, the largest is stored back on them.
+the granting nodes disagree on the fence, the largest is stored back on them
+(:func:`fence_requests`, :func:`fences_stored`).
 
 The clock starts when the requests are *sent*: a reply can be delayed arbitrarily,
 but Redis cannot have set the key before the request left. The fan-out returns as
@@ -11,8 +12,8 @@ a silent node costs nothing while a quorum answers.
 With ``min_replicas`` each node also runs ``WAIT`` after the script, and its vote
 counts only once that many replicas acknowledged it.
 
-What to make of the tally (a hold, an undo, a retry) is the lock's business
-(:meth:`celery_redlock.Redlock.acquire`): this module sends and counts.
+What to make of the tally (a hold, an undo, a retry) is the acquisition's business
+(:mod:`.acquisition`, which also sends the calls): this module builds and counts.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from collections.abc import Callable
 
 from redis.exceptions import ResponseError
 
-from ..nodes import Call, NodeSet, Reply
-from .lease import clock
+from ..nodes import Call, Reply
 from .scripts import AcquireStatus, FenceSyncStatus, ReleaseStatus
 
 __all__ = [
@@ -34,10 +34,8 @@ __all__ = [
     "is_busy",
     "release_decided",
     "sent_only",
-    "sync_fences",
     "tally",
     "undone_on",
-    "vote",
     "vote_calls",
     "vote_decided",
 ]
@@ -217,30 +215,6 @@ def undone_on(attempt: Attempt, lagging: frozenset[int]) -> Callable[[list[Reply
     return decided
 
 
-def vote(
-    nodeset: NodeSet,
-    acquire: Call,
-    quorum: int,
-    min_replicas: int,
-    node_timeout: float,
-    wait_all: bool = False,
-) -> tuple[Attempt, float]:
-    """Send ``acquire`` to every node; the tally, and when the requests were sent.
-
-    It returns once the outcome is decided (:func:`vote_decided`), or with ``wait_all``
-    once every node answered or the budget is spent.
-    """
-    calls = vote_calls(acquire, min_replicas, node_timeout)
-    sent_at = clock()
-    replies = nodeset.call(
-        calls,
-        timeout=budget(node_timeout, min_replicas),
-        decided=None if wait_all else vote_decided(quorum, len(nodeset), min_replicas),
-        patient=True,  # a late reply only shortens the validity, counted from the send
-    )
-    return tally(replies, clock() - sent_at, min_replicas), sent_at
-
-
 def granted_fences(reply: Reply, min_replicas: int) -> tuple[int, ...] | None:
     """The fences a node granted (one per resource), or None if it refused or failed."""
     if reply.error is not None:
@@ -266,11 +240,6 @@ def is_busy(reply: Reply | None) -> bool:
         and not isinstance(reply.values[0], ResponseError)
         and reply.values[0][0] == AcquireStatus.BUSY
     )
-
-
-def sync_fences(nodeset: NodeSet, calls: list[Call], granted: list[int]) -> int:
-    """Send ``calls`` (fence stores) to the ``granted`` nodes; how many stored them all."""
-    return fences_stored(nodeset.call(fence_requests(len(nodeset), calls, granted), per_node=True))
 
 
 def fence_requests(nodes: int, calls: list[Call], granted: list[int]) -> list[list[Call] | None]:

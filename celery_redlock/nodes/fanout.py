@@ -35,9 +35,11 @@ from .calls import LAG, Call, Leg, LockNode, Reply, Script, Server
 
 __all__ = ["ALIVE_GRACE", "fan_out", "pack"]
 
-#: How long (seconds) a fan-out goes on waiting past its budget, at most, while the
-#: nodes it waits for keep answering other requests of this process
-#: (:meth:`_FanOut.alive`); four budgets if that is longer.
+#: How long (seconds) a node may answer nothing to this process before it counts as
+#: down: a fan-out goes on waiting past its budget, at most that long, while the nodes
+#: it waits for keep answering other requests of this process (:meth:`_FanOut.alive`;
+#: four budgets if that is longer), and a blocking acquisition retries failed nodes
+#: that long (:meth:`celery_redlock.engine.acquisition.Core.next_step`).
 ALIVE_GRACE = 1.0
 
 

@@ -12,8 +12,10 @@
 --          from the clock grows by one per acquisition, and an acquisition takes the
 --          node more than a microsecond). Assumes the node's clock does not step back
 --          by more than the horizon (docs/failure-modes.md).
--- store_fence(counter, fence)  raise the counter to ``fence`` (a Redlock quorum's
---          largest), keeping its expiry (giving it one horizon if it had none).
+-- store_fence(counter, granted)  raise the counter to the fence ``granted`` (a Redlock
+--          quorum's largest, as the client sent it), keeping its expiry (giving it one
+--          horizon if it had none); the fence as a number, or nil if ``granted`` is not
+--          an integer (nothing stored).
 -- fence_text(fence)  a fence as Redis stores it: all its digits (a Lua number would be
 --          written as 1.7e+15 in a hash field or by cjson, losing them).
 local function fence_text(fence)
@@ -36,7 +38,11 @@ local function next_fence(counter, lease)
     end
     return fence
 end
-local function store_fence(counter, fence)
+local function store_fence(counter, granted)
+    local fence = tonumber(granted)
+    if not fence then
+        return nil
+    end
     local stored = tonumber(redis.call('GET', counter) or '0')
     if stored < fence then
         redis.call('SET', counter, fence_text(fence), 'KEEPTTL')
@@ -44,4 +50,5 @@ local function store_fence(counter, fence)
     if redis.call('PTTL', counter) < 0 then
         redis.call('PEXPIRE', counter, FENCE_HORIZON_MIN_MS)
     end
+    return fence
 end

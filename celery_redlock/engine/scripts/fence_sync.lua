@@ -13,11 +13,10 @@
 -- Returns  1  the counter is >= F and this token holds the lock (its fence is now F)
 --          0  the counter is >= F but the token no longer holds the lock
 local token, granted = ARGV[1], ARGV[2]
-local fence = tonumber(granted)
+local fence = store_fence(KEYS[2], granted)
 if not fence then
     return redis.error_reply('ERR celery_redlock fence_sync: fence must be an integer')
 end
-store_fence(KEYS[2], fence)
 if redis.call('HGET', KEYS[1], 'token') == token then
     redis.call('HSET', KEYS[1], 'fence', fence_text(fence))
     return 1

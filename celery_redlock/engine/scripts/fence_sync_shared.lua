@@ -10,11 +10,10 @@
 -- Returns  1  the counter is >= F and this token holds a share (its fence is now F)
 --          0  the counter is >= F but the token no longer holds a share
 local token, granted = ARGV[1], ARGV[2]
-local fence = tonumber(granted)
+local fence = store_fence(KEYS[1], granted)
 if not fence then
     return redis.error_reply('ERR celery_redlock fence_sync: fence must be an integer')
 end
-store_fence(KEYS[1], fence)
 local details = redis.call('HGET', KEYS[2], token)
 if not details then
     return 0
