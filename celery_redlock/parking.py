@@ -63,7 +63,6 @@ from .engine.keys import handed_key, keys_of, parked_keys
 from .engine.rate import Budget, judge, rate_calls, return_calls
 from .engine.scripts import PARK, TAKE_DUE, UNPARK, UnparkStatus
 from .nodes import Call, NodeSet
-from .nodes.cluster import ClusterNode
 
 __all__ = [
     "LEASE",
@@ -204,7 +203,7 @@ def can_park(nodeset: NodeSet) -> bool:
     The parked runs of every lock are a few keys (the due set is one sorted set), which
     a cluster would spread over several slots; there runs go back on the queue.
     """
-    return not any(isinstance(node, ClusterNode) for node in nodeset.nodes)
+    return not any(node.slotted for node in nodeset.nodes)
 
 
 def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> Parking:

@@ -183,11 +183,12 @@ ORPHAN_CHECK = 1.0
 def _exit_when_orphaned(parent: int) -> None:
     """End this pool child once its worker's main process is gone (SIGKILL, OOM).
 
-    billiard does not stop a child whose parent died: it waits on its task pipe, whose
-    write end its siblings still hold, and its renewer goes on renewing the lock of the
-    run it had, so the key stayed taken (measured: 20 s and more after a main process
-    was SIGKILLed, where a whole dead worker's locks must end within one lease). Its
-    results could not be reported anyway. The lease it held then ends by its TTL.
+    Celery asks the kernel to kill pool children with their main process
+    (``PR_SET_PDEATHSIG``, Linux only). Where that does not happen, billiard does not
+    stop a child whose parent died: it waits on its task pipe, whose write end its
+    siblings still hold, and its renewer would go on renewing the lock of the run it
+    had, where a whole dead worker's locks must end within one lease. Its results could
+    not be reported anyway. The lease it held then ends by its TTL.
     """
     while os.getppid() == parent:
         time.sleep(ORPHAN_CHECK)
