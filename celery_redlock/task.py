@@ -539,7 +539,9 @@ def acquire_for(
     if maybe_duplicate and already_done(task, task_id):
         # Another delivery of this task id finished while this one waited: behind the
         # lock (wait), on the queue (retry, or requeued as a duplicate). Running it again
-        # would run the task twice.
+        # would run the task twice. A parked run's copy takes its run out of the
+        # parked runs (else it would come due again at each take's lease end).
+        _first_copy(task, lock, app_settings(task.app), task_id)
         lock.release()
         announce_lock(reaper.forget, lock, task_id)
         logger.info(

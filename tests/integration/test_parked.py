@@ -28,7 +28,7 @@ from celery_redlock import parking, policies
 from celery_redlock.exceptions import NodeUnavailable
 from tests.apps.rated import make_rated_app
 from tests.harness import close_app, wait_for
-from tests.integration.test_rate import busiest_window
+from tests.integration.test_rate import busiest_window, parked_runs, runs_of
 
 TRIALS = int(os.environ.get("REDLOCK_SOAK_TRIALS", "1"))
 RUNS = 100
@@ -262,3 +262,31 @@ def test_a_node_that_stays_unreachable_fails_the_run_after_the_budget(
     with pytest.raises(NodeUnavailable):
         result.get(timeout=60)
     assert time.time() - sent >= 2.0
+
+
+def test_the_parked_copy_of_a_run_that_already_ended_leaves_the_parked_runs(
+    app, celery_redis, inprocess_worker_factory, tmp_path
+):
+    """A run whose result is final while it is parked (its pool child was killed after
+    it parked the run: Celery stored WorkerLostError) does not run when its copy comes,
+    and its copy takes it out of the parked runs. (Before: the record stayed, due again
+    at the end of each take's lease, its copy published every 10 s for a day.)"""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    out = tmp_path / "runs"
+    results = [app.tasks["rated.call"].delay("ended", str(out)) for _ in range(7)]
+    waiting = wait_for(
+        lambda: len(found := parked_runs(celery_redis)) == 2 and found,
+        timeout=30,
+        message="the 2 runs over the 5/s budget to be parked",
+    )
+    ended = next(iter(waiting))
+    app.backend.mark_as_failure(ended, WorkerLostError("killed while it waited"))
+    for result in results:
+        if result.id != ended:
+            assert result.get(timeout=30) == "ended"
+    wait_for(
+        lambda: not celery_redis.client(db=0).zcard("redlock:parked"),
+        timeout=parking.LEASE - 2.0,  # before a take's lease could bring it back
+        message="the ended run to leave the parked runs",
+    )
+    assert ended not in {i for i, *_ in runs_of(out)}, "it does not run again"
