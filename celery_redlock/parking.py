@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, Task
+from celery.result import denied_join_result
 from kombu.serialization import dumps, loads, prepare_accept_content
 from redis.exceptions import ResponseError
 
@@ -376,7 +377,12 @@ class Publisher:
             )
             signature = self.app.signature(fields)
             signature.set(headers={**(signature.options.get("headers") or {}), **headers})
-            signature.apply_async(add_to_parent=False)
+            # Nobody here waits for its result: without this, a prefork worker's main
+            # process (where joins are allowed) would subscribe its result backend to
+            # every copy it publishes, for ever, and a pool child forked while this
+            # thread was subscribing inherited the subscription's lock held, and hung.
+            with denied_join_result():
+                signature.apply_async(add_to_parent=False)
             self.published += 1
             logger.info("Task %s[%s] published: its turn came", record.get("task"), task_id)
         except Exception:

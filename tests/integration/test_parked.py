@@ -17,11 +17,13 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 from collections import Counter
 from functools import partial
 
 import pytest
+from celery import _state as celery_state
 from celery.exceptions import WorkerLostError
 
 from celery_redlock import parking, policies
@@ -290,3 +292,28 @@ def test_the_parked_copy_of_a_run_that_already_ended_leaves_the_parked_runs(
         message="the ended run to leave the parked runs",
     )
     assert ended not in {i for i, *_ in runs_of(out)}, "it does not run again"
+
+
+def test_the_publisher_does_not_subscribe_to_the_results_of_what_it_publishes(
+    app, inprocess_worker_factory, tmp_path, monkeypatch
+):
+    """In a prefork worker's main process joins are allowed, so Celery subscribes a
+    caller's result backend to each task it sends. The publisher waits for no result:
+    it must not (a subscription per copy, for ever; and a pool child forked while it
+    subscribed inherited the subscription's lock held, and hung)."""
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    monkeypatch.setattr(celery_state, "_task_join_will_block", False)  # as in prefork's main
+    by_thread = []
+    consumer = type(app.backend.result_consumer)  # each thread has its own backend
+    consume_from = consumer.consume_from
+
+    def spy(self, task_id):
+        by_thread.append(threading.current_thread().name)
+        return consume_from(self, task_id)
+
+    monkeypatch.setattr(consumer, "consume_from", spy)
+    out = tmp_path / "runs"
+    results = [app.tasks["rated.call"].delay("sub", str(out)) for _ in range(7)]
+    assert [r.get(timeout=30) for r in results] == ["sub"] * 7
+    assert parking._publishers[id(app)].published >= 2, "runs were parked and published"
+    assert "celery_redlock-publisher" not in by_thread
