@@ -59,6 +59,7 @@ BENCHMARKS: dict[str, list[str]] = {
         *("--tasks", "30", "--cost-runs", "1", "--count-tasks", "30"),
     ],
     "slow_node": ["--duration", "0.5", "--runs", "1"],
+    "backlog": ["--sizes", "20", "--rates", "50"],
 }
 
 

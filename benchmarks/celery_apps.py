@@ -180,3 +180,39 @@ def add_rate_tasks(app: Celery, lock_url: str | None = None) -> Celery:
 
 #: The app the rate benchmark's workers load with ``-A benchmarks.celery_apps:rate_app``.
 rate_app = add_rate_tasks(create_app(), os.environ.get(LOCK_URL_ENV))
+
+
+# ---------------------------------------------------------------- backlogs of deferred runs
+
+#: The rates of the backlog benchmark, starts per second (:func:`add_backlog_tasks`).
+BACKLOG_RATES = (5, 50)
+
+
+def add_backlog_tasks(app: Celery) -> Celery:
+    """``app`` with the backlog benchmark's tasks, one trio per rate N of :data:`BACKLOG_RATES`.
+
+    ``backlog.celeryN`` (Celery's ``rate_limit="N/s"``), ``backlog.oursN`` (``lock_rate``,
+    shared: only the budget), ``backlog.requeueN`` (``lock_rate`` with the exclusive lock
+    and ``lock_on_busy="requeue"``); each records its start (:data:`STARTS_KEY`).
+    """
+    common: dict[str, Any] = {"bind": True, "shared": False}
+    locked = {**common, "base": LockedTask, "lock_ttl": LEASE_S, "lock_key": "backlog:{key}"}
+    tasks = []
+    for n in BACKLOG_RATES:
+        rate = f"{n}/s"
+        tasks += [
+            app.task(name=f"backlog.celery{n}", rate_limit=rate, **common)(_started),
+            app.task(name=f"backlog.ours{n}", lock_rate=rate, lock_mode="shared", **locked)(
+                _started
+            ),
+            app.task(name=f"backlog.requeue{n}", lock_rate=rate, lock_on_busy="requeue", **locked)(
+                _started
+            ),
+        ]
+    for task in tasks:
+        signals.task_postrun.connect(_count, sender=task, weak=False)
+    return app
+
+
+#: The app the backlog benchmark's workers load (``benchmarks.celery_apps:backlog_app``).
+backlog_app = add_backlog_tasks(create_app())

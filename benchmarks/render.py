@@ -98,6 +98,12 @@ ABOUT: dict[str, tuple[str, str]] = {
         "Rate limits",
         "`lock_rate` against Celery's `rate_limit` on two workers, and the cost of one admission.",
     ),
+    "backlog": (
+        "Backlogs of deferred runs",
+        "100 and 1,000 runs of one key sent at once to two prefork workers: re-publishes per "
+        "run and drain time for `lock_rate` alone and with `lock_on_busy=\"requeue\"`, "
+        "beside Celery's `rate_limit` (windows over the limit).",
+    ),
     "slow_node": (
         "A slow or silent node",
         "Throughput with one of three Redlock nodes slowed by 200 ms or blackholed, "

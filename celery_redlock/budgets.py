@@ -8,25 +8,27 @@ and a :class:`~celery_redlock.RateLimit` of the same name draws on it too.
 
 The admission is the last step before the body, after the execution lock (or shared
 slot) is taken: the start logged is the body's. A run that comes early holds nothing
-while it waits: it goes back on the queue (:func:`celery_redlock.policies.defer`: same
-task id, arguments and options, not a retry, published before this delivery is
-acknowledged) with a countdown to its place in line: the node serves the runs waiting
-for the key in the order they were refused, N per window (``rate.lua``), so a backlog
-of B runs comes back about B times, not B²/2N, and never all at the same instant; its
-lock is released as the delivery ends. A small random margin (at most
-:data:`MAX_MARGIN`, and a tenth of a slot) keeps a run from arriving a hair before its
-slot.
+while it waits: it is parked on the lock node (:mod:`celery_redlock.parking`: same task
+id, arguments and options, not a retry; this delivery is acknowledged) until its place
+in line: the node serves the runs waiting for the key in the order they were refused, N
+per window (``rate.lua``). When its place comes, a live worker logs its start in the
+budget and publishes its copy, once; the copy's admission moves that start to the
+body's moment (``owned``), so a backlog of B runs goes through the broker about B
+times more, whoever dies meanwhile. Its lock is released as the delivery ends.
 
-A worker holds a copy with a countdown in memory, unacknowledged, until it is due;
-the Redis and SQS brokers give a message held longer than their ``visibility_timeout``
-to another worker, and the run would start twice. So no countdown is longer than
-half that timeout (:func:`broker_visibility`, :data:`MAX_HOLD` for a broker without
-one): a run whose place is further away comes back, is refused, and goes back keeping
-its place.
+Where no node takes the run (a Redis Cluster), it goes back on the queue with a
+countdown to its place, held by a worker unacknowledged until due; the Redis and SQS
+brokers give a message held longer than their ``visibility_timeout`` to another worker,
+so no countdown is longer than half that timeout (:func:`broker_visibility`,
+:data:`MAX_HOLD` for a broker without one), and a small random margin (at most
+:data:`MAX_MARGIN`, and a tenth of a slot) keeps such a copy from arriving a hair
+before its slot.
 
 An eager run (``apply()``) has no queue: it sleeps until its slot, in its caller.
-Redis unreachable: as for the lock (the task fails with ``NodeUnavailable``, retries
-with ``lock_on_busy="retry"``, or runs without its budget with ``redlock_fail_open``).
+Redis unreachable or late: as for the lock (the run is put back for a while, then
+fails with ``NodeUnavailable``, :func:`~celery_redlock.policies.defer_unavailable`;
+retries with ``lock_on_busy="retry"``; runs without its budget with
+``redlock_fail_open``).
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from typing import Any
 
 from celery import Task
 
-from . import metrics
+from . import metrics, parking
 from .engine.lock import Redlock
 from .engine.rate import judge, rate_calls, return_calls
 from .exceptions import LockKeyError, NodeUnavailable
 from .options import TaskLockOptions
-from .policies import defer
+from .policies import defer, defer_unavailable, request_header
 from .settings import Settings
 
 __all__ = ["admit", "broker_visibility", "longest_hold"]
@@ -82,11 +84,15 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
     # A run on the queue is seen waiting (ls: QUEUED) from its refusal to its start,
     # both recorded by the admission's own call; an eager run waits in its caller.
     waiting = None if eager else task.request.id
+    # A parked run's copy: the publisher logged its start already (it owns its slot).
+    logged = None if eager else request_header(task.request, parking.MEMBER_HEADER)
     while True:
-        member = secrets.token_hex(8)
+        owned = isinstance(logged, str) and bool(logged)
+        member = str(logged) if owned else secrets.token_hex(8)
+        logged = None
         # Arrive just after the slot frees, not a hair before it (clocks, rounding).
         jitter = random.uniform(0, min(MAX_MARGIN, budget.window / budget.limit / 10))
-        call = rate_calls(keys, budget, member, task_id=waiting, jitter=jitter)
+        call = rate_calls(keys, budget, member, task_id=waiting, jitter=jitter, owned=owned)
         try:
             verdict = judge(nodeset.call([call]), nodeset.quorum)
             if not verdict.admitted and any(verdict.undo):
@@ -103,16 +109,20 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
                 return
             if options.on_busy == "retry":
                 raise task.retry(exc=exc, countdown=options.retry_countdown) from exc
+            defer_unavailable(task, task.request.id, exc, parking.Spot(nodeset, "later", lock.key))
             raise
         if not wait:
             return
-        countdown = min(wait + jitter, longest_hold(task.app))
         if metrics.enabled:
             metrics.deferred(task.name, "rate")
         if not eager:
             why = f"waits for its slot in {budget} of {lock.name}"
-            defer(task, task.request.id, countdown, why)
-        time.sleep(countdown)
+            # Parked until its place in line comes; on the queue (for at most half the
+            # broker's visibility timeout) if no node takes it.
+            spot = parking.spot(nodeset, "rate", lock.key, options, budget=budget)
+            countdown = min(wait + jitter, longest_hold(task.app))
+            defer(task, task.request.id, countdown, why, spot=spot)
+        time.sleep(wait + jitter)
 
 
 def longest_hold(app: Any) -> float:

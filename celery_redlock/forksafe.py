@@ -25,11 +25,19 @@ is logged and the others still run: one broken reset must not leave the rest hel
 ``tests/integration/test_fork_safety.py`` checks that every module creating a lock
 registers here, and forks while other threads are inside every kind of lock call.
 
+Locks the package does not own can be held too: Python's lock of a module being
+imported for the first time. ``socket.getaddrinfo`` imports the ``idna`` codec the
+first time a host name is looked up; a worker thread connecting for the first time
+while the main process forked left a pool child waiting for ever on that import (its
+first connect). So the codec is imported here, once, by whichever thread imports
+the package.
+
 This module imports nothing from the package, so every layer may use it.
 """
 
 from __future__ import annotations
 
+import encodings.idna  # noqa: F401 (imported before any thread can be first: see above)
 import logging
 import os
 import weakref

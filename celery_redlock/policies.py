@@ -17,11 +17,13 @@ What a busy lock does (``lock_on_busy``, :func:`apply_on_busy`):
 ``raise``    The task fails with ``LockBusy`` (key, holder task id, holder's TTL).
 ``wait``     Waits up to ``lock_wait_timeout`` seconds, woken by the holder's release;
              then fails with ``LockBusy`` if still held.
-``requeue``  Goes back on the queue (same task id, arguments and options; not a
-             retry: ``max_retries`` does not count it) after a jittered backoff that
-             doubles per requeue from 0.25 s, capped at the holder's lease left; holds
-             no pool process meanwhile (:func:`defer`), and starts as soon as the
-             key's release is announced (:mod:`celery_redlock.wakeups`).
+``requeue``  Parked on the lock node until the key is free (same task id, arguments
+             and options; not a retry: ``max_retries`` does not count it), then
+             published once by a live worker (:mod:`celery_redlock.parking`); holds
+             no pool process meanwhile (:func:`defer`). Where no node takes it, it
+             goes back on the queue after a jittered backoff that doubles per
+             requeue from 0.25 s, capped at the holder's lease left, and starts as
+             soon as the key's release is announced (:mod:`celery_redlock.wakeups`).
 ===========  ======================================================================
 
 A second delivery of a task id whose first delivery still holds the lock (acks_late
@@ -40,12 +42,13 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any, NoReturn
 
 from celery import Task, states
 from celery.exceptions import Ignore
 
-from . import abort, metrics, reaper
+from . import abort, metrics, parking, reaper
 from .engine.keys import keys_of
 from .engine.lock import Redlock
 from .engine.queued import note_queued
@@ -56,12 +59,15 @@ from .options import TaskLockOptions
 __all__ = [
     "DEFERRALS_HEADER",
     "REQUEUES_HEADER",
+    "UNAVAILABLE_BUDGET",
+    "UNAVAILABLE_HEADER",
     "Requeued",
     "Skipped",
     "already_done",
     "apply_on_busy",
     "apply_on_lost",
     "defer",
+    "defer_unavailable",
     "deferrals",
     "put_back",
     "request_header",
@@ -82,6 +88,15 @@ DEFERRALS_HEADER = "redlock_deferrals"
 #: Header of a copy put back because its key was busy: the lock key whose release may
 #: start it before its countdown (None: only the countdown).
 WAKE_HEADER = "redlock_wake"
+
+#: Header of a run put back because its lock nodes did not answer when it started:
+#: when that first happened (seconds since the epoch, the worker's clock).
+UNAVAILABLE_HEADER = "redlock_unavailable_since"
+
+#: Seconds a run whose lock nodes do not answer when it starts is put back for, in
+#: all, before it fails with NodeUnavailable: a node that answers late (a loaded
+#: machine) or restarts costs a delay, not the run.
+UNAVAILABLE_BUDGET = 30.0
 
 
 def apply_on_busy(
@@ -116,7 +131,14 @@ def apply_on_busy(
         # The worker holding the copy in its timer starts it early when the key is
         # released (celery_redlock.wakeups); the countdown is the fallback.
         why = f"waits for its key: {busy}"
-        defer(task, task_id, countdown, why, wake=busy.key, nodeset=nodeset)
+        spot = None
+        if nodeset is not None and busy.key:
+            # A run with a budget too is parked for both: taken when the key is free and
+            # admitted in its budget then, so it goes through the broker once, not once
+            # for its key and again for its slot.
+            kind = "busy" if options.rate is None else "rate"
+            spot = parking.spot(nodeset, kind, busy.key, options, budget=options.rate)
+        defer(task, task_id, countdown, why, wake=busy.key, nodeset=nodeset, spot=spot)
     if policy == "retry":
         logger.info(
             "Task %s[%s] retries in %ss: %s", task.name, task_id, options.retry_countdown, busy
@@ -193,13 +215,19 @@ def defer(
     *,
     wake: str | None = None,
     nodeset: NodeSet | None = None,
+    spot: parking.Spot | None = None,
+    headers: dict[str, Any] | None = None,
 ) -> NoReturn:
-    """Put this run back on the queue for ``countdown`` seconds, and end this delivery.
+    """Park this run (``spot``) or put it back on the queue, and end this delivery.
 
-    The copy is the same task id with its arguments and options (headers, links,
-    ``retries`` as they were: it is not a retry), published before this delivery ends,
-    so before an ``acks_late`` message is acknowledged; it waits in the broker and the
-    worker's timer, holding no pool process. Counted in :data:`DEFERRALS_HEADER`.
+    Parked (:mod:`celery_redlock.parking`): the run waits on a lock node, due in
+    ``countdown`` seconds (or when ``spot`` says), and a live worker publishes its copy
+    once then; this delivery is acknowledged. Without a ``spot``, or when no node takes
+    it, the copy goes back on the queue with a countdown: published before this delivery
+    ends, so before an ``acks_late`` message is acknowledged, it waits in the broker and
+    a worker's timer. Either way it holds no pool process, and it is the same task id
+    with its arguments and options (headers, links, ``retries`` as they were: it is not
+    a retry), counted in :data:`DEFERRALS_HEADER`, with ``headers`` added.
     ``wake``: the lock key whose release may start the copy before its countdown
     (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.wakeups` in the worker); the
     copy is recorded on ``nodeset`` among the runs waiting for it (``ls``: QUEUED), with
@@ -209,14 +237,64 @@ def defer(
     Raises:
         Requeued: always; the body must not run.
     """
-    headers: dict[str, Any] = {DEFERRALS_HEADER: deferrals(task.request) + 1}
+    added: dict[str, Any] = {**(headers or {}), DEFERRALS_HEADER: deferrals(task.request) + 1}
     # Always set: a copy deferred again by its rate must not keep an old key's wake.
-    headers[WAKE_HEADER] = wake
+    added[WAKE_HEADER] = wake
     if wake is not None and nodeset is not None:
         note_queued(nodeset, keys_of(wake), task_id, countdown)
-    put_back(task, countdown, headers=headers)
+    token = None
+    if spot is not None:
+        try:
+            token = parking.park(task, 0.0 if spot.kind == "busy" else countdown, added, spot)
+        except Exception:  # the queue still takes it
+            logger.exception("Task %s[%s]: parking failed", task.name, task_id)
+    if token is not None and token.parked:
+        logger.info("Task %s[%s] %s; parked, due in %.3fs", task.name, task_id, why, countdown)
+        raise Requeued(why)
+    if request_header(task.request, parking.PARKED_HEADER):
+        # A parked run's copy: its record is still parked (its copy's start removes it),
+        # due again when its take's lease ends; a copy on the queue as well would run
+        # it twice.
+        logger.info("Task %s[%s] %s; its parked record brings it back", task.name, task_id, why)
+        raise Requeued(why)
+    # No node took it. If one may have (no reply), the copy carries that parking's
+    # token: of it and the parked one, the first to start runs (parking.claim_start).
+    maybe = token.value if token is not None and token.maybe else None
+    put_back(
+        task, countdown, headers={**added, parking.PARKED_HEADER: None, parking.MAYBE_HEADER: maybe}
+    )
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
+
+
+def defer_unavailable(
+    task: Task, task_id: str, exc: BaseException, spot: parking.Spot | None
+) -> None:
+    """Put back a run whose lock nodes did not answer as it started (for a while).
+
+    Returns (the caller raises ``exc``) once they have not answered for
+    :data:`UNAVAILABLE_BUDGET` seconds since it first happened.
+
+    A reply that comes late (an overloaded machine, a failover) is no reason to fail
+    the run: it goes back like a busy one, with a backoff doubling from 0.5 s up to 5 s
+    (parked if a node takes it, else on the queue), counted in :data:`DEFERRALS_HEADER`.
+    An eager run has no queue: it raises at once.
+    """
+    if getattr(task.request, "is_eager", False):
+        return
+    try:
+        since = float(request_header(task.request, UNAVAILABLE_HEADER) or 0.0)
+    except (TypeError, ValueError):
+        since = 0.0
+    now = time.time()
+    since = since or now
+    if now - since >= UNAVAILABLE_BUDGET:
+        return
+    countdown = min(5.0, 0.5 * 2 ** min(deferrals(task.request), 4))
+    if metrics.enabled:
+        metrics.deferred(task.name, "unavailable")
+    why = f"found its lock nodes unavailable ({exc})"
+    defer(task, task_id, countdown, why, spot=spot, headers={UNAVAILABLE_HEADER: since})
 
 
 def put_back(

@@ -47,12 +47,23 @@ from celery.exceptions import Ignore
 from celery.result import EagerResult
 
 from . import abort, budgets, reaper, unique
+from .engine.keys import handed_key
 from .engine.lock import Redlock
 from .engine.names import call_lock_name, signature
 from .engine.queued import note_started
 from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
-from .policies import Skipped, already_done, apply_on_busy, apply_on_lost, deferrals, requeues
+from .parking import MAYBE_HEADER, PARKED_HEADER, Spot, can_park, claim_start
+from .policies import (
+    Skipped,
+    already_done,
+    apply_on_busy,
+    apply_on_lost,
+    defer_unavailable,
+    deferrals,
+    request_header,
+    requeues,
+)
 from .settings import Settings, from_conf
 
 __all__ = [
@@ -355,6 +366,15 @@ class LockedTask(Task):
             # A run put back by lock_on_busy="requeue" starts: it waits no more (ls:
             # QUEUED). Only such runs pay this call; a rated run's admission does it.
             note_started(lock.nodeset, lock.resources, task_id)
+        if lock is not None and not _first_copy(self, lock, settings, task_id):
+            # Another copy of this parked run started (its first worker died holding
+            # this one, or it waited past its take's lease): this one must not run. Its
+            # lock is released in task_postrun; a start it logged in its budget goes
+            # unused (fewer starts, never more).
+            logger.info(
+                "Task %s[%s] already started from another copy; not again", self.name, task_id
+            )
+            raise Ignore("another copy started")
         unique.started(self, options, settings, task_id, args, kwargs)
 
     def apply_async(
@@ -496,6 +516,7 @@ def acquire_for(
             return None
         if options.on_busy == "retry":
             raise task.retry(exc=exc, countdown=options.retry_countdown) from exc
+        defer_unavailable(task, task_id, exc, Spot(lock.nodeset, "later", lock.key))
         raise
     except LockBusy as busy:
         announce_lock(reaper.forget, lock, task_id)
@@ -518,7 +539,9 @@ def acquire_for(
     if maybe_duplicate and already_done(task, task_id):
         # Another delivery of this task id finished while this one waited: behind the
         # lock (wait), on the queue (retry, or requeued as a duplicate). Running it again
-        # would run the task twice.
+        # would run the task twice. A parked run's copy takes its run out of the
+        # parked runs (else it would come due again at each take's lease end).
+        _first_copy(task, lock, app_settings(task.app), task_id)
         lock.release()
         announce_lock(reaper.forget, lock, task_id)
         logger.info(
@@ -597,6 +620,31 @@ def announce_lock(send: Any, lock: Redlock, task_id: str) -> None:
     """Tell the worker's main process (or stop telling it) about each key of ``lock``."""
     for resource in lock.resources:
         send(task_id, resource.lock)
+
+
+def _first_copy(task: Task, lock: Redlock, settings: Settings, task_id: str) -> bool:
+    """Whether this delivery is the one copy of its run to start.
+
+    The last step before the body, so that a parked run stays parked (due again when
+    its take's lease ends) until a copy really starts.
+
+    Only a parked run's copy, and a message the broker gave again after its worker
+    died (it may have been parked since), pay this call (:func:`parking.claim_start`).
+    """
+    token = request_header(task.request, PARKED_HEADER) or request_header(
+        task.request, MAYBE_HEADER
+    )
+    redelivered = bool((getattr(task.request, "delivery_info", None) or {}).get("redelivered"))
+    if getattr(task.request, "is_eager", False) or not (token or redelivered):
+        return True
+    if not can_park(lock.nodeset):
+        return True  # nothing is parked there
+    visibility = budgets.broker_visibility(task.app)
+    # The stranded copy of a dead worker comes back after the broker's visibility
+    # timeout (Redis, SQS), or as its connection drops (AMQP): kept that long.
+    horizon = (visibility[1] if visibility else budgets.MAX_HOLD) + 60.0
+    gate = handed_key(lock.resources[0])
+    return claim_start(lock.nodeset, settings.key_prefix, task_id, str(token or ""), gate, horizon)
 
 
 def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> bool:

@@ -26,7 +26,10 @@ published: ``apply_async()`` returns that copy's ``AsyncResult``
 
 A claim lives as long as its copy: ``self.retry()`` and a copy put back on the queue
 carry it (the ``redlock_claimed`` header marks a copy sent with one, :func:`_carry`),
-over any countdown; a task id sent twice while queued publishes once.
+over any countdown; a task id sent twice while queued publishes once. An ``acks_late``
+``until_finished`` copy that starts extends its claim by the broker's visibility timeout
+(:func:`_outlive_the_worker`): if its whole worker dies, the broker's redelivery is
+still that copy, and no send in between publishes another.
 
 The claim is freed (by the worker that had the copy, keyed by its task id, so a
 freed claim is never someone else's) when the copy starts (``until_started``) or ends
@@ -81,7 +84,7 @@ from celery import Task, states
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from . import metrics
+from . import budgets, metrics
 from .engine.claims import admit, claim, start, unclaim
 from .engine.keys import LockKeys, lock_keys
 from .engine.names import call_lock_name
@@ -257,6 +260,8 @@ def started(
     Raises:
         Requeued: the copy was put back on the queue; its body must not run.
     """
+    if options.unique == "until_finished" and _acks_late(task):
+        _outlive_the_worker(task, options, settings, task_id, args, kwargs)
     if options.unique != "until_started" and options.debounce is None and options.throttle is None:
         return
     keys = _keys(task, options, settings, args, kwargs)
@@ -279,6 +284,42 @@ def started(
     else:
         _free(task, options, settings, keys, task_id)
     _handed().add(task_id)
+
+
+def _acks_late(task: Task) -> bool:
+    """Whether this delivery is acknowledged after its body (given again if its worker dies)."""
+    late = getattr(task.request, "acks_late", None)
+    return bool(task.acks_late if late is None else late) and not task.request.is_eager
+
+
+def _outlive_the_worker(
+    task: Task,
+    options: TaskLockOptions,
+    settings: Settings,
+    task_id: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """An ``acks_late`` copy starts: its claim lives until the broker could give it again.
+
+    If the whole worker dies now, nothing frees the claim and nothing stores a result;
+    the broker gives the message to another worker after its ``visibility_timeout``
+    (Redis, SQS; at once on AMQP, as the connection drops). That delivery is the same
+    copy, so the claim must last until then, and ``lock_unique_ttl`` more for it to
+    start: else a send in between (once the dead worker's lease, which stands in for
+    the claim while the copy runs, has ended) would publish a second copy. The claim is
+    freed as usual when the copy ends. One call, for such copies only.
+    """
+    keys = _keys(task, options, settings, args, kwargs)
+    if keys is None:
+        return
+    visibility = budgets.broker_visibility(task.app)
+    ttl = options.unique_ttl + (visibility[1] if visibility else 0.0)
+    nodeset = NodeSet.get(settings.node_urls(), timeout=options.timing.node_timeout)
+    try:
+        claim(nodeset, keys, task_id, min(ttl, MAX_SECONDS), task_name=task.name)
+    except NodeUnavailable as exc:
+        logger.warning("Task %s[%s]: its claim is not extended: %s", task.name, task_id, exc)
 
 
 def ended(

@@ -1,7 +1,9 @@
 """A run put back because its key was busy starts when the key is released.
 
-``lock_on_busy="requeue"`` puts a busy run back on the queue with a countdown
-(:func:`celery_redlock.policies.apply_on_busy`): the copy is an ETA message, which
+``lock_on_busy="requeue"`` parks a busy run on its lock node
+(:mod:`celery_redlock.parking`); where no node takes it (a Redis Cluster), it goes back
+on the queue with a countdown (:func:`celery_redlock.policies.apply_on_busy`), as does a
+second delivery of a task id that holds its lock: the copy is an ETA message, which
 the worker that receives it keeps in its timer until the countdown ends, holding no
 pool process. The countdown is a guess (a backoff, capped at the holder's lease); the
 holder usually ends long before. So the copy carries the busy key

@@ -16,8 +16,10 @@ from it, and the worker does not start.
                               lock the ``redlock_tasks`` of configuration-only
                               setups; prefork: open the pipe children report on
 ``RedlockStep.start``         start the renewer (solo, threads) or the reaper
-                              that releases a dead child's locks (prefork)
-``worker_process_init``       in each prefork child: start its own renewer
+                              that releases a dead child's locks (prefork), and
+                              the publisher of parked runs (``parking``)
+``worker_process_init``       in each prefork child: start its own renewer, and
+                              a watch that ends the child if its main process dies
 ``worker_process_shutdown``   in each prefork child: tell the main process what
                               it released since its last lock
 ``task_postrun``              release the execution's lock if the body's end
@@ -38,14 +40,18 @@ from it, and the worker does not start.
 from __future__ import annotations
 
 import logging
+import os
+import time
+from functools import partial
 from typing import Any
 
 from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
-from . import config_only, metrics, reaper, unique, wakeups
+from . import config_only, metrics, parking, reaper, unique, wakeups
 from .beat import check_configuration
 from .engine.renewal import get_renewer
+from .engine.threads import start_daemon
 from .exceptions import ConfigurationError
 from .nodes import NodeSet, safe_url
 from .options import TASK_OPTIONS
@@ -89,9 +95,12 @@ class RedlockStep(bootsteps.StartStopStep):
                 )
         self.prefork = _is_prefork(worker)
         self.reaper = None
-        if locked and self.prefork:
-            nodeset = NodeSet.get(settings.node_urls(), timeout=settings.timing.node_timeout)
-            self.reaper = _reaper = Reaper(nodeset)
+        self.nodeset = None
+        if locked:
+            self.nodeset = NodeSet.get(settings.node_urls(), timeout=settings.timing.node_timeout)
+        if self.nodeset is not None and self.prefork:
+            self.reaper = _reaper = Reaper(self.nodeset)
+        self.app, self.prefix = app, settings.key_prefix
         logger.info(
             "celery_redlock: %d locked task(s) on %s",
             len(locked),
@@ -106,11 +115,15 @@ class RedlockStep(bootsteps.StartStopStep):
             self.reaper.start()
         if not self.prefork:
             get_renewer().start()
+        if self.nodeset is not None and parking.can_park(self.nodeset):
+            # Every worker publishes the parked runs that come due, whichever parked them.
+            parking.start_publisher(self.app, self.nodeset, self.prefix)
 
     def stop(self, worker: Any) -> None:
-        """Stop watching pool children, and listening for the keys copies wait for."""
+        """Stop watching pool children, publishing parked runs, listening for releases."""
         if self.reaper is not None:
             self.reaper.stop()
+        parking.stop_publisher(self.app)
         wakeups.stop()
 
     shutdown = stop
@@ -157,6 +170,30 @@ def _on_worker_process_init(**kwargs: Any) -> None:
     if _reaper is not None:
         _reaper.child_init()
     get_renewer().start()
+    if _reaper is not None:
+        # A prefork child. (The solo pool sends this signal in the worker's own process,
+        # whose parent is a shell or a supervisor: it must outlive them.)
+        start_daemon(partial(_exit_when_orphaned, os.getppid()), "celery_redlock-orphan-watch")
+
+
+#: Seconds between a pool child's looks at whether its worker's main process lives.
+ORPHAN_CHECK = 1.0
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """End this pool child once its worker's main process is gone (SIGKILL, OOM).
+
+    Celery asks the kernel to kill pool children with their main process
+    (``PR_SET_PDEATHSIG``, Linux only). Where that does not happen, billiard does not
+    stop a child whose parent died: it waits on its task pipe, whose write end its
+    siblings still hold, and its renewer would go on renewing the lock of the run it
+    had, where a whole dead worker's locks must end within one lease. Its results could
+    not be reported anyway. The lease it held then ends by its TTL.
+    """
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_CHECK)
+    logger.critical("celery_redlock: the worker's main process %d is gone; exiting", parent)
+    os._exit(70)  # EX_SOFTWARE; no cleanup that could wait on the dead parent
 
 
 @signals.worker_process_shutdown.connect(dispatch_uid="celery_redlock.worker_process_shutdown")

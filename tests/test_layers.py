@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "reaper",
             "unique",
             "budgets",
+            "parking",
             "wakeups",
         },
     ),

@@ -52,6 +52,21 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               QUEUED_GRACE after it was due (a run purged or
                               revoked on the queue); the key expires then too
 
+Beside a lock's keys, one place per prefix holds the runs that wait their turn
+(``lock_rate``, ``lock_on_busy="requeue"``; :mod:`celery_redlock.parking`)::
+
+    redlock:parked            sorted set: parked run (task id) -> when it is due, or
+                              when its take's lease ends, in ms on the node's clock
+    redlock:parked:runs       hash: task id -> the run (JSON: its message, how it
+                              waits, its token)
+    redlock:parked:taken      hash: task id -> how often a worker took it to publish
+    redlock:parked:started    sorted set: ``task id:token`` of runs published more
+                              than once whose copy started -> when (ms); kept a
+                              horizon (the broker's redelivery time) for the other
+                              copies to find
+    redlock:{NAME}:handed     string, short-lived: a run waiting for NAME's release
+                              was just published (one at a time per key)
+
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all. Redis hashes a key by the text between its first
 ``{`` and the first ``}`` after it, and by the whole key when that text is empty; so
@@ -88,11 +103,14 @@ __all__ = [
     "WRITER_MARK",
     "YIELD_MARK",
     "LockKeys",
+    "ParkedKeys",
     "claim_key",
+    "handed_key",
     "is_lock_key",
     "keys_of",
     "lock_keys",
     "lock_name_of",
+    "parked_keys",
     "parse_key",
     "process_channel",
     "release_keys",
@@ -235,6 +253,31 @@ def claim_key(keys: LockKeys, task_name: str) -> str:
     """
     tag = hashlib.sha256(task_name.encode("utf-8", "surrogatepass")).hexdigest()
     return f"{keys.claim}:{tag[:CLAIM_TAG_LENGTH]}"
+
+
+class ParkedKeys(NamedTuple):
+    """The keys of the runs parked under one prefix (:mod:`celery_redlock.parking`)."""
+
+    due: str
+    runs: str
+    taken: str
+    started: str
+
+
+def parked_keys(prefix: str = DEFAULT_PREFIX) -> ParkedKeys:
+    """Where the runs that wait their turn are parked, under ``prefix``.
+
+    Not per lock: every worker takes due runs with one call per node, whatever the
+    number of keys with runs waiting. (So one slot of a Redis Cluster: parking
+    there falls back to the broker, :mod:`celery_redlock.parking`.)
+    """
+    base = f"{validate_prefix(prefix)}parked"
+    return ParkedKeys(base, f"{base}:runs", f"{base}:taken", f"{base}:started")
+
+
+def handed_key(keys: LockKeys) -> str:
+    """The hand-off mark of the lock ``keys``: a run waiting for it was just published."""
+    return f"{keys.lock}:handed"
 
 
 def parse_key(key: str, prefix: str = DEFAULT_PREFIX) -> tuple[LockKeys, str] | None:

@@ -65,7 +65,7 @@ from ..nodes import Call, NodeSet, Reply
 from ..nodes.aio import AsyncNodeSet
 from .keys import DEFAULT_PREFIX, QUEUED_GRACE, LockKeys, lock_keys
 from .lock import DEFAULT_URL
-from .scripts import RATE, RATE_PEEK, RATE_RETURN, RateStatus
+from .scripts import RATE, RATE_OWNED, RATE_PEEK, RATE_RETURN, RateStatus
 from .timing import DEFAULT_NODE_TIMEOUT, MIN_NODE_TIMEOUT, seconds
 
 __all__ = [
@@ -153,6 +153,7 @@ def rate_calls(
     peek: bool = False,
     task_id: str | None = None,
     jitter: float = 0.0,
+    owned: bool = False,
 ) -> Call:
     """The ``rate.lua`` call admitting (or, ``peek``, counting) one start of ``keys``.
 
@@ -160,9 +161,13 @@ def rate_calls(
     the queue when refused) a refusal also records the run in ``keys.queued``, due
     at the end of its wait plus ``jitter`` seconds, and an admission removes it: in
     the same call, so a run pays no round trip for being seen waiting.
+
+    ``owned``: ``member`` was logged for this run earlier (a parked run's publisher
+    logged it before publishing the copy): the start moves to now if the window still
+    has room for it there, else it is given back and the run refused.
     """
     queued = (round(jitter * 1000), round(QUEUED_GRACE * 1000)) if task_id else ("", "")
-    return (RATE_PEEK if peek else RATE).on(
+    return (RATE_PEEK if peek else RATE_OWNED if owned else RATE).on(
         keys, limit=budget.limit, window_ms=budget.window_ms, member=member,
         task_id=task_id or "", jitter_ms=queued[0], grace_ms=queued[1],
     )  # fmt: skip

@@ -156,6 +156,8 @@ class LockNode(Protocol):
     safe_url: str
     #: The longest node timeout asked for (seconds); see :meth:`widen_timeout`.
     timeout: float
+    #: Whether the keys of one call must share a hash slot (a Redis Cluster).
+    slotted: bool
 
     def widen_timeout(self, timeout: float) -> None:
         """Let calls through this node (shared by every lock on its URL) take up to ``timeout``."""

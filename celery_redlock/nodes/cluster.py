@@ -176,6 +176,8 @@ class ClusterNode:
     connection pool, same timeouts, no retries) and the slot map.
     """
 
+    slotted = True
+
     def __init__(self, url: str, *, timeout: float) -> None:
         self.url = url
         self.safe_url = sanitize_url(url)

@@ -57,6 +57,8 @@ class Node:
     in a forked child, which opens its own.
     """
 
+    slotted = False
+
     def __init__(self, url: str, *, timeout: float) -> None:
         #: The pool of a Sentinel-managed node (None otherwise): it knows the master.
         self._sentinel: SentinelConnectionPool | None = None

@@ -40,6 +40,62 @@ def record(self, key, out, hold=0.0):
     return key
 
 
+def record_counted(self, key, out, hold=0.0):
+    """As :func:`record`, with a 7th field: how often the run was put back before this
+    delivery (its ``redlock_deferrals`` header): the copies of it the broker carried."""
+    from celery_redlock.policies import deferrals
+
+    started = time.time()
+    if hold:
+        time.sleep(hold)
+    redelivered = int(bool((self.request.delivery_info or {}).get("redelivered")))
+    line = (
+        f"{self.request.id} {key} {started:.6f} {time.time():.6f} {os.getpid()} "
+        f"{redelivered} {deferrals(self.request)}\n"
+    )
+    fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+    return key
+
+
+def add_backlog_tasks(app: Celery) -> Celery:
+    """Tasks for backlogs of parked runs (tests/integration/test_parked.py).
+
+    ``backlog.rate`` (20/s, shared: only the budget bounds it), ``backlog.rate_requeue``
+    (20/s with the exclusive lock and ``lock_on_busy="requeue"``), ``backlog.requeue``
+    (exclusive, ``lock_on_busy="requeue"``); each with a 3 s lease: a dead holder's key
+    frees soon.
+    """
+    common = {"base": LockedTask, "bind": True, "shared": False, "max_retries": 0}
+    app.task(
+        name="backlog.rate",
+        lock_key="fast:{key}",
+        lock_rate="20/s",
+        lock_mode="shared",
+        lock_ttl=3.0,
+        **common,
+    )(record_counted)
+    app.task(
+        name="backlog.rate_requeue",
+        lock_key="fast-one:{key}",
+        lock_rate="20/s",
+        lock_on_busy="requeue",
+        lock_ttl=3.0,
+        **common,
+    )(record_counted)
+    app.task(
+        name="backlog.requeue",
+        lock_key="turn:{key}",
+        lock_on_busy="requeue",
+        lock_ttl=3.0,
+        **common,
+    )(record_counted)
+    return app
+
+
 def make_rated_app(redis_url: str, **conf: object) -> Celery:
     """An app with rate-limited tasks; ``max_retries=0`` on each (a retry would fail)."""
     conf = {"redlock_url": redis_url_with_db(redis_url, 0), **conf}
@@ -68,7 +124,7 @@ def make_rated_app(redis_url: str, **conf: object) -> Celery:
         ("rated.plain", {"lock_key": "plain:{key}"}),
     ):
         app.task(name=name, **common, **options)(record)
-    return app
+    return add_backlog_tasks(app)
 
 
 #: Seconds after which the broker gives an unacknowledged message to another worker.

@@ -159,3 +159,29 @@ def make_unique_app(redis_url: str, **conf: object) -> Celery:
 
 #: The app worker subprocesses load with ``-A tests.apps.unique``.
 app = make_unique_app(REDIS_URL)
+
+
+def make_late_unique_app(redis_url: str, **conf: object) -> Celery:
+    """The unique tasks acknowledged after the body (``acks_late``), with a 3 s lease, a
+    2 s claim (``lock_unique_ttl``) and a broker that gives a dead worker's messages to
+    another within seconds (5 s)."""
+    return make_unique_app(
+        redis_url,
+        **{
+            "redlock_ttl": 3.0,
+            "redlock_unique_ttl": 2.0,
+            "task_acks_late": True,
+            "broker_transport_options": {
+                "visibility_timeout": 5,
+                "unacked_restore_interval": 1,
+                "unacked_restore_throttle": 1,
+            },
+            **conf,
+        },
+    )
+
+
+#: ``-A tests.apps.unique:late``.
+late = make_late_unique_app(REDIS_URL)
+#: ``-A tests.apps.unique:short``: a 3 s lease (a dead worker's lock ends soon).
+short = make_unique_app(REDIS_URL, redlock_ttl=3.0)

@@ -14,6 +14,8 @@ import contextlib
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -112,6 +114,18 @@ def fork_and_bound(url: str, name: str, child: Callable[[], int] | None = None) 
 @pytest.fixture
 def url(redis_node) -> str:
     return redis_node.url
+
+
+def test_importing_the_package_imports_the_codec_a_first_host_lookup_would():
+    """A fresh interpreter that imports celery_redlock has the ``idna`` codec imported:
+    no thread of a worker can be the first to import it (``socket.getaddrinfo`` does,
+    for a host name) while the main process forks, which left a prefork child hung on
+    that import's lock (CI: a child that never ran a task)."""
+    code = "import sys, celery_redlock; print('encodings.idna' in sys.modules)"
+    found = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True
+    )
+    assert found.stdout.strip() == "True", found.stderr
 
 
 def test_a_forked_child_knows_its_own_process_id(url):

@@ -9,15 +9,16 @@ more than 3 deep.
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import time
 from collections import Counter, defaultdict
-from datetime import datetime
 
 import pytest
 from celery.worker import state as worker_state
 
+from celery_redlock.parking import PARKED_HEADER
 from celery_redlock.policies import DEFERRALS_HEADER
 from tests.apps.rated import make_late_app, make_rated_app
 from tests.harness import close_app, unique_nodename, wait_for
@@ -40,12 +41,6 @@ def runs_of(out):
     return [(i, k, float(s), float(e), int(p)) for i, k, s, e, p, _ in map(str.split, lines)]
 
 
-def redelivered_runs(out):
-    """The task ids of the runs whose message the broker delivered again."""
-    lines = out.read_text().splitlines() if out.exists() else []
-    return [i for i, *_, again in map(str.split, lines) if again == "1"]
-
-
 def get(result, timeout=60):
     return result.get(timeout=timeout, disable_sync_subtasks=False)
 
@@ -54,6 +49,20 @@ def deferred_copies_waiting(server):
     """Unacknowledged messages (held by a worker) that are deferred copies of a run."""
     held = server.client(db=1).hvals("unacked")
     return [m for m in map(json.loads, held) if m[0]["headers"].get(DEFERRALS_HEADER)]
+
+
+def parked_runs(server):
+    """The runs parked in Redis (db 0): task id -> (due time, epoch s; the copy's headers)."""
+    client = server.client(db=0)
+    parked = {}
+    for task_id, due in client.zrange("redlock:parked", 0, -1, withscores=True):
+        text = client.hget("redlock:parked:runs", task_id)
+        if text is None:
+            continue  # its copy started since the zrange
+        record = json.loads(text)
+        fields = json.loads(base64.b64decode(record["body"]))
+        parked[task_id] = (due / 1000, fields["options"]["headers"])
+    return parked
 
 
 def busiest_window(starts, window=1.0):
@@ -97,11 +106,13 @@ def test_two_prefork_workers_share_each_keys_budget_exactly(app, worker_process_
 
 def test_a_worker_killed_mid_backlog_loses_no_run(celery_redis, worker_process_factory, tmp_path):
     """acks_late: 25 calls of one key at 5/s on two prefork workers; one worker (its main
-    process and pool children) is SIGKILLed while the backlog drains, holding messages
-    unacknowledged (deferred copies waiting in its timer, prefetched ones). The broker
-    gives them to the other worker once the visibility timeout passes: every task id
-    runs and ends SUCCESS, and no second holds more than 5 starts, counting the killed
-    worker's (a start it was admitted for and never ran only leaves a slot unused).
+    process and pool children) is SIGKILLed while the backlog drains. The early runs wait
+    parked in Redis, not in any worker; messages the killed worker held unacknowledged
+    (prefetched, or a parked run's copy it received) come back to the other worker once
+    the visibility timeout passes, or (parked copies) are published again when their
+    take's lease ends: every task id runs and ends SUCCESS, and no second holds more than
+    5 starts, counting the killed worker's (a start it was admitted for and never ran
+    only leaves a slot unused).
 
     A task id may run twice in one way only: its first run was in the killed worker,
     which died after the body wrote its record and before the run's result was stored
@@ -128,7 +139,9 @@ def test_a_worker_killed_mid_backlog_loses_no_run(celery_redis, worker_process_f
             timeout=60,
             interval=0.01,
         )
-        assert deferred_copies_waiting(celery_redis), "copies wait for their slot, unacked"
+        assert parked_runs(celery_redis), "runs wait for their slot parked in Redis"
+        held = deferred_copies_waiting(celery_redis)
+        assert all(m[0]["headers"].get(PARKED_HEADER) for m in held), "no ETA copy is held"
         killed_at = time.time()
         workers[0].kill()
         assert len(runs_of(out)) < 20, "the kill came while the backlog drained"
@@ -139,9 +152,8 @@ def test_a_worker_killed_mid_backlog_loses_no_run(celery_redis, worker_process_f
     runs = runs_of(out)
     assert {i for i, *_ in runs} == {r.id for r in results}, "every task id ran"
     assert busiest_window(sorted(s for _, _, s, _, _ in runs)) <= 5, runs
-    again = redelivered_runs(out)
-    # The killed worker held messages, and the broker gave them to the other one.
-    assert any(i in again and p in survivor_pids and s > killed_at for i, _, s, _, p in runs)
+    # The other worker ran the rest: the parked runs, whichever worker parked them.
+    assert any(p in survivor_pids and s > killed_at for i, _, s, _, p in runs)
     for task_id, count in Counter(i for i, *_ in runs).items():
         if count > 1:
             first, second, *more = sorted((r for r in runs if r[0] == task_id), key=lambda r: r[2])
@@ -305,36 +317,34 @@ def test_a_message_delivered_again_after_its_run_finished_does_not_run_again(
 def test_a_backlog_is_put_back_once_each_to_its_own_place_in_line(
     app, celery_redis, inprocess_worker_factory, tmp_path
 ):
-    """25 runs of a 5/m key sent at once: 5 start, and each of the 20 others is put back
-    once, with a countdown to its own place in line: 5 due one window after the first
-    starts, 5 two windows after, and so on. So each comes back once (before: every run
-    came back at the next slot, and every window until it won one: about 25 + 20 + 15 +
-    10 + 5 = 75 deliveries, B²/2N).
+    """25 runs of a 5/m key sent at once: 5 start, and each of the 20 others is parked
+    in Redis once, due at its own place in line: 5 due one window after the first
+    starts, 5 two windows after, and so on. So each goes through the broker once more
+    (before: every run came back at the next slot, and every window until it won one:
+    about 25 + 20 + 15 + 10 + 5 = 75 deliveries, B²/2N), and no worker holds it
+    meanwhile (before: an unacknowledged ETA message in a worker's memory, stranded
+    for the broker's visibility timeout if that worker died).
 
     A minute's window makes every count here exact whatever the machine's load: all 25
-    are judged within seconds, and no copy is due before the test ends, so the worker
-    accepted exactly 25 deliveries. (The same with 5/s counted the deliveries of the
-    whole backlog, which depended on it: a copy that came back late took its start
-    late, and the copy one window behind it was refused once more; 51 deliveries for
-    25 runs under load.) The copies' due times are their messages' ETAs, as the worker
-    holds them unacknowledged."""
+    are judged within seconds, and no run is due before the test ends, so the worker
+    accepted exactly 25 deliveries."""
     inprocess_worker_factory(app, pool="threads", concurrency=4)
     out = tmp_path / "runs"
     before = worker_state.total_count.get("rated.per_minute", 0)
     results = [app.tasks["rated.per_minute"].delay("m", str(out)) for _ in range(25)]
-    copies = wait_for(
-        lambda: len(found := deferred_copies_waiting(celery_redis)) == 20 and found,
+    waiting = wait_for(
+        lambda: len(found := parked_runs(celery_redis)) == 20 and found,
         timeout=60,
-        message="the 20 early runs to wait in the worker, put back",
+        message="the 20 early runs to be parked",
     )
     wait_for(lambda: len(runs_of(out)) == 5, timeout=60, message="the first 5 to run")
     assert worker_state.total_count.get("rated.per_minute", 0) - before == 25, "no copy is back"
+    assert not deferred_copies_waiting(celery_redis), "no worker holds a copy: none is due"
     starts = sorted(s for _, _, s, _, _ in runs_of(out))
     ran = {i for i, *_ in runs_of(out)}
-    waiting = {m[0]["headers"]["id"]: m[0]["headers"] for m in copies}
     assert ran | waiting.keys() == {r.id for r in results} and not ran & waiting.keys()
-    assert {h[DEFERRALS_HEADER] for h in waiting.values()} == {1}, "each put back once"
-    due = sorted(datetime.fromisoformat(h["eta"]).timestamp() for h in waiting.values())
+    assert {h[DEFERRALS_HEADER] for _, h in waiting.values()} == {1}, "each put back once"
+    due = sorted(at for at, _ in waiting.values())
     for place, at in enumerate(due):
         # Its place's slot: the (place % 5)-th first start leaves the window of 60 s
         # place // 5 windows on (plus 30 ms of lag allowed per window, and its margin).

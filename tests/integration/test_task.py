@@ -18,6 +18,7 @@ from celery_redlock import (
     NodeUnavailable,
     Redlock,
     abort,
+    policies,
 )
 from celery_redlock.engine.renewal import get_renewer
 from tests.apps.locked import create_app
@@ -250,8 +251,10 @@ def test_unkeyable_argument_fails_naming_task_and_argument(celery_redis, inproce
 
 
 @pytest.mark.smoke
-def test_redis_down_fails_closed(celery_redis, inprocess_worker_factory, tmp_path):
-    """Lock nodes unreachable: the body does not run and the task fails with NodeUnavailable."""
+def test_redis_down_fails_closed(celery_redis, inprocess_worker_factory, tmp_path, monkeypatch):
+    """Lock nodes unreachable: the body does not run; the run is put back until
+    UNAVAILABLE_BUDGET (1 s here) has passed, then fails with NodeUnavailable."""
+    monkeypatch.setattr(policies, "UNAVAILABLE_BUDGET", 1.0)
     app = create_app(
         celery_redis.url,
         redlock_url=f"redis://127.0.0.1:{free_port()}/0",

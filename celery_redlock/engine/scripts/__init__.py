@@ -54,7 +54,9 @@ __all__ = [
     "INSPECT",
     "NOTE_QUEUED",
     "NOTE_STARTED",
+    "PARK",
     "RATE",
+    "RATE_OWNED",
     "RATE_PEEK",
     "RATE_RETURN",
     "RELEASE",
@@ -64,8 +66,10 @@ __all__ = [
     "RELEASE_WAKE",
     "RENEW_MANY",
     "SCRIPTS",
+    "TAKE_DUE",
     "THROTTLE",
     "UNCLAIM",
+    "UNPARK",
     "WAKE_LEAVE",
     "AcquireStatus",
     "BeatClaimStatus",
@@ -79,6 +83,7 @@ __all__ = [
     "RenewStatus",
     "Script",
     "UnclaimStatus",
+    "UnparkStatus",
 ]
 
 
@@ -169,6 +174,14 @@ class UnclaimStatus(enum.IntEnum):
     TAKEN = -1  #: held by another task id: left alone
     GONE = 0
     FREED = 1
+
+
+class UnparkStatus(enum.IntEnum):
+    """Reply of ``unpark.lua``."""
+
+    DUPLICATE = 0  #: another copy of the run started, or the run is parked: do not start
+    START = 1  #: this copy is the run's; it left the parked runs
+    UNKNOWN = 2  #: no record of the run (expired, or the node lost it): start
 
 
 def _lua_string(text: str) -> str:
@@ -458,9 +471,11 @@ _rate = functools.partial(
     libraries=("queued",),
 )
 #: Admits one start under a budget (or refuses it, putting its run in line).
-RATE = _rate("rate", constants={"PEEK": False})
+RATE = _rate("rate", constants={"PEEK": False, "OWNED": False})
 #: Counts the starts in the window and the wait for the next, writing nothing.
-RATE_PEEK = _rate("rate_peek", constants={"PEEK": True})
+RATE_PEEK = _rate("rate_peek", constants={"PEEK": True, "OWNED": False})
+#: Admits a start logged earlier for this run (a parked run's copy) at this moment.
+RATE_OWNED = _rate("rate_owned", constants={"PEEK": False, "OWNED": True})
 RATE_RETURN = Script("rate_return", keys=("rate",), argv=("member",))
 NOTE_QUEUED = Script(
     "note_queued",
@@ -470,6 +485,25 @@ NOTE_QUEUED = Script(
 )
 NOTE_STARTED = Script("note_started", keys=("queued*",), argv=("task_id",))
 BUDGET_READ = Script("budget_read", keys=("rate", "budget", "queued"), argv=("grace_ms",))
+#: Parks a run that must wait (or puts a taken one back), on one node.
+PARK = Script(
+    "park",
+    keys=("due", "runs", "taken", "gate*"),
+    argv=("task_id", "run", "delay_ms", "lifetime_ms"),
+)
+#: Takes the parked runs that are due, each under a lease, to publish.
+TAKE_DUE = Script(
+    "take_due",
+    keys=("due", "runs", "taken"),
+    argv=("most", "lease_ms", "recheck_ms", "handoff_ms"),
+)
+#: Whether a parked run's copy may start; it then leaves the parked runs.
+UNPARK = Script(
+    "unpark",
+    keys=("due", "runs", "taken", "started", "gate*"),
+    argv=("task_id", "token", "horizon_ms", "member"),
+    status=UnparkStatus,
+)
 
 #: Every script the package runs.
 SCRIPTS: tuple[Script, ...] = tuple(

@@ -1,9 +1,11 @@
 -- rate: admit one start of a key under a budget of N starts per sliding window
 -- (lock_rate, RateLimit), judged on this node's clock. A log of the starts, exact.
 --
--- Two scripts run this file, told apart by the prelude's PEEK (never by an argument):
--- rate admits (or refuses) a start; rate_peek only counts, and writes nothing but the
--- trim.
+-- Three scripts run this file, told apart by the prelude's PEEK and OWNED (never by an
+-- argument): rate admits (or refuses) a start; rate_peek only counts, and writes
+-- nothing but the trim; rate_owned admits a start logged earlier for this run (a
+-- parked run's copy: its publisher logged the start before publishing it) at this
+-- moment instead.
 --
 -- KEYS[1]  rate       the key's starts (sorted set: member -> start time in ms, node
 --                     clock)
@@ -26,7 +28,7 @@
 --          {2, used, wait_ms}  peek: used now, and wait_ms until a start would be
 --                              admitted (0: now)
 -- A member logged already (the same admission sent again) is admitted again without a
--- second entry. The key expires one window after its last start: nothing of it
+-- second entry (except by rate_owned: then it is judged again, at now). The key expires one window after its last start: nothing of it
 -- outlives its last use by more than one window.
 --
 -- Starts are logged in ms with the node clock's microseconds as decimals, and a start
@@ -121,8 +123,16 @@ if PEEK then
     return {2, used, wait_ms(0)}
 end
 if redis.call('ZSCORE', KEYS[1], member) then
-    starts()
-    return {1, used, 0}
+    if not OWNED then
+        starts()
+        return {1, used, 0}
+    end
+    -- The start logged for this run kept its slot while the run went through the
+    -- broker; it moves to now, the body's start, if the window still has room for it
+    -- without it (the copy may come late: the starts logged since must not be crowded
+    -- into one window with it). Else it is given back and the run is refused as any.
+    redis.call('ZREM', KEYS[1], member)
+    used = used - 1
 end
 if used >= limit then
     local wait = wait_ms(waiting_ahead())

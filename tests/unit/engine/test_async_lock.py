@@ -289,7 +289,11 @@ def test_an_undo_still_on_its_way_cannot_delete_the_next_attempts_lock(redis_fac
         await asyncio.gather(lock.locked(), other.locked())
         holder = Redlock("undo", nodes=urls, ttl=0.35, auto_renew=False)
         holder.acquire()
-        slow.slow_current(0.4)
+        # Slowed well past the holder's lease: the attempt after it finds both old
+        # connections still owing their replies, even on a loaded machine, and opens a
+        # fresh one (slowed by 0.4 s, a late attempt could reuse the first connection
+        # once its reply came, and never reach node 1 in time: CI under load).
+        slow.slow_current(1.5)
         assert await lock.acquire(timeout=5)
         wait_for(lambda: slow.pending() == 0, timeout=5, message="the slow requests arrived")
         held_there = servers[1].client().hget("redlock:{undo}", "token")

@@ -8,6 +8,7 @@ move slots or kill a master get a fresh one (the ``redis_cluster`` fixture).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import pytest
@@ -23,9 +24,11 @@ from celery_redlock.nodes.cluster import CrossSlotError, MasterUnavailable
 from celery_redlock.ops.doctor import diagnose
 from celery_redlock.settings import from_conf
 from tests.apps.locked import create_app
+from tests.apps.rated import make_rated_app
 from tests.harness import close_app, wait_for
 from tests.harness.cluster import RedisCluster, slot_of
 from tests.harness.fences import CLOCK_FENCE_MIN, assert_clock_fence, assert_counter_expires
+from tests.integration.test_rate import runs_of
 from tests.unit.nodes.test_topologies import (
     MINIMAL_ACL,
     certificates,  # noqa: F401 (fixture)
@@ -515,6 +518,30 @@ def test_a_locked_task_runs_with_a_cluster_url(
         assert result["label"] == "first" and result["fence"] > CLOCK_FENCE_MIN
         assert exists(cluster, f"{result['key']}:fence")
         assert not exists(cluster, result["key"]), "released after the run"
+    finally:
+        close_app(app)
+
+
+def test_runs_that_must_wait_go_back_on_the_queue_on_a_cluster(
+    cluster, celery_redis, inprocess_worker_factory, tmp_path, caplog
+):
+    """A cluster keeps no parked runs (their keys would span slots): 7 runs of a 5/s key
+    with requeue each run once, put back on the queue; nothing was parked, and no
+    parking or publishing was tried (it failed across slots, logged as an error)."""
+    app = make_rated_app(celery_redis.url, redlock_url=cluster.url())
+    try:
+        inprocess_worker_factory(app, pool="threads", concurrency=2)
+        out = tmp_path / "runs"
+        task = app.tasks["rated.exclusive"]
+        results = [task.delay("k", str(out)) for _ in range(7)]
+        assert [r.get(timeout=30) for r in results] == ["k"] * 7
+        assert sorted(i for i, *_ in runs_of(out)) == sorted(r.id for r in results)
+        parked = [
+            key for server in cluster.masters for key in server.client().scan_iter(match="*parked*")
+        ]
+        assert parked == []
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, [r.getMessage() for r in errors]
     finally:
         close_app(app)
 

@@ -1,0 +1,68 @@
+-- take_due: take the parked runs that are due (park.lua), each under a lease, for
+-- this worker to publish; a run whose worker dies before its copy starts is due again
+-- when the lease ends, and another worker takes it. Atomic: one worker takes a run.
+--
+-- KEYS[1]  due    the parked runs' due times (sorted set: task id -> ms, node clock)
+-- KEYS[2]  runs   the parked runs (hash: task id -> the run, JSON)
+-- KEYS[3]  taken  how often each parked run was taken (hash: task id -> count)
+-- ARGV[1]  most        the most runs to take (a bound on this call's work)
+-- ARGV[2]  lease_ms    the lease in ms: a run taken is due again that long after
+-- ARGV[3]  recheck_ms  ms until a run waiting for a key that is still held is looked at again
+-- ARGV[4]  handoff_ms  ms the hand-off mark of a key lasts (a run published for its release
+--          has that long to start before the next one is published)
+--
+-- Returns  {next_ms, id, run, taken, id, run, taken, ...}: next_ms the ms until the
+--          earliest run left is due (-1: none parked); then each run taken, its
+--          record, and how often it was taken (2 or more: an earlier copy may exist)
+--
+-- A run that waits for a key's release (its record has a "gate": the hand-off mark's
+-- key, and "check", the lock key, or "shared" and "limit", the shared holders and how
+-- many the lock allows) is taken only while the key is free and no other run was just
+-- handed it: one run per release goes through the broker, not every waiting one. These
+-- keys are named in the record, not in KEYS (they are the run's lock's): parking is for
+-- a single Redis node or Redlock masters, not a Redis Cluster.
+local most, lease, recheck, handoff = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if not most or most < 1 or not lease or lease < 1 or not recheck or recheck < 1 or not handoff or handoff < 1 then
+    return redis.error_reply('ERR celery_redlock take_due: counts and times must be positive')
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {-1}
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most)
+local handed = {}
+for _, id in ipairs(due) do
+    local record = redis.call('HGET', KEYS[2], id)
+    if not record then
+        redis.call('ZREM', KEYS[1], id)
+    else
+        local run = cjson.decode(record)
+        local free = true
+        if run.gate then
+            if handed[run.gate] or redis.call('EXISTS', run.gate) == 1 then
+                free = false
+            elseif run.check and redis.call('EXISTS', run.check) == 1 then
+                free = false
+            elseif run.shared and redis.call('ZCOUNT', run.shared, now, '+inf') >= (run.limit or 1) then
+                free = false
+            end
+        end
+        if free then
+            if run.gate then
+                handed[run.gate] = true
+                redis.call('SET', run.gate, id, 'PX', handoff)
+            end
+            redis.call('ZADD', KEYS[1], now + lease, id)
+            local taken = redis.call('HINCRBY', KEYS[3], id, 1)
+            out[#out + 1] = id
+            out[#out + 1] = record
+            out[#out + 1] = taken
+        else
+            redis.call('ZADD', KEYS[1], now + recheck, id)
+        end
+    end
+end
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if first[2] then
+    out[1] = math.max(0, tonumber(first[2]) - now)
+end
+return out

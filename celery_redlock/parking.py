@@ -1,0 +1,448 @@
+"""Runs that wait their turn are parked in Redis, and published once, when due.
+
+A run refused by its rate budget (``lock_rate``), put back because its key is busy
+(``lock_on_busy="requeue"``), or whose lock nodes did not answer in time when it
+started, must run later. Its message is not published again with a countdown (an ETA
+message, which some worker would hold unacknowledged in its memory until due, and
+which a dead worker strands until the broker's ``visibility_timeout``: an hour on
+Redis). Instead the run is **parked** on a lock node (:func:`park`: ``park.lua``, the
+task's message and how it waits, under ``redlock:parked``) and its delivery ends,
+acknowledged. Every worker's main process runs a :class:`Publisher`: a thread that
+takes the runs that are due (``take_due.lua``, one call per node per tick; atomic, so
+one worker takes a run) and publishes each one's copy: the same task id, arguments,
+options and headers, so ``AsyncResult.get()`` and the result backend see one task.
+
+What makes a parked run due:
+
+* refused by its budget: its place in line (``rate.lua``). The publisher logs the
+  run's start in the budget *before* publishing it (the admission of the task, with
+  its own task id, so it keeps its place), and the copy carries that start
+  (:data:`MEMBER_HEADER`): its admission finds it logged and is not refused again.
+  A run whose slot was taken meanwhile (a :class:`~celery_redlock.RateLimit` drawing
+  on the budget) is parked again, without going through the broker.
+* put back because its key was busy: its key's release. It is taken only while the
+  lock is free (no holder; fewer holders than ``lock_limit``) and no other run waiting
+  for the key was just handed it (a short hand-off mark), so one run per release goes
+  through the broker, not every waiting one.
+* its nodes did not answer: a backoff (:data:`~celery_redlock.policies.UNAVAILABLE_BUDGET`
+  bounds how long a run is put back so).
+
+Crashes. A take holds the run under a lease (:data:`LEASE`): a worker that dies after
+taking a run and before its copy starts leaves it due again when the lease ends, and
+another worker publishes it. So a copy may be published twice (its first worker died
+holding it, or it waited in a busy queue longer than the lease); exactly one copy
+starts: the copy's last step before its body (:func:`claim_start`, ``unpark.lua``)
+removes the run from the parked runs, and a copy that finds the run gone under its
+token does not run. A message the broker gives again after its worker died (``acks_late``)
+whose run is parked meanwhile does not run either: its parked copy will.
+
+What is not covered: a lock node restarted without persistence loses the runs parked
+on it, as it loses its locks (``doctor`` warns of such nodes); parking needs one node or
+Redlock masters, not a Redis Cluster (the due set is one key for every lock): there,
+and whenever no node takes the run, it goes back on the queue with a countdown as
+before (:func:`celery_redlock.policies.put_back`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery, Task
+from celery.result import denied_join_result
+from kombu.serialization import dumps, loads, prepare_accept_content
+from redis.exceptions import ResponseError
+
+from . import forksafe
+from .engine.keys import handed_key, keys_of, parked_keys
+from .engine.rate import Budget, judge, rate_calls, return_calls
+from .engine.scripts import PARK, TAKE_DUE, UNPARK, UnparkStatus
+from .nodes import Call, NodeSet
+
+__all__ = [
+    "LEASE",
+    "MAYBE_HEADER",
+    "MEMBER_HEADER",
+    "PARKED_HEADER",
+    "Parking",
+    "Publisher",
+    "Spot",
+    "can_park",
+    "claim_start",
+    "park",
+    "spot",
+    "start_publisher",
+    "stop_publisher",
+]
+
+logger = logging.getLogger("celery_redlock.task")
+
+#: Header of a parked run's copy: the token of its parking (its copies share it).
+PARKED_HEADER = "redlock_parked"
+
+#: Header of a copy put back on the queue after a parking whose reply did not come back:
+#: that parking's token (the node may keep the run; of the two copies, the first to
+#: start runs). Not :data:`PARKED_HEADER`: no record is known to bring this copy back.
+MAYBE_HEADER = "redlock_parked_maybe"
+
+#: Header of a parked rate run's copy: the member of the start the publisher logged for
+#: it in the budget (its admission finds it logged: the copy owns its slot).
+MEMBER_HEADER = "redlock_rate_member"
+
+#: Seconds a worker that took a due run has to get its copy started; after that the run
+#: is due again and any worker publishes it. The bound on how late a dead worker makes
+#: a parked run: its slot (or release) + LEASE + a tick.
+LEASE = 10.0
+
+#: Seconds a parked run nobody takes is kept after it was due (no worker ran at all).
+LIFETIME = 86400.0
+
+#: Seconds between two looks at a run whose key is still held.
+RECHECK = 0.02
+
+#: Seconds a run published for its key's release has to start before the next one
+#: waiting for that key may be published.
+HANDOFF = 2.0
+
+#: Seconds between the publisher's takes while runs are due or about to be; and at
+#: most, when none is.
+TICK = 0.02
+IDLE = 0.25
+
+#: Most runs one take returns (a bound on one script call's work).
+BATCH = 64
+
+
+@dataclass(frozen=True)
+class Spot:
+    """Where and how a run waits: its nodes, and what besides its time makes it due.
+
+    ``lock``: the run's lock key (``<prefix>{NAME}``). ``kind``: ``"rate"`` (the
+    publisher admits it in ``budget`` first), ``"busy"`` (taken only while the lock is
+    free: ``check`` the lock key of an exclusive lock, or ``shared`` and ``limit`` for a
+    limit of holders; one run at a time per key), or ``"later"`` (its time only).
+    """
+
+    nodeset: NodeSet
+    kind: str
+    lock: str
+    budget: Budget | None = None
+    check: str | None = None
+    shared: str | None = None
+    limit: int | None = None
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of the run's lock (a prefix has no braces)."""
+        return self.lock[: self.lock.index("{")]
+
+    def record(self) -> dict[str, Any]:
+        """What ``take_due.lua`` and the publisher read of the run (JSON-ready)."""
+        record: dict[str, Any] = {"kind": self.kind}
+        if self.kind == "rate" and self.budget is not None:
+            record.update(lock=self.lock, rate=self.budget.limit, window=self.budget.window)
+        if self.kind == "busy" or self.check is not None or self.shared is not None:
+            # Taken only while the key is free, one run at a time per key: runs published
+            # together would find each other holding it (a rate run of an exclusive lock
+            # too: N of them come due at one window's end).
+            record["gate"] = self.gate
+            if self.shared is not None:
+                record.update(shared=self.shared, limit=self.limit or 1)
+            elif self.check is not None:
+                record["check"] = self.check
+        return record
+
+    @property
+    def gate(self) -> str:
+        """The hand-off mark of the run's lock."""
+        return handed_key(keys_of(self.lock))
+
+
+def spot(
+    nodeset: NodeSet, kind: str, lock: str, options: Any, *, budget: Budget | None = None
+) -> Spot:
+    """The :class:`Spot` of a run of a task with lock ``options`` (mode, limit).
+
+    What says its key is free: ``lock_limit``, fewer holders than the limit; else no
+    holder of the lock key (an exclusive holder, for a shared run put back as busy). A
+    rate run of ``lock_mode="shared"`` without a limit waits for nothing but its slot.
+    """
+    keys = keys_of(lock)
+    if options.limit is not None:
+        return Spot(nodeset, kind, lock, budget, shared=keys.shared, limit=options.limit)
+    if kind == "rate" and options.mode == "shared":
+        return Spot(nodeset, kind, lock, budget)
+    return Spot(nodeset, kind, lock, budget, check=keys.lock)
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))
+
+
+@dataclass(frozen=True)
+class Parking:
+    """What became of a parking: its token, and whether a node kept it.
+
+    ``parked``: a node answered that it keeps the run; ``maybe``: a node's reply did
+    not come back (it may keep it).
+    """
+
+    value: str
+    parked: bool
+    maybe: bool
+
+
+def can_park(nodeset: NodeSet) -> bool:
+    """Whether runs can be parked on ``nodeset``: no Redis Cluster among its nodes.
+
+    The parked runs of every lock are a few keys (the due set is one sorted set), which
+    a cluster would spread over several slots; there runs go back on the queue.
+    """
+    return not any(node.slotted for node in nodeset.nodes)
+
+
+def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> Parking:
+    """Park the running delivery's run for ``delay`` seconds (see :class:`Parking`).
+
+    The copy is the delivery's message (same task id, arguments, options, retries) with
+    ``headers`` merged into its own and a fresh token (:data:`PARKED_HEADER`). Tried on
+    each node in turn: a run needs one place to wait, and the first node that answers
+    keeps it (every publisher takes from every node).
+    """
+    token = secrets.token_hex(8)
+    if not can_park(spot.nodeset):
+        return Parking(token, parked=False, maybe=False)
+    signature = task.signature_from_request(task.request)
+    signature.set(
+        headers={
+            **(signature.options.get("headers") or {}),
+            **headers,
+            PARKED_HEADER: token,
+            MAYBE_HEADER: None,
+            MEMBER_HEADER: None,
+        }
+    )
+    content_type, encoding, body = dumps(  # type: ignore[no-untyped-call]
+        dict(signature), serializer=task.serializer
+    )
+    raw = body if isinstance(body, bytes) else body.encode(encoding or "utf-8")
+    record = {
+        **spot.record(),
+        "token": token,
+        "task": task.name,
+        "type": content_type,
+        "encoding": encoding,
+        "body": base64.b64encode(raw).decode("ascii"),
+    }
+    keys = parked_keys(spot.prefix)
+    call = PARK.call(
+        due=keys.due, runs=keys.runs, taken=keys.taken, gate=(spot.gate,),
+        task_id=task.request.id, run=json.dumps(record), delay_ms=_ms(delay),
+        lifetime_ms=_ms(LIFETIME),
+    )  # fmt: skip
+    index, maybe = _first_node(spot.nodeset, call)
+    return Parking(token, index is not None, maybe)
+
+
+def _first_node(nodeset: NodeSet, call: Call) -> tuple[int | None, bool]:
+    """Send ``call`` to one node after the other until one answers 1: its index.
+
+    And whether a node that gave no reply may have run it.
+    """
+    maybe = False
+    for index in range(len(nodeset.nodes)):
+        requests: list[list[Call] | None] = [None] * len(nodeset.nodes)
+        requests[index] = [call]
+        reply = nodeset.call(requests, per_node=True)[index]
+        value = None if reply is None or not reply.ok else reply.values[0]
+        if isinstance(value, ResponseError):
+            logger.debug("Parking on %s failed: %s", reply.node.safe_url if reply else "?", value)
+        elif value == 1:
+            return index, maybe
+        else:
+            maybe = True
+    return None, maybe
+
+
+def claim_start(
+    nodeset: NodeSet, prefix: str, task_id: str, token: str, gate: str | None, horizon: float
+) -> bool:
+    """Whether this delivery may start its body: no other copy of its run started.
+
+    ``token``: the copy's :data:`PARKED_HEADER` or :data:`MAYBE_HEADER` (``""`` for a
+    message the broker gave again after its worker died: it may not run while its run
+    is parked). The run
+    leaves the parked runs. A node that does not answer counts as no record: the run
+    starts (at least once, rather than never).
+    """
+    keys = parked_keys(prefix)
+    call = UNPARK.call(
+        due=keys.due, runs=keys.runs, taken=keys.taken, started=keys.started,
+        gate=(gate,) if gate else (), task_id=task_id, token=token, horizon_ms=_ms(horizon),
+        member=f"{task_id}:{token}" if token else "",
+    )  # fmt: skip
+    for reply in nodeset.call([call]):
+        value = None if reply is None or not reply.ok else reply.values[0]
+        if value == UnparkStatus.DUPLICATE:
+            return False
+    return True
+
+
+class Publisher:
+    """The thread of a worker's main process that publishes the parked runs when due.
+
+    One per worker (prefork: in the main process, not in each child). It sleeps until
+    the earliest run parked is due (at most :data:`IDLE`, so that a run parked by
+    another worker is seen), and makes one ``take_due.lua`` call per node per tick.
+    """
+
+    def __init__(self, app: Celery, nodeset: NodeSet, prefix: str) -> None:
+        self.app = app
+        self.nodeset = nodeset
+        self.keys = parked_keys(prefix)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Copies published (for tests and benchmarks: counts, never timing).
+        self.published = 0
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="celery_redlock-publisher", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread; a take in flight finishes (its runs are published)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pause = self.tick()
+            except Exception:  # never end the thread: the runs would wait for another worker
+                logger.exception("celery_redlock: publishing parked runs failed")
+                pause = IDLE
+            self._stop.wait(pause)
+
+    def tick(self) -> float:
+        """Take and publish the runs due on every node; seconds until the next look."""
+        call = TAKE_DUE.call(
+            due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken,
+            most=BATCH, lease_ms=_ms(LEASE), recheck_ms=_ms(RECHECK), handoff_ms=_ms(HANDOFF),
+        )  # fmt: skip
+        pause = IDLE
+        for index, reply in enumerate(self.nodeset.call([call])):
+            value = None if reply is None or not reply.ok else reply.values[0]
+            if not isinstance(value, list):
+                continue
+            next_ms, rest = int(value[0]), value[1:]
+            for at in range(0, len(rest) - 2, 3):
+                self._publish(index, str(rest[at]), str(rest[at + 1]))
+            if len(rest) // 3 >= BATCH:
+                pause = 0.0  # more are due
+            elif next_ms >= 0:
+                pause = min(pause, max(TICK, next_ms / 1000))
+        return pause
+
+    def _publish(self, index: int, task_id: str, text: str) -> None:
+        """Publish one taken run (after its admission, for a rate run), or park it again."""
+        try:
+            record = json.loads(text)
+            headers: dict[str, Any] = {}
+            if record.get("kind") == "rate":
+                member = self._admit(task_id, record)
+                if isinstance(member, float):
+                    self._again(index, task_id, record, member)
+                    return
+                headers[MEMBER_HEADER] = member
+            raw = base64.b64decode(record["body"])
+            encoding = record.get("encoding")
+            body = raw if encoding == "binary" else raw.decode(encoding or "utf-8")
+            # As the worker reads messages: only the content types the app accepts.
+            accept = prepare_accept_content(  # type: ignore[no-untyped-call]
+                self.app.conf.accept_content
+            )
+            fields = loads(  # type: ignore[no-untyped-call]
+                body, record["type"], encoding, accept=accept
+            )
+            signature = self.app.signature(fields)
+            signature.set(headers={**(signature.options.get("headers") or {}), **headers})
+            # Nobody here waits for its result: without this, a prefork worker's main
+            # process (where joins are allowed) would subscribe its result backend to
+            # every copy it publishes, for ever, and a pool child forked while this
+            # thread was subscribing inherited the subscription's lock held, and hung.
+            with denied_join_result():
+                signature.apply_async(add_to_parent=False)
+            self.published += 1
+            logger.info("Task %s[%s] published: its turn came", record.get("task"), task_id)
+        except Exception:
+            # The broker or a node failed: its lease ends and a worker publishes it then.
+            logger.exception("celery_redlock: publishing parked run %s failed", task_id)
+
+    def _admit(self, task_id: str, record: dict[str, Any]) -> str | float:
+        """Log the run's start in its budget: the member; or seconds until it may start."""
+        keys = keys_of(record["lock"])
+        budget = Budget(int(record["rate"]), float(record["window"]))
+        member = secrets.token_hex(8)
+        call = rate_calls(keys, budget, member, task_id=task_id)
+        verdict = judge(self.nodeset.call([call]), self.nodeset.quorum)
+        if verdict.admitted:
+            return member
+        if any(verdict.undo):
+            self.nodeset.call(return_calls(keys, member, verdict.undo), per_node=True)
+        return 1.0 if verdict.wait == math.inf else verdict.wait
+
+    def _again(self, index: int, task_id: str, record: dict[str, Any], delay: float) -> None:
+        """Park a taken run again on its node, ``delay`` seconds on (its record kept).
+
+        Its hand-off mark, if it holds it, is cleared: the next run may go.
+        """
+        gate = record.get("gate")
+        call = PARK.call(
+            due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken,
+            gate=(gate,) if gate else (), task_id=task_id, run="", delay_ms=_ms(delay),
+            lifetime_ms=_ms(LIFETIME),
+        )  # fmt: skip
+        requests: list[list[Call] | None] = [None] * len(self.nodeset.nodes)
+        requests[index] = [call]
+        self.nodeset.call(requests, per_node=True)
+
+
+_publishers: dict[int, Publisher] = {}
+_publishers_lock = threading.Lock()
+
+
+def start_publisher(app: Celery, nodeset: NodeSet, prefix: str) -> Publisher:
+    """Start ``app``'s publisher in this process (one per app and process)."""
+    with _publishers_lock:
+        publisher = _publishers.get(id(app))
+        if publisher is None:
+            publisher = _publishers[id(app)] = Publisher(app, nodeset, prefix)
+        publisher.start()
+        return publisher
+
+
+def stop_publisher(app: Celery) -> None:
+    """Stop ``app``'s publisher in this process, if it runs."""
+    with _publishers_lock:
+        publisher = _publishers.pop(id(app), None)
+    if publisher is not None:
+        publisher.stop()
+
+
+@forksafe.at_fork_in_child
+def _after_fork_in_child() -> None:
+    # A pool child publishes nothing (its parent's publisher does); its thread is gone.
+    global _publishers_lock  # noqa: PLW0603
+    _publishers_lock = threading.Lock()
+    _publishers.clear()
