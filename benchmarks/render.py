@@ -101,7 +101,7 @@ ABOUT: dict[str, tuple[str, str]] = {
     "backlog": (
         "Backlogs of deferred runs",
         "100 and 1,000 runs of one key sent at once to two prefork workers: re-publishes per "
-        "run and drain time for `lock_rate` alone and with `lock_on_busy=\"requeue\"`, "
+        'run and drain time for `lock_rate` alone and with `lock_on_busy="requeue"`, '
         "beside Celery's `rate_limit` (windows over the limit).",
     ),
     "slow_node": (

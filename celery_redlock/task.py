@@ -148,6 +148,23 @@ def pop_lock(task_id: str | None) -> Redlock | None:
     return None
 
 
+#: Task ids whose body ended in this process and whose run has not reached
+#: ``task_postrun``: the lock is released as the body ends, before Celery stores the
+#: result, so another delivery of the same task id that was waiting for the key can
+#: take it in between and find no result yet. It must not run the body again.
+_ended_bodies: set[str] = set()
+
+
+def body_ended(task_id: str) -> None:
+    """The body of ``task_id``'s run ended here; its result is not stored yet."""
+    _ended_bodies.add(task_id)
+
+
+def run_ended(task_id: str | None) -> None:
+    """``task_id``'s run reached ``task_postrun``: its result, if any, is stored."""
+    _ended_bodies.discard(task_id or "")
+
+
 def release_lock(task: Task, task_id: str | None) -> None:
     """Release the lock of ``task_id``'s execution in this thread, if it holds one.
 
@@ -450,6 +467,7 @@ class LockedTask(Task):
             return result
         finally:
             execution.in_body = False
+            body_ended(execution.task_id)
             release_lock(self, execution.task_id)
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
@@ -536,7 +554,7 @@ def acquire_for(
         or requeues(task.request)
         or deferrals(task.request)
     )
-    if maybe_duplicate and already_done(task, task_id):
+    if maybe_duplicate and (task_id in _ended_bodies or already_done(task, task_id)):
         # Another delivery of this task id finished while this one waited: behind the
         # lock (wait), on the queue (retry, or requeued as a duplicate). Running it again
         # would run the task twice. A parked run's copy takes its run out of the

@@ -56,7 +56,14 @@ from .exceptions import ConfigurationError
 from .nodes import NodeSet, safe_url
 from .options import TASK_OPTIONS
 from .reaper import Reaper
-from .task import LockedTask, app_settings, config_overrides, lock_options, release_lock
+from .task import (
+    LockedTask,
+    app_settings,
+    config_overrides,
+    lock_options,
+    release_lock,
+    run_ended,
+)
 
 __all__ = ["RedlockStep", "install"]
 
@@ -214,6 +221,7 @@ def _on_task_postrun(
     try:
         release_lock(task, task_id)
     finally:
+        run_ended(task_id)
         if isinstance(task, LockedTask) and task_id:
             unique.ended(
                 task,

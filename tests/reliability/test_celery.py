@@ -8,6 +8,8 @@ holder died (``test_redelivery_after_the_holder_died_still_runs``), the hard tim
 
 from __future__ import annotations
 
+import time
+
 from tests.apps.locked import create_app
 from tests.harness import close_app, lock_keys, wait_for
 from tests.reliability.celery_scenario import TTL, celery_faults
@@ -32,10 +34,24 @@ def test_celery_workers_under_kills_and_a_renewal_cut(lab, tmp_path):
 
 
 def test_a_task_id_delivered_twice_while_the_lock_is_busy_runs_once(
-    celery_redis, inprocess_worker_factory, tmp_path
+    celery_redis, inprocess_worker_factory, tmp_path, monkeypatch
 ):
-    """Both deliveries wait behind a third task; the first runs, the second must not."""
+    """Both deliveries wait behind a third task; the first runs, the second must not.
+
+    The lock is released as the body ends, before Celery stores the result: storing
+    dup-id's result is slowed by 0.5 s here, so the second delivery takes the key
+    while no result is stored yet (before: it ran the body again; the full suite hit
+    that window once in three runs)."""
     app = create_app(celery_redis.url)
+    backend = type(app.backend)  # each thread has its own backend object
+    store_result = backend.store_result
+
+    def slow_store(self, task_id, *args, **kwargs):
+        if task_id == "dup-id":
+            time.sleep(0.5)  # the gap between the release and the stored result, widened
+        return store_result(self, task_id, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "store_result", slow_store)
     try:
         inprocess_worker_factory(app, pool="threads", concurrency=3)
         task = app.tasks["tests.apps.locked.hold_wait"]
