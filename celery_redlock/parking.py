@@ -63,7 +63,7 @@ from . import forksafe
 from .engine.keys import handed_key, keys_of, parked_keys
 from .engine.rate import Budget, judge, rate_calls, return_calls
 from .engine.scripts import PARK, TAKE_DUE, UNPARK, UnparkStatus
-from .nodes import Call, NodeSet
+from .nodes import Call, NodeSet, Reply
 
 __all__ = [
     "LEASE",
@@ -257,9 +257,7 @@ def _first_node(nodeset: NodeSet, call: Call) -> tuple[int | None, bool]:
     """
     maybe = False
     for index in range(len(nodeset.nodes)):
-        requests: list[list[Call] | None] = [None] * len(nodeset.nodes)
-        requests[index] = [call]
-        reply = nodeset.call(requests, per_node=True)[index]
+        reply = _call_on(nodeset, index, call)
         value = None if reply is None or not reply.ok else reply.values[0]
         if isinstance(value, ResponseError):
             logger.debug("Parking on %s failed: %s", reply.node.safe_url if reply else "?", value)
@@ -268,6 +266,13 @@ def _first_node(nodeset: NodeSet, call: Call) -> tuple[int | None, bool]:
         else:
             maybe = True
     return None, maybe
+
+
+def _call_on(nodeset: NodeSet, index: int, call: Call) -> Reply | None:
+    """Send ``call`` to the node ``index`` of ``nodeset`` alone: its reply."""
+    requests: list[list[Call] | None] = [None] * len(nodeset.nodes)
+    requests[index] = [call]
+    return nodeset.call(requests, per_node=True)[index]
 
 
 def claim_start(
@@ -306,6 +311,10 @@ class Publisher:
         self.app = app
         self.nodeset = nodeset
         self.keys = parked_keys(prefix)
+        # As the worker reads messages: only the content types the app accepts.
+        self.accept = prepare_accept_content(  # type: ignore[no-untyped-call]
+            app.conf.accept_content
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: Copies published (for tests and benchmarks: counts, never timing).
@@ -368,12 +377,8 @@ class Publisher:
             raw = base64.b64decode(record["body"])
             encoding = record.get("encoding")
             body = raw if encoding == "binary" else raw.decode(encoding or "utf-8")
-            # As the worker reads messages: only the content types the app accepts.
-            accept = prepare_accept_content(  # type: ignore[no-untyped-call]
-                self.app.conf.accept_content
-            )
             fields = loads(  # type: ignore[no-untyped-call]
-                body, record["type"], encoding, accept=accept
+                body, record["type"], encoding, accept=self.accept
             )
             signature = self.app.signature(fields)
             signature.set(headers={**(signature.options.get("headers") or {}), **headers})
@@ -413,9 +418,7 @@ class Publisher:
             gate=(gate,) if gate else (), task_id=task_id, run="", delay_ms=_ms(delay),
             lifetime_ms=_ms(LIFETIME),
         )  # fmt: skip
-        requests: list[list[Call] | None] = [None] * len(self.nodeset.nodes)
-        requests[index] = [call]
-        self.nodeset.call(requests, per_node=True)
+        _call_on(self.nodeset, index, call)
 
 
 _publishers: dict[int, Publisher] = {}
