@@ -164,25 +164,27 @@ class Core:
         waiter: Waiter,
         fanout: Fanout,
         predecessor: str = "",
-        wait_all: bool = False,
     ) -> Steps[Grant | Attempt]:
         """Ask the nodes for ``waiter``'s lock: a Grant, or the Attempt that lost.
 
         A Grant is a quorum's, with agreeing fences, not recorded yet; a losing
         Attempt's grants are undone already. ``predecessor``: a takeover by a releasing
-        thread of this process (:mod:`.handoff`); ``wait_all``: wait for every node's
-        reply (or the budget), not only for the decision.
+        thread of this process (:mod:`.handoff`). A takeover also reads the replies of
+        the nodes that keep pace (not :meth:`~Fanout.lagging`), a moment's wait: on
+        each node it leaves unanswered, the predecessor's token must then be released
+        by a request of its own.
         """
         holder = Holder(
             self.task_id or "", HOST, forksafe.pid(), f"{time.time():.3f}", self.task_name or ""
         )
         acquire = self.kind.acquire_call(waiter, self.timing.ttl_ms, holder, predecessor)
+        wait_for = frozenset(range(self.nodes)) - fanout.lagging() if predecessor else frozenset()
         waiter.sent = True
         sent_at = clock()
         replies = yield Send(
             vote_calls(acquire, self.min_replicas, self.timing.node_timeout),
             timeout=budget(self.timing.node_timeout, self.min_replicas),
-            decided=None if wait_all else vote_decided(self.quorum, self.nodes, self.min_replicas),
+            decided=vote_decided(self.quorum, self.nodes, self.min_replicas, wait_for),
             patient=True,
         )
         attempt = tally(replies, clock() - sent_at, self.min_replicas)

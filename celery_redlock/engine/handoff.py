@@ -26,8 +26,11 @@ held:
   result is the waiter's: a hold to record, or a refusal to retry after) or by a
   waiter that gave up on the claimed offer (then the releaser undoes what it got).
 
-The releaser reads every node's reply before delivering, so no request of the
-takeover is still in flight when either side undoes it.
+The releaser reads the replies of the nodes that keep pace before delivering; on a
+lagging node the takeover runs on, and what the releaser sends there next (the release
+of its own token, the undo of a takeover that lost) goes out behind it, on the same
+connection. While the takeover is decided the lock counts as held here, so the
+process's other threads queue for the next handoff instead of asking the nodes.
 
 A thread that starts a blocking ``acquire()`` while another thread of its process
 holds the lock (its lease valid by the local clock) does not ask Redis first: it
@@ -123,9 +126,7 @@ class Redlock(Protocol):
 
     def _unlock(self, token: str) -> list[Reply | None]: ...
 
-    def _vote(
-        self, waiter: Waiter, predecessor: str = "", wait_all: bool = False
-    ) -> Grant | Attempt: ...
+    def _vote(self, waiter: Waiter, predecessor: str = "") -> Grant | Attempt: ...
 
 
 class Grant(NamedTuple):
@@ -238,12 +239,8 @@ def forget(lock: Redlock, grant: Grant) -> None:
 
 
 def held_here(lock: Redlock) -> float:
-    """Seconds for which another thread of this process surely holds ``lock`` (0: none).
-
-    0 too while a node lags: no handoff is made then (:func:`hand_over`), so a waiter
-    asks the nodes, which record it for the release to name.
-    """
-    if not lock.kind.hands_over or lock.nodeset.lagging():
+    """Seconds for which another thread of this process surely holds ``lock`` (0: none)."""
+    if not lock.kind.hands_over:
         return 0.0
     entry = _held.get(lock.local_key)
     if entry is None:
@@ -315,9 +312,7 @@ def hand_over(lock: Redlock, token: str) -> Handed:
     On ``handed``, the waiter holds it and ``token`` holds it nowhere a quorum of the
     new holder's nodes granted; the caller releases ``token`` on the other nodes.
     """
-    if not lock.kind.hands_over or not _offers or lock.nodeset.lagging():
-        # A takeover waits for every node: with one lagging, the release and the
-        # waiter's own try (each decided by a quorum) serve it sooner.
+    if not lock.kind.hands_over or not _offers:
         return NOT_HANDED
     entry = _claim(lock)
     if entry is None:
@@ -326,8 +321,12 @@ def hand_over(lock: Redlock, token: str) -> Handed:
     attempts += 1
     result: Grant | Attempt | None = None
     taken_as = entry.waiter.token
+    # Held here until the takeover is decided: the process's other waiters queue for
+    # the next handoff rather than ask the nodes, which could only say "busy".
+    deciding = clock() + lock._patience()
+    holding(lock, deciding)
     try:
-        result = entry.lock._vote(entry.waiter, predecessor=token, wait_all=True)
+        result = entry.lock._vote(entry.waiter, predecessor=token)
     finally:
         # Interrupted or not, the waiter hears from us: with nothing (an interrupted
         # takeover), it tries again with the same token, which re-enters whatever the
@@ -338,6 +337,8 @@ def hand_over(lock: Redlock, token: str) -> Handed:
             # after, this would outlive that hold and keep the process's next waiters
             # queuing for a handoff nobody makes.
             holding(entry.lock, _until(entry.lock, result))
+        elif _held.get(lock.local_key) == deciding:
+            _held.pop(lock.local_key, None)
         delivered = entry._deliver.pop(_OPEN, None) is not None
         if delivered:
             entry.wakeup.set()

@@ -322,15 +322,13 @@ class Redlock:
         handoff.forget(self, grant)  # if it was a takeover: it will not be held
         return self._drive(self._core.undo(grant.token, grant.attempt, self.nodeset))
 
-    def _vote(
-        self, waiter: Waiter, predecessor: str = "", wait_all: bool = False
-    ) -> Grant | Attempt:
+    def _vote(self, waiter: Waiter, predecessor: str = "") -> Grant | Attempt:
         """Ask the nodes for ``waiter``'s lock (:meth:`.acquisition.Core.vote`).
 
         ``predecessor``: a takeover by a releasing thread of this process
         (:mod:`.handoff`), which may run in that thread.
         """
-        return self._drive(self._core.vote(waiter, self.nodeset, predecessor, wait_all))
+        return self._drive(self._core.vote(waiter, self.nodeset, predecessor))
 
     @property
     def owner(self) -> str:
@@ -575,26 +573,24 @@ class _Acquiring:
         lock = self.lock
         if not self.blocking:
             return
-        if handoff.held_here(lock):
+        if handoff.held_here(lock) or subscribed(lock.nodeset.nodes, lock.keys.channel):
             # Another thread of this process holds it, so Redis could only say "busy":
-            # queue up for its handoff without asking.
-            self.subscription = lock._subscribe(self.waiter)
-            held = handoff.held_here(lock)
-            if held:
-                self.offer = handoff.offer(lock, self.waiter, self.subscription.event)
-                self.subscription.wait(bounded(min(held, lock.timing.renew_interval), self.give_up))
-        elif subscribed(lock.nodeset.nodes, lock.keys.channel):
-            # This process still listens to the lock's channel (it waited for it a
-            # moment ago): register first, and a refusal waits at once, with no retry
-            # once subscribed.
+            # queue up for its handoff without asking (attempt()). Or this process still
+            # listens to the lock's channel (it waited for it a moment ago): register
+            # first, and a refusal waits at once, with no retry once subscribed.
             self.subscription = lock._subscribe(self.waiter)
 
     def attempt(self) -> Attempt | None:
-        """Take a handoff offered meanwhile, else ask the nodes; None once held."""
-        self.handed = None
-        if self.offer is not None:
-            self.handed = self.offer.withdraw(self.lock._patience())
-            self.offer = None
+        """Take a handoff offered meanwhile, else ask the nodes; None once held.
+
+        While another thread of this process holds the lock, a blocking waiter waits
+        for that thread's handoff, whatever woke it: the nodes could only answer
+        "busy", and a release announced meanwhile is a minority node's late news, or
+        the holder's own release, after which the lock is no longer held here.
+        """
+        self.handed = self._take_offer()
+        while self.handed is None and self._queue_here():
+            self.handed = self._take_offer()
         if isinstance(self.handed, Grant):
             return self.lock._record(self.handed)  # handed over by a releasing thread
         # Nobody handed it over, or a takeover lost (the lock held by a third party, or
@@ -602,6 +598,27 @@ class _Acquiring:
         # have merged with a release's announcement to this waiter, which waiting on
         # its busy answer would then wait out, up to the fallback.
         return self.lock._attempt(self.waiter)
+
+    def _take_offer(self) -> Grant | Attempt | None:
+        """Stop offering; what a releasing thread got for this waiter meanwhile, if any."""
+        offer, self.offer = self.offer, None
+        return None if offer is None else offer.withdraw(self.lock._patience())
+
+    def _queue_here(self) -> bool:
+        """Wait for the handoff of a holder of this process; False if none holds it.
+
+        False too once the caller's timeout passed: its attempt then decides.
+        """
+        lock = self.lock
+        held = handoff.held_here(lock) if self.blocking else 0.0
+        if not held or self.subscription is None:
+            return False
+        pause = bounded(min(held, lock.timing.renew_interval), self.give_up)
+        if pause <= 0:
+            return False
+        self.offer = handoff.offer(lock, self.waiter, self.subscription.event)
+        self.subscription.wait(pause)
+        return True
 
     def won(self) -> None:
         """The hold is recorded: count it, and let the next waiter of a share try."""

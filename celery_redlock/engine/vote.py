@@ -138,13 +138,15 @@ def tally(replies: list[Reply | None], elapsed: float, min_replicas: int) -> Att
 
 
 def vote_decided(
-    quorum: int, nodes: int, min_replicas: int
+    quorum: int, nodes: int, min_replicas: int, wait_for: frozenset[int] = frozenset()
 ) -> Callable[[list[Reply | None]], bool] | None:
     """When a vote's outcome is known: a quorum granted, or too many refused for one.
 
     The fan-out returns then, whatever the other nodes are doing: a minority of slow or
     silent nodes does not set the pace (their requests run on; their undo, if the vote
-    failed, names the attempt it undoes). None on one node: its reply is the outcome.
+    failed, names the attempt it undoes), except the nodes of ``wait_for``, whose
+    replies are read too (see :meth:`.acquisition.Core.vote`). None on one node: its
+    reply is the outcome.
     """
     if nodes == 1:
         return None
@@ -157,7 +159,9 @@ def vote_decided(
                     yes += 1
                 else:
                     no += 1
-        return yes >= quorum or no > nodes - quorum
+        if yes < quorum and no <= nodes - quorum:
+            return False
+        return all(replies[i] is not None for i in wait_for)
 
     return decided
 

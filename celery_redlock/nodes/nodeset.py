@@ -94,9 +94,9 @@ class NodeSet:
         A node lags when its reply comes far behind the others of a fan-out, or one
         left in flight there (a fan-out decided without it) is still missing when the
         node is next used, or never came (:data:`~celery_redlock.nodes.calls.LAG`).
-        What would wait for every node (an in-process handoff takes the lock over on
-        all of them; an undo) would then go at that node's pace: the caller takes the
-        path a quorum serves, or does not wait for it.
+        What would wait for every node (a release, an undo, an in-process takeover)
+        would then go at that node's pace: the caller does not wait for it once a
+        quorum decided.
         """
         if len(self.nodes) == 1:
             return frozenset()

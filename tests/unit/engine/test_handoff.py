@@ -510,3 +510,58 @@ def test_a_lost_takeover_whose_wake_up_merged_with_a_release_does_not_wait_it_ou
     both_sent.set()
     assert thread.done.wait(5) and thread.acquired, "waited out its fallback"
     thread.finish()
+
+
+def test_a_takeover_does_not_wait_for_a_node_that_lags(redis_factory, fault_proxy):
+    """One node of three blackholed and known to lag: a release still hands the lock to
+    the waiting thread, decided by the two others, without waiting out the silent
+    node's budget (a minority does not set the pace)."""
+    servers = redis_factory(3)
+    silent = fault_proxy(servers[2])
+    silent.blackhole()
+    urls = [servers[0].url, servers[1].url, silent.url]
+    holder, waiter = Redlock("job", nodes=urls, ttl=30, node_timeout=3.0), None
+    assert holder.acquire(blocking=False)
+    holder.release()  # waits out the budget for the silent node once, and marks it
+    assert holder.nodeset.lagging() == frozenset({2})
+    waiter = Redlock("job", nodes=urls, ttl=30, node_timeout=3.0)
+    assert holder.acquire(blocking=False)
+    thread = Waiting(waiter, timeout=30)
+    wait_for(lambda: offered(waiter), timeout=10, message="the waiter never offered")
+    before = handoff.handovers
+    started = clock()
+    holder.release()
+    took = clock() - started
+    assert handoff.handovers == before + 1, "the lock was not handed over"
+    assert took < 1.5, f"the takeover waited {took:.2f}s for the silent node"
+    assert thread.done.wait(10) and thread.acquired
+    thread.finish()
+
+
+def test_a_thread_queues_without_asking_while_a_takeover_is_decided(redis_node, fault_proxy):
+    """The releasing thread's takeover is on its way (a slow network path): a third
+    thread that starts to wait meanwhile finds the lock held in its process and queues
+    for the next handoff; it sends nothing, and is handed the lock in turn."""
+    slow = fault_proxy(redis_node)
+    url = slow.url
+    holder, waiter, third = (Redlock("job", nodes=[url], ttl=30) for _ in range(3))
+    first = Waiting(holder, timeout=30)
+    assert first.done.wait(10) and first.acquired
+    thread = Waiting(waiter, timeout=30)
+    wait_for(lambda: offered(waiter), timeout=10)
+    slow.delay(0.4)  # each way: the takeover's round trip takes 0.8 s
+    redis_node.reset_stats()
+    before = handoff.attempts
+    first.let_go.set()  # it releases: the takeover goes out
+    wait_for(lambda: handoff.attempts > before, timeout=10)
+    late = Waiting(third, timeout=30)
+    wait_for(lambda: offered(third), timeout=10, message="the third thread never queued")
+    assert first.is_alive(), "the takeover was decided before the third thread queued"
+    first.finish()
+    assert thread.done.wait(10) and thread.acquired
+    slow.restore()
+    assert redis_node.commandstats().get("evalsha") == 1  # the takeover alone
+    thread.finish()
+    assert late.done.wait(10) and late.acquired
+    assert redis_node.commandstats().get("evalsha") == 2  # and the next one
+    late.finish()
