@@ -51,7 +51,7 @@ from .lock import Redlock
 from .scripts import INSPECT
 from .timing import Timing
 from .vote import Attempt
-from .waiting import LoopWakeup, Subscription
+from .waiting import LoopWakeup, Subscription, subscribed
 
 __all__ = ["AsyncRedlock"]
 
@@ -173,6 +173,10 @@ class AsyncRedlock:
         wakeup = LoopWakeup(asyncio.get_running_loop())
         acquired = settled = False
         try:
+            if blocking and subscribed(self.nodeset.nodes, self.keys.channel):
+                # This process still listens to the lock's channel (it waited for it a
+                # moment ago): register first, and a refusal waits at once.
+                subscription = await self._subscribe(waiter, wakeup)
             while True:
                 attempt = await self._attempt(waiter)
                 if attempt is None:

@@ -548,3 +548,45 @@ def test_a_silent_node_still_fails_within_its_budget(redis_node, fault_proxy):
         assert time.monotonic() - started < 1.5
 
     run(scenario())
+
+
+def test_a_waiter_whose_process_still_listens_asks_once_before_waiting(redis_node):
+    """The process listens to the lock's channel still (a task waited for it a moment
+    ago): the next waiting task registers first, so its one refused attempt is followed
+    by the wait, not by a second attempt after subscribing (as the threaded driver)."""
+    url = redis_node.url
+
+    async def scenario():
+        lock = AsyncRedlock("job", nodes=[url])
+        held, let_go = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:  # a hold is its task's: the same task releases it
+            assert await lock.acquire(timeout=20)
+            held.set()
+            await let_go.wait()
+            await lock.release()
+
+        assert await lock.acquire()
+        first = asyncio.ensure_future(hold())  # waits, and subscribes
+        await asyncio.sleep(0.2)
+        await lock.release()
+        await asyncio.wait_for(held.wait(), 10)
+        redis_node.reset_stats()
+
+        async def take_and_release() -> bool:
+            acquired = await lock.acquire(timeout=20)
+            await lock.release()
+            return acquired
+
+        second = asyncio.ensure_future(take_and_release())
+        await asyncio.to_thread(
+            wait_for, lambda: redis_node.commandstats().get("evalsha", 0) >= 1, timeout=10
+        )
+        await asyncio.sleep(0.3)  # time for a second attempt, if one were coming
+        assert redis_node.commandstats().get("evalsha") == 1, "asked again after subscribing"
+        assert not second.done()
+        let_go.set()
+        await asyncio.wait_for(first, 10)
+        assert await asyncio.wait_for(second, 10)
+
+    run(scenario())
