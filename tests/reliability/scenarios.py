@@ -21,6 +21,7 @@ from unittest import mock
 
 from celery_redlock import LockLost, NodeUnavailable, Redlock
 from celery_redlock.engine import handoff
+from celery_redlock.engine.keys import YIELD_MARK
 from celery_redlock.engine.lease import clock
 from tests.harness.history import History, Section, Violation
 from tests.harness.servers import wait_for
@@ -437,6 +438,13 @@ def frozen_waiters(
     histories: list[History] = []
     rng = random.Random()
 
+    def holder_pids() -> set[str]:
+        """The pids of the holders the node's lock hashes name (not reservations)."""
+        client = servers[0].client()
+        locks = [key for key in client.scan_iter("redlock:{*}") if key.endswith("}")]
+        fields = [client.hmget(key, "token", "pid") for key in locks]
+        return {pid for token, pid in fields if pid and token != YIELD_MARK}
+
     def freeze_one(progress: Progress) -> tuple[int, int]:
         """Stop a process that holds nothing; its index and pid."""
 
@@ -447,7 +455,11 @@ def frozen_waiters(
             index = rng.choice(idle)
             pid = progress.pids[index]
             os.kill(pid, signal.SIGSTOP)
-            if progress.holding(index) == 0:  # stopped while waiting: keep it so
+            # The board lags a grant by a moment (a thread handed the lock over in its
+            # process has not woken yet, a reply is on its way): let the requests it
+            # sent land, then ask the node too.
+            time.sleep(0.02)
+            if progress.holding(index) == 0 and str(pid) not in holder_pids():
                 return index, pid
             os.kill(pid, signal.SIGCONT)  # it took the lock meanwhile
             progress.outcome.stats["freezes_retried"] += 1
