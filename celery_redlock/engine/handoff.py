@@ -293,14 +293,17 @@ def _claim(lock: Redlock) -> Offer | None:
 class Handed(NamedTuple):
     """What :func:`hand_over` did.
 
-    ``handed``: a waiter holds the lock now, taken over on the ``granted`` nodes.
-    ``touched``: a takeover was granted somewhere (and undone, if not handed), so the
-    releaser's token may be gone from those nodes.
+    ``handed``: a waiter holds the lock now. ``settled``: the nodes where the takeover
+    removes the releaser's token: it was granted there, or it is still on its way (it
+    takes the lock over when it lands, or finds the token gone; a release sent now
+    would only go out behind it; should it be refused there, the token's lease ends
+    unrenewed on that minority). ``touched``: a takeover was granted somewhere (and
+    undone, if not handed), so the releaser's token may be gone from those nodes.
     """
 
     handed: bool
     touched: bool
-    granted: tuple[int, ...] = ()
+    settled: tuple[int, ...] = ()
 
 
 NOT_HANDED = Handed(False, False)
@@ -309,8 +312,9 @@ NOT_HANDED = Handed(False, False)
 def hand_over(lock: Redlock, token: str) -> Handed:
     """Hand ``lock``, held by ``token`` and released by this thread, to a local waiter.
 
-    On ``handed``, the waiter holds it and ``token`` holds it nowhere a quorum of the
-    new holder's nodes granted; the caller releases ``token`` on the other nodes.
+    On ``handed``, the waiter holds it, and ``token`` is gone from the ``settled``
+    nodes (or will be); the caller releases it on the others (nodes that refused the
+    takeover, usually none).
     """
     if not lock.kind.hands_over or not _offers:
         return NOT_HANDED
@@ -352,7 +356,9 @@ def hand_over(lock: Redlock, token: str) -> Handed:
     if isinstance(result, Grant):
         if delivered:
             handovers += 1
-            return Handed(True, True, tuple(result.attempt.granted))
+            attempt = result.attempt
+            pending = [i for i, reply in enumerate(attempt.replies) if reply is None]
+            return Handed(True, True, (*attempt.granted, *pending))
         forget(entry.lock, result)
         entry.lock._unlock(result.token)  # the waiter left: the lock is ours to free
         return Handed(False, True)

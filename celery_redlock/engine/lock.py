@@ -386,7 +386,7 @@ class Redlock:
             if lease.lost is None:
                 handed = handoff.hand_over(self, lease.token)
             if handed.handed:
-                replies = self._unlock_elsewhere(lease.token, handed.granted)
+                replies = self._unlock_elsewhere(lease.token, handed.settled)
             else:
                 replies = self._unlock(lease.token)
             handoff.released(self, lease)
@@ -403,15 +403,15 @@ class Redlock:
         elif not handed.touched:  # else the takeover's undo freed it: nothing to report
             report_release(self._core, lease, replies)
 
-    def _unlock_elsewhere(self, token: str, granted: Sequence[int]) -> list[Reply | None]:
-        """Release ``token`` on the nodes a takeover did not reach (none, usually).
+    def _unlock_elsewhere(self, token: str, settled: Sequence[int]) -> list[Reply | None]:
+        """Release ``token`` on the nodes that refused a takeover (none, usually).
 
-        Waiting for no reply: those nodes are a minority (slow, down, or still held by
-        someone else), and on each the release goes out behind the takeover, on the
-        same connection.
+        Waiting for no reply: those nodes are a minority (held by someone else there,
+        or the process's turn over there). Where the takeover is still on its way, it
+        removes the token itself when it lands (:class:`.handoff.Handed`).
         """
         requests = [
-            None if i in granted else [self.kind.release_call(token)]
+            None if i in settled else [self.kind.release_call(token)]
             for i in range(len(self.nodeset))
         ]
         if not any(requests):
