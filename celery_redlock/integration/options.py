@@ -3,17 +3,17 @@
 A task's lock options are its ``lock_<name>`` attributes (``@app.task(lock_ttl=60)``)
 or the ``<name>`` keys of its ``redlock_tasks`` entry; each one not given falls back
 to the ``redlock_*`` setting its :data:`TASK_OPTIONS` row names. The worker
-(:func:`celery_redlock.task.lock_options`), configuration-only enablement
-(:func:`celery_redlock.config_only.lockify`) and ``celery redlock doctor`` all go
+(:func:`celery_redlock.integration.task.lock_options`), configuration-only enablement
+(:func:`celery_redlock.integration.config_only.lockify`) and ``celery redlock doctor`` all go
 through :func:`resolve_task_options`, so doctor refuses exactly what a worker would.
 
-The settings table (:mod:`celery_redlock.settings`) builds on this module: its
+The settings table (:mod:`celery_redlock.integration.settings`) builds on this module: its
 ``redlock_on_busy`` and ``redlock_on_lost`` accept :data:`ON_BUSY` and
 :data:`ON_LOST`, and ``redlock_tasks``' documentation lists :data:`TASK_OPTIONS`.
-This module reads :class:`~celery_redlock.settings.Settings` only as the type of the
+This module reads :class:`~celery_redlock.integration.settings.Settings` only as the type of the
 defaults it resolves against (a type-only import: there is no import cycle).
 
-:class:`TaskOption` and :class:`~celery_redlock.settings.Option` look alike but are
+:class:`TaskOption` and :class:`~celery_redlock.integration.settings.Option` look alike but are
 kept apart: a setting has a default of its own and its ``setting`` is its Celery name
 (``redlock_ttl``); a task option has no default but the setting's value, and its
 ``setting`` names the settings row it falls back to (``ttl``), or None.
@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .engine.names import check_key_template, check_lock_args
-from .engine.rate import Budget, parse_rate
-from .engine.timing import Timing, check_kind, lease_seconds, seconds
-from .exceptions import ConfigurationError
+from ..engine.rate import Budget, parse_rate
+from ..engine.timing import Timing, check_kind, lease_seconds, seconds
+from ..exceptions import ConfigurationError
+from .names import check_key_template, check_lock_args
 
 __all__ = [
     "ON_BUSY",
@@ -79,7 +79,7 @@ def choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
 class TaskOption:
     """One lock option of a task: ``lock_<name>`` on the task, ``<name>`` in ``redlock_tasks``.
 
-    ``setting`` names the :data:`~celery_redlock.settings.OPTIONS` entry it defaults
+    ``setting`` names the :data:`~celery_redlock.integration.settings.OPTIONS` entry it defaults
     from (None: no default setting); ``parse`` validates a value given for one task
     (None: checked with the other options by :func:`resolve_task_options`).
     """
@@ -209,7 +209,7 @@ def parse_entry(task_name: str, entry: Mapping[str, Any], source: str) -> dict[s
 
 
 class Defaults(Protocol):
-    """What the resolution reads of :class:`~celery_redlock.settings.Settings`.
+    """What the resolution reads of :class:`~celery_redlock.integration.settings.Settings`.
 
     Declared here, not imported: the settings module imports this one. The option
     defaults are read by name (each :data:`TASK_OPTIONS` row's ``setting``).
@@ -235,7 +235,7 @@ def resolve_task_options(
 ) -> TaskLockOptions:
     """Resolve and validate one task's lock options: what the worker runs it with.
 
-    The one place that knows how: the worker (:func:`celery_redlock.task.lock_options`),
+    The one place that knows how: the worker (:func:`celery_redlock.integration.task.lock_options`),
     configuration-only enablement and ``celery redlock doctor`` all call it, so doctor
     reports exactly what a worker would refuse.
 

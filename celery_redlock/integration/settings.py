@@ -2,7 +2,7 @@
 
 The table is the single source of truth: :func:`from_conf` reads Celery's
 configuration through it, the per-task options fall back to it (their own table is
-:mod:`celery_redlock.options`), and the configuration reference in the docs is
+:mod:`celery_redlock.integration.options`), and the configuration reference in the docs is
 generated from it. A value that cannot be used raises
 :class:`~celery_redlock.exceptions.ConfigurationError` naming the setting and what
 it accepts; nothing is silently replaced by a default.
@@ -14,17 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine.keys import DEFAULT_PREFIX, validate_prefix
-from .engine.timing import (
-    DEFAULT_NODE_TIMEOUT,
-    MIN_NODE_TIMEOUT,
-    MIN_RENEW_INTERVAL,
-    Timing,
-)
-from .engine.timing import fraction as _fraction
-from .engine.timing import lease_seconds as _lease
-from .engine.timing import seconds as _seconds
-from .exceptions import ConfigurationError
+from ..engine.keys import DEFAULT_PREFIX, validate_prefix
+from ..engine.timing import DEFAULT_NODE_TIMEOUT, MIN_NODE_TIMEOUT, MIN_RENEW_INTERVAL, Timing
+from ..engine.timing import fraction as _fraction
+from ..engine.timing import lease_seconds as _lease
+from ..engine.timing import seconds as _seconds
+from ..exceptions import ConfigurationError
 from .options import ON_BUSY, ON_DUPLICATE, ON_LOST, TASK_OPTIONS, UNIQUE, choice, rate
 
 __all__ = ["OPTIONS", "Option", "Settings", "from_conf", "reference"]

@@ -12,7 +12,7 @@ from celery_redlock.engine.timing import (
     MIN_TTL,
     Timing,
 )
-from celery_redlock.settings import OPTIONS, from_conf
+from celery_redlock.integration.settings import OPTIONS, from_conf
 
 
 def test_defaults():
@@ -82,12 +82,13 @@ def test_settings_reference_page_is_current():
     """docs/reference/settings.md holds the reference generated from the table."""
     from pathlib import Path
 
-    from celery_redlock.settings import reference
+    from celery_redlock.integration.settings import reference
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     page = (root / "docs" / "reference" / "settings.md").read_text()
     assert reference() in page, (
-        "regenerate: python -c 'from celery_redlock.settings import reference; print(reference())'"
+        "regenerate: python -c 'from celery_redlock.integration.settings import reference; "
+        "print(reference())'"
     )
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from celery_redlock.options import TASK_OPTIONS
-from celery_redlock.settings import OPTIONS
+from celery_redlock.integration.options import TASK_OPTIONS
+from celery_redlock.integration.settings import OPTIONS
 
 
 def test_every_task_option_is_in_the_table_and_in_the_reference():
     """One table of task options: redlock_tasks' documentation lists every key a worker
     accepts (mode, limit and fair were missing), and LockedTask has each as lock_<name>."""
     from celery_redlock import LockedTask
-    from celery_redlock.settings import reference
+    from celery_redlock.integration.settings import reference
 
     assert {"mode", "limit", "fair"} <= set(TASK_OPTIONS)
     tasks_row = next(line for line in reference().splitlines() if "`redlock_tasks`" in line)
@@ -22,8 +22,8 @@ def test_every_task_option_is_in_the_table_and_in_the_reference():
 
 
 def resolve(settings=None, **options):
-    from celery_redlock.options import resolve_task_options
-    from celery_redlock.settings import from_conf
+    from celery_redlock.integration.options import resolve_task_options
+    from celery_redlock.integration.settings import from_conf
 
     def run(account_id, other=None):
         return account_id
