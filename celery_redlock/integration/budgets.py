@@ -46,9 +46,8 @@ from ..engine.lock import Redlock
 from ..engine.rate import judge, rate_calls, return_calls
 from ..exceptions import LockKeyError, NodeUnavailable
 from . import parking
-from .options import TaskLockOptions
 from .policies import defer, defer_unavailable, request_header
-from .settings import Settings
+from .settings import Settings, TaskLockOptions
 
 __all__ = ["admit", "broker_visibility", "longest_hold"]
 

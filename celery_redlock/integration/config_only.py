@@ -10,7 +10,7 @@
 
 Each registered task whose name matches a key (exact name or :mod:`fnmatch` glob)
 becomes a :class:`~celery_redlock.LockedTask`, with the option dict's entries (the
-names :data:`celery_redlock.integration.options.TASK_OPTIONS` lists) as its ``lock_*`` options;
+names :data:`celery_redlock.integration.settings.TASK_OPTIONS` lists) as its ``lock_*`` options;
 the first matching pattern wins, in the dict's order. This runs in the worker (and
 beat) before any task executes; the task code and the app module stay untouched.
 
@@ -63,8 +63,7 @@ from celery import Task, signals
 from celery._state import _get_active_apps, connect_on_app_finalize
 
 from ..exceptions import ConfigurationError
-from .options import parse_entry
-from .settings import Settings
+from .settings import Settings, parse_entry
 from .task import LockedTask, app_settings, forget_options
 
 __all__ = ["apply", "lock_configured_tasks", "lockify"]

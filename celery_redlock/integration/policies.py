@@ -54,8 +54,8 @@ from ..engine.lock import Redlock
 from ..exceptions import LockBusy, LockLost
 from ..nodes import NodeSet
 from . import abort, parking, reaper
-from .options import TaskLockOptions
 from .queued import note_queued
+from .settings import TaskLockOptions
 
 __all__ = [
     "DEFERRALS_HEADER",

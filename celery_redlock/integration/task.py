@@ -51,7 +51,6 @@ from ..engine.lock import Redlock
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from . import abort, budgets, reaper, unique
 from .names import call_lock_name, signature
-from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
 from .parking import MAYBE_HEADER, PARKED_HEADER, Spot, can_park, claim_start
 from .policies import (
     Skipped,
@@ -64,7 +63,14 @@ from .policies import (
     requeues,
 )
 from .queued import note_started
-from .settings import Settings, from_conf
+from .settings import (
+    TASK_OPTIONS,
+    Settings,
+    TaskLockOptions,
+    from_conf,
+    parse_entry,
+    resolve_task_options,
+)
 
 __all__ = [
     "LockedTask",
@@ -221,7 +227,7 @@ def lock_options(task: Task) -> TaskLockOptions:
     come first. A task class made lockable by configuration from a project's own
     base class has no ``lock_*`` options of ours besides those: its attributes of
     that name, if any, are the project's. The work is
-    :func:`celery_redlock.integration.options.resolve_task_options`'s, which ``doctor`` calls too.
+    :func:`celery_redlock.integration.settings.resolve_task_options`'s, which ``doctor`` calls too.
 
     Raises:
         ConfigurationError: naming the task, the option and the accepted values (and

@@ -93,9 +93,8 @@ from ..nodes import NodeSet
 from . import budgets
 from .claims import admit, claim, start, unclaim
 from .names import call_lock_name
-from .options import TaskLockOptions
 from .policies import Requeued, put_back, request_header
-from .settings import Settings
+from .settings import Settings, TaskLockOptions
 
 __all__ = ["active", "ended", "revoked", "send", "started"]
 

@@ -55,8 +55,8 @@ from ..exceptions import ConfigurationError
 from ..nodes import NodeSet, safe_url
 from . import config_only, parking, reaper, unique, wakeups
 from .beat import check_configuration
-from .options import TASK_OPTIONS
 from .reaper import Reaper
+from .settings import TASK_OPTIONS
 from .task import LockedTask, app_settings, config_overrides, lock_options, release_lock, run_ended
 
 __all__ = ["RedlockStep", "install"]

@@ -43,7 +43,7 @@ from celery_redlock.engine.scripts import (
     WAKE_LEAVE,
 )
 from celery_redlock.integration.names import MAX_DEPTH, task_lock_name
-from celery_redlock.integration.settings import OPTIONS, from_conf
+from celery_redlock.integration.settings import SETTING_OPTIONS, from_conf
 from tests.apps.locked import create_app
 from tests.harness import close_app
 from tests.harness import lock_keys as held_lock_keys
@@ -209,17 +209,17 @@ any_value = st.one_of(
 )
 
 
-@given(option=st.sampled_from(sorted(OPTIONS)), value=any_value)
+@given(option=st.sampled_from(sorted(SETTING_OPTIONS)), value=any_value)
 def test_any_setting_value_is_accepted_or_refused_by_name(option, value):
     """A bad value raises ConfigurationError naming the setting; nothing else escapes."""
-    setting = OPTIONS[option].setting
+    setting = SETTING_OPTIONS[option].setting
     try:
         from_conf({setting: value})
     except ConfigurationError as exc:
         assert setting in str(exc), str(exc)
 
 
-@given(st.dictionaries(st.sampled_from([o.setting for o in OPTIONS.values()]), any_value))
+@given(st.dictionaries(st.sampled_from([o.setting for o in SETTING_OPTIONS.values()]), any_value))
 def test_several_bad_settings_at_once_name_one_of_them(conf):
     try:
         from_conf(conf)

@@ -15,7 +15,6 @@ from celery import Celery, states
 from celery.utils import uuid
 
 from celery_redlock import LockBusy, LockLost
-from celery_redlock.integration.options import TaskLockOptions
 from celery_redlock.integration.policies import (
     REQUEUES_HEADER,
     Skipped,
@@ -24,6 +23,7 @@ from celery_redlock.integration.policies import (
     apply_on_lost,
     requeues,
 )
+from celery_redlock.integration.settings import TaskLockOptions
 from tests.harness import close_app
 
 
