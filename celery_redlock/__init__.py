@@ -5,8 +5,6 @@ Everything users import comes from here; the submodules are internal.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import worker as _worker  # noqa: F401 (connects the worker signal receivers)
-from .config_only import lock_configured_tasks
 from .engine.aio import AsyncRedlock
 from .engine.lock import Redlock
 from .engine.rate import AsyncRateLimit, RateLimit
@@ -19,7 +17,9 @@ from .exceptions import (
     NodeUnavailable,
     RedlockError,
 )
-from .task import LockedTask, lock_for
+from .integration import worker as _worker  # noqa: F401 (connects the worker signal receivers)
+from .integration.config_only import lock_configured_tasks
+from .integration.task import LockedTask, lock_for
 
 try:
     __version__ = version("celery_redlock")

@@ -79,7 +79,7 @@ def metrics_registry() -> Iterator[Any]:
     """Metrics enabled on a registry of this test's own; disabled again afterwards."""
     from prometheus_client import CollectorRegistry
 
-    from celery_redlock import metrics
+    from celery_redlock.base import metrics
 
     registry = CollectorRegistry()
     metrics._metrics.clear()

@@ -135,8 +135,9 @@ def test_no_history_in_the_readme_the_manual_or_the_code():
 
 def test_the_settings_reference_is_generated():
     """docs/reference/settings.md holds the table generated from the settings table."""
-    from celery_redlock.settings import reference
+    from celery_redlock.integration.settings import reference
 
     assert reference() in (DOCS / "reference" / "settings.md").read_text(), (
-        "regenerate: python -c 'from celery_redlock.settings import reference; print(reference())'"
+        "regenerate: python -c 'from celery_redlock.integration.settings import reference; "
+        "print(reference())'"
     )

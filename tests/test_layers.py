@@ -1,11 +1,12 @@
 """The package's layers: a module never imports a module of a higher layer.
 
-From the bottom: shared basics (``exceptions``, ``metrics``); ``nodes/`` (how to talk
-to Redis masters); ``engine/`` (the lock); the Celery integration (the top-level
-modules); ``ops/`` (the CLI and doctor); ``testing/`` (the pytest plugin).
-``docs/design.md`` draws them. Every import counts, including those inside functions
-and under ``TYPE_CHECKING``: a lazy import is still a dependency (and was the
-package's one import cycle, nodes <-> cluster).
+From the bottom: the basics (``exceptions``, ``base/``); ``nodes/`` (how to talk to
+Redis masters); ``engine/`` (the lock, with no knowledge of Celery); ``integration/``
+(the Celery layer); ``ops/`` (the CLI and doctor); ``testing/`` (the pytest plugin).
+The package root only re-exports: its ``__init__`` and the alias modules at public
+paths users write (``celery_redlock.beat``). ``docs/design.md`` draws them. Every import
+counts, including those inside functions and under ``TYPE_CHECKING``: a lazy import is
+still a dependency, and forms a cycle like any other.
 """
 
 from __future__ import annotations
@@ -18,36 +19,25 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "celery_redlock"
 
 #: Lowest first. A module may import its own layer and the ones before it. A layer is a
-#: subpackage or a set of top-level modules.
+#: subpackage, or a top-level module (``exceptions``: the path users import it from).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"exceptions", "forksafe", "metrics", "poll"}),
+    ("base", {"exceptions", "base"}),
     ("nodes", {"nodes"}),
     ("engine", {"engine"}),
-    (
-        "integration",
-        {
-            "settings",
-            "options",
-            "task",
-            "policies",
-            "worker",
-            "beat",
-            "config_only",
-            "abort",
-            "reaper",
-            "unique",
-            "budgets",
-            "parking",
-            "wakeups",
-        },
-    ),
+    # the Celery layer: settings and options, the task, its policies, worker and beat
+    ("integration", {"integration"}),
     ("ops", {"ops"}),
     # the pytest plugin: servers and fixtures for projects' tests of their tasks
     ("testing", {"testing"}),
 ]
+#: ``celery_redlock`` itself (its ``__init__``) imports the Celery layer.
+ROOT_RANK = [name for name, _ in LAYERS].index("integration")
+#: Top-level modules that only re-export names at a path users write in configuration
+#: (``-S celery_redlock.beat:LeaderScheduler``). They rank with the package root, and no
+#: module of the package imports them: the package uses the real paths.
+ALIASES = {"beat"}
 LAYER_OF = {unit: rank for rank, (_, units) in enumerate(LAYERS) for unit in units}
-#: ``celery_redlock`` itself (its ``__init__``) imports the Celery integration.
-ROOT_RANK = LAYER_OF["task"]
+LAYER_OF.update(dict.fromkeys(ALIASES, ROOT_RANK))
 
 #: Within a layer, modules that only the named ones may import: the node factory
 #: registry is how ``nodes`` reaches the cluster node without importing it.
@@ -116,6 +106,36 @@ def test_no_module_imports_a_higher_layer(path):
                 assert module in allowed, f"{module} imports {private}, which only {allowed} may"
 
 
+def test_no_module_of_the_package_imports_an_alias():
+    """Alias modules are for users' configuration strings; the package imports the code."""
+    aliases = {f"celery_redlock.{alias}" for alias in ALIASES}
+    for path in _sources():
+        module, is_package = _dotted(path)
+        imported = _imported(path.read_text("utf-8"), module, is_package)
+        through = sorted(
+            name for name in imported for a in aliases if name == a or name.startswith(a + ".")
+        )
+        assert not through, f"{module} imports an alias: {through} (import the real module)"
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_an_alias_module_only_re_exports(alias):
+    """A docstring, imports from the package, ``__all__`` and at most a ``__getattr__``
+    that forwards: nothing an alias holds can drift from the code it names."""
+    tree = ast.parse((PACKAGE / f"{alias}.py").read_text("utf-8"))
+    assert ast.get_docstring(tree)
+    for node in tree.body[1:]:
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 1 or node.module == "typing", ast.unparse(node)
+        elif isinstance(node, ast.Assign):
+            assert [ast.unparse(t) for t in node.targets] == ["__all__"], ast.unparse(node)
+        else:
+            assert isinstance(node, ast.FunctionDef) and node.name == "__getattr__", ast.unparse(
+                node
+            )
+            assert len(node.body) == 2, "a docstring and one return"
+
+
 def test_the_checker_sees_every_form_of_import():
     """Lazy, relative, absolute and TYPE_CHECKING imports all count (the old cycle was lazy)."""
     source = (
@@ -139,13 +159,16 @@ def test_the_checker_sees_every_form_of_import():
     assert _imported("from . import a\n", "celery_redlock.engine", is_package=True) == {
         "celery_redlock.engine.a"
     }
-    assert _rank("celery_redlock.engine.keys.K") < _rank("celery_redlock.task")
+    assert _rank("celery_redlock.engine.keys.K") < _rank("celery_redlock.integration.task")
+    assert _rank("celery_redlock.base.poll") < _rank("celery_redlock.nodes.node")
     assert _rank("celery_redlock.Redlock") == ROOT_RANK  # the package root: integration
 
 
 def test_a_violation_is_reported():
     """The engine importing the Celery integration fails the check (it is not vacuous)."""
-    imported = _imported("from ..task import LockedTask\n", "celery_redlock.engine.lock")
+    imported = _imported(
+        "from ..integration.task import LockedTask\n", "celery_redlock.engine.lock"
+    )
     assert [_rank(name) > _rank("celery_redlock.engine.lock") for name in imported] == [True]
 
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
-from .. import forksafe, metrics
+from ..base import forksafe, metrics
 from ..exceptions import LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from ..nodes import ALIVE_GRACE, Call, NodeSet, Reply
 from .handoff import Grant

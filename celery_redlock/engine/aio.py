@@ -38,7 +38,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .. import metrics
+from ..base import metrics
 from ..exceptions import LockLost, NodeUnavailable
 from ..nodes import Reply
 from ..nodes.aio import AsyncNodeSet

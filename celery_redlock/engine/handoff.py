@@ -71,7 +71,7 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from .. import forksafe
+from ..base import forksafe
 from .lease import clock
 from .timing import TURN, Turn
 from .vote import Attempt

@@ -25,7 +25,7 @@ import threading
 import warnings
 from collections.abc import Callable, Hashable
 
-from .. import forksafe
+from ..base import forksafe
 from ..exceptions import LockNotOwned
 from ..nodes import Call
 from .lease import Lease

@@ -53,7 +53,7 @@ A lock named ``NAME`` under the prefix ``redlock:`` uses::
                               revoked on the queue); the key expires then too
 
 Beside a lock's keys, one place per prefix holds the runs that wait their turn
-(``lock_rate``, ``lock_on_busy="requeue"``; :mod:`celery_redlock.parking`)::
+(``lock_rate``, ``lock_on_busy="requeue"``; :mod:`celery_redlock.integration.parking`)::
 
     redlock:parked            sorted set: parked run (task id) -> when it is due, or
                               when its take's lease ends, in ms on the node's clock
@@ -82,7 +82,7 @@ included, in ``KEYS`` (:func:`release_keys` and the ``LockKeys`` methods give ea
 script's list), so a key's layout is written here only.
 
 Names of task locks (from the task and its arguments) are made in
-:mod:`celery_redlock.engine.names`; this module takes any name as given.
+:mod:`celery_redlock.integration.names`; this module takes any name as given.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def claim_key(keys: LockKeys, task_name: str) -> str:
 
 
 class ParkedKeys(NamedTuple):
-    """The keys of the runs parked under one prefix (:mod:`celery_redlock.parking`)."""
+    """The keys of the runs parked under one prefix (:mod:`celery_redlock.integration.parking`)."""
 
     due: str
     runs: str
@@ -269,7 +269,7 @@ def parked_keys(prefix: str = DEFAULT_PREFIX) -> ParkedKeys:
 
     Not per lock: every worker takes due runs with one call per node, whatever the
     number of keys with runs waiting. (So one slot of a Redis Cluster: parking
-    there falls back to the broker, :mod:`celery_redlock.parking`.)
+    there falls back to the broker, :mod:`celery_redlock.integration.parking`.)
     """
     base = f"{validate_prefix(prefix)}parked"
     return ParkedKeys(base, f"{base}:runs", f"{base}:taken", f"{base}:started")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from redis.exceptions import ResponseError
 
-from .. import forksafe, metrics
+from ..base import forksafe, metrics
 from ..exceptions import LockLost, NodeUnavailable
 from ..nodes import Call
 from ..nodes.calls import bulk

@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from .. import metrics
+from ..base import metrics
 from ..exceptions import ConfigurationError, LockLost, NodeUnavailable
 from ..nodes import NodeSet, Reply
 from ..nodes.cluster import is_cluster_url

@@ -42,8 +42,8 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .. import forksafe, metrics
-from ..poll import readable
+from ..base import forksafe, metrics
+from ..base.poll import readable
 from .lease import Lease, clock, renew_chunks, renewed_everywhere
 from .threads import START_GRACE, start_daemon
 

@@ -69,10 +69,10 @@ from typing import Any, Protocol
 from redis.connection import AbstractConnection
 from redis.exceptions import RedisError
 
-from .. import forksafe
+from ..base import forksafe
+from ..base.poll import readable
 from ..nodes import LockNode
 from ..nodes.pubsub import PubSubReader
-from ..poll import readable
 from . import keys
 from .threads import START_GRACE, start_daemon
 

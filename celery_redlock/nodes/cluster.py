@@ -56,7 +56,7 @@ from redis.connection import AbstractConnection
 from redis.crc import key_slot
 from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
-from .. import forksafe
+from ..base import forksafe
 from ..exceptions import ConfigurationError
 from .calls import Call, Leg
 from .node import Node

@@ -30,7 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..poll import buffered, readable
+from ..base.poll import buffered, readable
 from .calls import LAG, Call, Leg, LockNode, Reply, Script, Server
 
 __all__ = ["ALIVE_GRACE", "fan_out", "pack"]

@@ -27,9 +27,9 @@ from redis.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.sentinel import SentinelConnectionPool
 
-from .. import forksafe
+from ..base import forksafe
+from ..base.poll import readable
 from ..exceptions import ConfigurationError
-from ..poll import readable
 from .calls import LAG, Call, Leg, Script
 from .sentinel import (
     MASTER_RECHECK,

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import forksafe
+from ..base import forksafe
 from ..exceptions import ConfigurationError
 from .calls import Call, LockNode, Reply
 from .fanout import fan_out

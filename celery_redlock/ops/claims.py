@@ -2,7 +2,7 @@
 
 A claim is ``<lock key>:claim:<task tag>`` (one per task naming the lock), a hash of
 the queued copy's task_id, task_name and claimed_at with a TTL (see
-:mod:`celery_redlock.engine.claims`). ``ls`` lists them beside the locks: a claim is a
+:mod:`celery_redlock.integration.claims`). ``ls`` lists them beside the locks: a claim is a
 copy sent and not yet started (``until_started``) or not yet finished
 (``until_finished``). Reading them takes no lock and changes nothing;
 :func:`clear_claim` (``release KEY --force``) deletes one whose copy is gone (a purged

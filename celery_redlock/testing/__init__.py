@@ -40,7 +40,7 @@ import pytest
 from celery import Celery, Task, current_app
 
 from ..engine.lock import Redlock
-from ..task import forget_settings, lock_for
+from ..integration.task import forget_settings, lock_for
 from .servers import RedisServer
 
 __all__ = [

@@ -26,7 +26,7 @@ import redis
 from celery import Celery, Task, states
 
 from celery_redlock import LockedTask
-from celery_redlock.policies import request_header
+from celery_redlock.integration.policies import request_header
 from tests.harness.celery_workers import APP_URL_ENV, make_app, redis_url_with_db
 from tests.harness.servers import WaitTimeout, wait_for
 

@@ -67,7 +67,7 @@ def create_app(redis_url: str, **conf: Any) -> Celery:
         """Uses the project's own ``self.lock`` and ``self.lock_key``."""
         import time
 
-        from celery_redlock.task import held_lock
+        from celery_redlock.integration.task import held_lock
 
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:

@@ -43,7 +43,7 @@ def record(self, key, out, hold=0.0):
 def record_counted(self, key, out, hold=0.0):
     """As :func:`record`, with a 7th field: how often the run was put back before this
     delivery (its ``redlock_deferrals`` header): the copies of it the broker carried."""
-    from celery_redlock.policies import deferrals
+    from celery_redlock.integration.policies import deferrals
 
     started = time.time()
     if hold:

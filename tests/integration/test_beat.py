@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_redlock.beat import parse_beat_holder
+from celery_redlock.integration.beat import parse_beat_holder
 from tests.harness import BeatProcess, wait_for
 
 SCHEDULER = "celery_redlock.beat:LeaderScheduler"

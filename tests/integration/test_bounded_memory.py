@@ -18,8 +18,8 @@ import time
 import pytest
 
 from celery_redlock import LockedTask, Redlock
-from celery_redlock.beat import LeaderScheduler
 from celery_redlock.engine.keys import FENCE_HORIZON_LEASES, FENCE_HORIZON_MIN
+from celery_redlock.integration.beat import LeaderScheduler
 from tests.apps.locked import create_app
 from tests.apps.unique import make_unique_app
 from tests.harness import close_app, wait_for

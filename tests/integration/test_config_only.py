@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from celery_redlock import LockBusy, LockedTask, lock_configured_tasks
-from celery_redlock.task import lock_options
+from celery_redlock.integration.task import lock_options
 from tests.apps import configonly_custom
 from tests.harness import close_app, lock_keys, make_app, wait_for
 from tests.harness.celery_workers import BROKER_DB, redis_url_with_db, run_python

@@ -3,7 +3,7 @@
 ``fork()`` copies memory, not threads: a lock another thread held at that instant is
 held in the child for ever. Prefork workers fork children while the main process's
 threads work, so every lock of the package is reset in the child
-(:mod:`celery_redlock.forksafe`). Each test here bounds every child's first call: the
+(:mod:`celery_redlock.base.forksafe`). Each test here bounds every child's first call: the
 parent waits for it with a deadline and kills it past that.
 """
 
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_redlock import LockLost, LockNotOwned, NodeUnavailable, Redlock, forksafe
+from celery_redlock import LockLost, LockNotOwned, NodeUnavailable, Redlock
+from celery_redlock.base import forksafe
 from celery_redlock.engine import renewal, waiting
 from celery_redlock.nodes import NodeSet
 from tests.harness.celery_workers import make_app
@@ -71,7 +72,7 @@ def test_every_module_that_makes_a_lock_resets_it_through_forksafe():
     assert not offenders, f"locks not reset in a forked child: {offenders}"
     assert "register_at_fork" not in "".join(
         p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "forksafe.py"
-    ), "fork hooks go through celery_redlock.forksafe"
+    ), "fork hooks go through celery_redlock.base.forksafe"
 
 
 def _child_first_call(url: str, name: str) -> int:

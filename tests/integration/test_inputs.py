@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from celery_redlock import ConfigurationError, LockedTask
-from celery_redlock.beat import LeaderScheduler
-from celery_redlock.engine.names import check_key_template
+from celery_redlock.integration.beat import LeaderScheduler
+from celery_redlock.integration.names import check_key_template
 from tests.apps import configonly_custom
 from tests.apps.locked import create_app
 from tests.apps.rated import make_rated_app

@@ -126,7 +126,7 @@ def test_impossible_family_options_fail_naming_the_task(celery_redis, options, m
         def bad(x):
             return x
 
-        from celery_redlock.task import lock_options
+        from celery_redlock.integration.task import lock_options
 
         with pytest.raises(ConfigurationError, match=f"task proj.bad: .*{message}"):
             lock_options(app.tasks["proj.bad"])

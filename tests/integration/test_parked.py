@@ -1,4 +1,4 @@
-"""Parked runs (:mod:`celery_redlock.parking`): a run that must wait (its rate budget's
+"""Parked runs (:mod:`celery_redlock.integration.parking`): a run that must wait (its rate budget's
 slot, its busy key's release, lock nodes that answer late) waits in Redis, not as a
 message some worker holds, and goes through the broker once more, whoever dies.
 
@@ -26,8 +26,8 @@ import pytest
 from celery import _state as celery_state
 from celery.exceptions import WorkerLostError
 
-from celery_redlock import parking, policies
 from celery_redlock.exceptions import NodeUnavailable
+from celery_redlock.integration import parking, policies
 from tests.apps.rated import make_rated_app
 from tests.harness import close_app, wait_for
 from tests.integration.test_rate import busiest_window, parked_runs, runs_of

@@ -18,8 +18,8 @@ from collections import Counter, defaultdict
 import pytest
 from celery.worker import state as worker_state
 
-from celery_redlock.parking import PARKED_HEADER
-from celery_redlock.policies import DEFERRALS_HEADER
+from celery_redlock.integration.parking import PARKED_HEADER
+from celery_redlock.integration.policies import DEFERRALS_HEADER
 from tests.apps.rated import make_late_app, make_rated_app
 from tests.harness import close_app, unique_nodename, wait_for
 

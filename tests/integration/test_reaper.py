@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from celery_redlock import Redlock
-from celery_redlock import reaper as reaper_module
+from celery_redlock.integration import reaper as reaper_module
+from celery_redlock.integration.reaper import Reaper, encode
 from celery_redlock.nodes import NodeSet
-from celery_redlock.reaper import Reaper, encode
 from celery_redlock.testing.servers import wait_for
 
 

@@ -1,5 +1,5 @@
 """``lock_on_busy="requeue"``: a run put back because its key was busy starts when the
-key is released, not when its backoff ends (:mod:`celery_redlock.wakeups`).
+key is released, not when its backoff ends (:mod:`celery_redlock.integration.wakeups`).
 
 The holder runs 4 s under a 30 s lease; the busy runs' backoff doubles from 0.25 s
 (with jitter), so without the wake-up each would start up to seconds after the key

@@ -17,10 +17,9 @@ from celery_redlock import (
     LockLost,
     NodeUnavailable,
     Redlock,
-    abort,
-    policies,
 )
 from celery_redlock.engine.renewal import get_renewer
+from celery_redlock.integration import abort, policies
 from tests.apps.locked import create_app
 from tests.harness import close_app, lock_keys, read_intervals, steal_locks, wait_for
 from tests.harness.celery_workers import redis_url_with_db
@@ -377,7 +376,7 @@ def test_invalid_setting_stops_the_worker_with_a_clear_error(celery_redis):
 def test_redelivery_after_the_holder_died_still_runs(app, celery_redis, inprocess_worker_factory):
     """Same task id, lock left by a dead delivery: the new delivery waits, then runs."""
     from celery_redlock.engine.keys import lock_keys
-    from celery_redlock.engine.names import task_lock_name
+    from celery_redlock.integration.names import task_lock_name
 
     hold = app.tasks["tests.apps.locked.hold"]
     key = lock_keys(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from celery_redlock import LockLost
 from celery_redlock.engine.keys import lock_keys
-from celery_redlock.engine.names import task_lock_name
+from celery_redlock.integration.names import task_lock_name
 from tests.apps.reliable import create_app
 from tests.harness.celery_workers import WorkerProcess, close_app, redis_url_with_db
 from tests.harness.servers import wait_for

@@ -3,8 +3,9 @@
 What must hold whatever the input: nothing crashes (only the library's own, documented
 exceptions come out), every error names what was wrong (the task and argument, or the
 setting), argument values never reach Redis keys, and no script releases or extends a
-lock whose token it was not given. tests/unit/engine/test_keys.py, tests/unit/test_settings.py and
-tests/unit/engine/test_scripts.py have the hand-picked cases; these are the generated ones.
+lock whose token it was not given. tests/unit/engine/test_keys.py,
+tests/unit/integration/test_settings.py and tests/unit/engine/test_scripts.py have the
+hand-picked cases; these are the generated ones.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from hypothesis import strategies as st
 
 from celery_redlock import ConfigurationError, LockKeyError
 from celery_redlock.engine.keys import claim_key, lock_keys, release_keys
-from celery_redlock.engine.names import MAX_DEPTH, task_lock_name
 from celery_redlock.engine.scripts import (
     ACQUIRE,
     ACQUIRE_FAIR,
@@ -42,7 +42,8 @@ from celery_redlock.engine.scripts import (
     UNCLAIM,
     WAKE_LEAVE,
 )
-from celery_redlock.settings import OPTIONS, from_conf
+from celery_redlock.integration.names import MAX_DEPTH, task_lock_name
+from celery_redlock.integration.settings import SETTING_OPTIONS, from_conf
 from tests.apps.locked import create_app
 from tests.harness import close_app
 from tests.harness import lock_keys as held_lock_keys
@@ -208,17 +209,17 @@ any_value = st.one_of(
 )
 
 
-@given(option=st.sampled_from(sorted(OPTIONS)), value=any_value)
+@given(option=st.sampled_from(sorted(SETTING_OPTIONS)), value=any_value)
 def test_any_setting_value_is_accepted_or_refused_by_name(option, value):
     """A bad value raises ConfigurationError naming the setting; nothing else escapes."""
-    setting = OPTIONS[option].setting
+    setting = SETTING_OPTIONS[option].setting
     try:
         from_conf({setting: value})
     except ConfigurationError as exc:
         assert setting in str(exc), str(exc)
 
 
-@given(st.dictionaries(st.sampled_from([o.setting for o in OPTIONS.values()]), any_value))
+@given(st.dictionaries(st.sampled_from([o.setting for o in SETTING_OPTIONS.values()]), any_value))
 def test_several_bad_settings_at_once_name_one_of_them(conf):
     try:
         from_conf(conf)

@@ -17,8 +17,8 @@ from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 
 from ...exceptions import ConfigurationError
+from ...integration.settings import Settings, from_conf
 from ...nodes import NodeSet
-from ...settings import Settings, from_conf
 from ..inventory import resolve_key
 from .output import warn
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ...engine.timing import drift_allowance
-from ...settings import Settings
+from ...integration.settings import Settings
 from .checks_nodes import (
     check_clock,
     check_config_access,
@@ -195,7 +195,7 @@ def check_backlog(backlog: Backlog, claims: LeaseInUse | None) -> Finding | None
     :func:`unique_claim_limit`) against ``backlog.drain``, the time the budget takes
     to start every queued run. None when it fits. (The broker's visibility timeout is
     not at stake: a run is never put back for longer than half of it,
-    :func:`celery_redlock.budgets.longest_hold`.)
+    :func:`celery_redlock.integration.budgets.longest_hold`.)
     """
     measured = {"claim": (claims, backlog.drain)}
     parts = [
@@ -248,7 +248,7 @@ def check_beat_leader(
     ``key`` is the name older versions derived (``beat:<main>``) while this app derives
     another: whoever holds it leads besides this app's beat. None when no node holds it.
     """
-    from ...beat import parse_beat_holder, same_broker  # noqa: PLC0415 (beat imports Celery's scheduler)
+    from ...integration.beat import parse_beat_holder, same_broker  # noqa: PLC0415 (beat imports Celery's scheduler)
 
     if not holders:
         return None

@@ -1,9 +1,9 @@
 """Checks of the app's settings and of its tasks' lock options: pure functions of them.
 
 Settings that cannot work at all are refused by
-:func:`celery_redlock.settings.from_conf` (:func:`invalid_settings` reports that);
+:func:`celery_redlock.integration.settings.from_conf` (:func:`invalid_settings` reports that);
 these checks find the ones that validate but are risky, and the task options a
-worker would refuse. They read :class:`~celery_redlock.settings.Settings` and the
+worker would refuse. They read :class:`~celery_redlock.integration.settings.Settings` and the
 :class:`~.facts.TaskLocking` values :func:`~.collect.task_locking` resolved, never
 the Celery app.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ...settings import Settings
+from ...integration.settings import Settings
 from .facts import LeaseInUse, TaskLocking
 from .report import ERROR, OK, WARN, Finding
 
@@ -97,7 +97,7 @@ def check_settings(
     """Settings that validate but are risky, and task options that do not validate.
 
     What is reported (settings that cannot work at all are already refused by
-    :func:`celery_redlock.settings.from_conf` and never get here):
+    :func:`celery_redlock.integration.settings.from_conf` and never get here):
 
     * ``redlock_fail_open``: tasks run unlocked during an outage.
     * ``redlock_drift_factor = 0``: no allowance for clock rate differences.

@@ -18,8 +18,8 @@ from redis.exceptions import RedisError
 
 from ...engine.keys import lock_keys
 from ...exceptions import ConfigurationError
+from ...integration.settings import Settings, from_conf
 from ...nodes import Call, NodeSet, Server, fan_out
-from ...settings import Settings, from_conf
 from ..budgets import held_budgets
 from .facts import (
     CONFIG_PARAMETERS,
@@ -67,10 +67,10 @@ def task_locking(app: Any, settings: Settings) -> tuple[list[TaskLocking], list[
     A task is locked when it is a :class:`~celery_redlock.LockedTask`, or when a
     ``redlock_tasks`` pattern names it (first match in the dict's order, as the
     worker does). Its options are resolved by the worker's own function
-    (:func:`celery_redlock.task.task_options`), so an error here is exactly one that
+    (:func:`celery_redlock.integration.task.task_options`), so an error here is exactly one that
     stops the worker. Tasks are not modified.
     """
-    from ...task import LockedTask, task_options  # noqa: PLC0415 (keeps import of this module light)
+    from ...integration.task import LockedTask, task_options  # noqa: PLC0415 (keeps import of this module light)
 
     patterns = settings.tasks or {}  # None when redlock_tasks is not set
     found: list[TaskLocking] = []
@@ -239,7 +239,7 @@ def beat_leader(app: Any, settings: Settings, *, timeout: float) -> BeatLeaderFa
     unset and this version derives another name. A node that does not answer adds no
     holder: its ``node-unreachable`` finding already says so.
     """
-    from ...beat import broker_identity, leader_name  # noqa: PLC0415 (beat imports Celery's scheduler)
+    from ...integration.beat import broker_identity, leader_name  # noqa: PLC0415 (beat imports Celery's scheduler)
 
     try:
         broker = broker_identity(app)

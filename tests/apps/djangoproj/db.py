@@ -23,7 +23,7 @@ from django.utils import timezone  # noqa: E402
 from django_celery_beat.models import IntervalSchedule, PeriodicTask  # noqa: E402
 
 from celery_redlock import Redlock  # noqa: E402
-from celery_redlock.beat import DatabaseLeaderScheduler, leader_name  # noqa: E402
+from celery_redlock.integration.beat import DatabaseLeaderScheduler, leader_name  # noqa: E402
 
 TASK = "tests.apps.djangoproj.celery.stamp"
 

@@ -7,7 +7,7 @@ import pytest
 
 from celery_redlock import ConfigurationError, NodeUnavailable, Redlock
 from celery_redlock.engine.timing import MAX_SECONDS, MIN_TTL
-from tests.unit.test_settings import RANGE
+from tests.unit.integration.test_settings import RANGE
 
 
 @pytest.mark.parametrize(

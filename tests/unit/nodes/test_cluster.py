@@ -18,11 +18,11 @@ from celery_redlock.engine.keys import lock_keys
 from celery_redlock.engine.renewal import Renewer
 from celery_redlock.engine.scripts import RELEASE, RENEW_MANY
 from celery_redlock.exceptions import ConfigurationError
+from celery_redlock.integration.settings import from_conf
 from celery_redlock.nodes import Call, NodeSet, safe_url
 from celery_redlock.nodes import cluster as cluster_module
 from celery_redlock.nodes.cluster import CrossSlotError, MasterUnavailable
 from celery_redlock.ops.doctor import diagnose
-from celery_redlock.settings import from_conf
 from tests.apps.locked import create_app
 from tests.apps.rated import make_rated_app
 from tests.harness import close_app, wait_for

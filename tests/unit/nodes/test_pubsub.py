@@ -11,9 +11,9 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from celery_redlock.base.poll import readable
 from celery_redlock.nodes import Node
 from celery_redlock.nodes.pubsub import PubSubReader
-from celery_redlock.poll import readable
 from tests.harness import wait_for
 
 MESSAGE = b"*3\r\n$7\r\nmessage\r\n$11\r\nredlock:{a}\r\n$8\r\ntok 1234\r\n"

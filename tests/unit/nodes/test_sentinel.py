@@ -15,9 +15,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from celery_redlock import LockLost, NodeUnavailable, Redlock
 from celery_redlock.exceptions import ConfigurationError
+from celery_redlock.integration.settings import from_conf
 from celery_redlock.nodes import Node
 from celery_redlock.nodes.sentinel import MASTER_RECHECK
-from celery_redlock.settings import from_conf
 from tests.harness import HOST, wait_for
 from tests.harness.sentinel import SentinelGroup
 

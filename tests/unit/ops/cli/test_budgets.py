@@ -8,7 +8,7 @@ import json
 import pytest
 
 from celery_redlock.engine.keys import lock_keys
-from celery_redlock.engine.queued import note_queued
+from celery_redlock.integration.queued import note_queued
 from celery_redlock.nodes import NodeSet
 from tests.unit.ops.cli.helpers import backlog_on, rows
 

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from celery_redlock import Redlock
-from celery_redlock.engine.claims import claim, unclaim
 from celery_redlock.engine.keys import lock_keys
+from celery_redlock.integration.claims import claim, unclaim
 from celery_redlock.nodes import NodeSet
 from tests.unit.ops.cli.helpers import HOLDER, HOST, lock_on, rows
 
@@ -237,7 +237,7 @@ def test_ls_shows_a_beat_leaders_broker_without_credentials_as_written(redis_nod
     """
     from celery import Celery
 
-    from celery_redlock.beat import beat_holder, default_beat_name, same_broker
+    from celery_redlock.integration.beat import beat_holder, default_beat_name, same_broker
 
     app = Celery("proj", broker="redis://127.0.0.1", set_as_current=False)
     try:

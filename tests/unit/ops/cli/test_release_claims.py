@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from celery_redlock.engine.claims import claim
 from celery_redlock.engine.keys import claim_key, lock_keys
+from celery_redlock.integration.claims import claim
 from celery_redlock.nodes import NodeSet
 from tests.unit.ops.cli.helpers import lock_on
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery_redlock.integration.settings import Settings, from_conf
 from celery_redlock.ops.doctor.facts import NodeFacts
 from celery_redlock.ops.doctor.report import Finding
-from celery_redlock.settings import Settings, from_conf
 
 NODE = "redis://127.0.0.1:6379/0"
 DURABLE = {"appendonly": "yes", "appendfsync": "always", "save": ""}

@@ -10,7 +10,8 @@ import pytest
 
 from celery_redlock import ConfigurationError, LockedTask
 from celery_redlock.engine.keys import lock_keys
-from celery_redlock.engine.queued import note_queued
+from celery_redlock.integration.queued import note_queued
+from celery_redlock.integration.settings import from_conf
 from celery_redlock.nodes import NodeSet
 from celery_redlock.ops.doctor.checks import check_permanent_keys
 from celery_redlock.ops.doctor.checks_nodes import check_clock
@@ -22,7 +23,6 @@ from celery_redlock.ops.doctor.collect import (
 )
 from celery_redlock.ops.doctor.facts import Backlog
 from celery_redlock.ops.doctor.report import ERROR, WARN
-from celery_redlock.settings import from_conf
 from tests.unit.ops.cli.helpers import backlog_on
 from tests.unit.ops.doctor.crafted import NODE, codes
 
@@ -102,8 +102,8 @@ def test_task_locking_reads_locked_tasks_and_configured_patterns_without_changin
 def test_doctor_refuses_exactly_what_the_worker_refuses(entry):
     """A redlock_tasks entry the worker refuses at start is an invalid-task-options error
     in doctor, with the worker's own message: {"on_busy": "bogus"} used to pass as sound."""
-    from celery_redlock import config_only
-    from celery_redlock.task import lock_options
+    from celery_redlock.integration import config_only
+    from celery_redlock.integration.task import lock_options
 
     app = celery.Celery("doctor-bogus", set_as_current=False)
     app.conf.update(redlock_url=NODE, redlock_tasks={"proj.t": entry})

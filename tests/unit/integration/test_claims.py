@@ -1,4 +1,4 @@
-"""Send-time claims (``claim.lua``, ``unclaim.lua``, :mod:`celery_redlock.engine.claims`)
+"""Send-time claims (``claim.lua``, ``unclaim.lua``, :mod:`celery_redlock.integration.claims`)
 against real redis-servers: one node, and three with a split vote."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import redis
 
 from celery_redlock import NodeUnavailable
-from celery_redlock.engine import claims
-from celery_redlock.engine.claims import admit, claim, start, unclaim
 from celery_redlock.engine.keys import claim_key, lock_keys
 from celery_redlock.engine.scripts import CLAIM, CLAIM_START, THROTTLE, UNCLAIM, UnclaimStatus
+from celery_redlock.integration import claims
+from celery_redlock.integration.claims import admit, claim, start, unclaim
 from celery_redlock.nodes import NodeSet
 from tests.harness.servers import free_port, wait_for
 

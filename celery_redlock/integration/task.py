@@ -14,10 +14,10 @@ its exceptions). It is released as the body returns or raises, in
 :meth:`LockedTask.__call__`, before Celery sends the chain's next step and ``link``
 callbacks and stores the result (which starts a chord's body and wakes a caller in
 ``get()``): a run never finds its key held by the run that caused it. ``task_postrun``
-(see :mod:`celery_redlock.worker`), which fires for every outcome, releases what is
+(see :mod:`celery_redlock.integration.worker`), which fires for every outcome, releases what is
 left: the lock of a run whose body never started (``before_start`` failed after taking
 it), or whose release an exception cut short. A pool child that dies has its locks
-released by the worker's main process (:mod:`celery_redlock.reaper`).
+released by the worker's main process (:mod:`celery_redlock.integration.reaper`).
 
 Everything about one execution lives in thread-local (greenlet-local under gevent)
 storage keyed by the execution's task id, never on the task object, which the threads
@@ -25,7 +25,7 @@ pool shares between runs.
 
 What a busy lock (``lock_on_busy``), a second delivery of a task id that holds its
 lock, and a lost lock (``lock_on_lost``) do is told, and applied, in
-:mod:`celery_redlock.policies`.
+:mod:`celery_redlock.integration.policies`.
 
 Redis unreachable: the body does not run and the task fails with
 :class:`~celery_redlock.NodeUnavailable` (or retries, with ``lock_on_busy="retry"``),
@@ -46,13 +46,11 @@ from celery import Celery, Task, states
 from celery.exceptions import Ignore
 from celery.result import EagerResult
 
+from ..engine.keys import handed_key
+from ..engine.lock import Redlock
+from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from . import abort, budgets, reaper, unique
-from .engine.keys import handed_key
-from .engine.lock import Redlock
-from .engine.names import call_lock_name, signature
-from .engine.queued import note_started
-from .exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from .options import TASK_OPTIONS, TaskLockOptions, parse_entry, resolve_task_options
+from .names import call_lock_name, signature
 from .parking import MAYBE_HEADER, PARKED_HEADER, Spot, can_park, claim_start
 from .policies import (
     Skipped,
@@ -64,7 +62,15 @@ from .policies import (
     request_header,
     requeues,
 )
-from .settings import Settings, from_conf
+from .queued import note_started
+from .settings import (
+    TASK_OPTIONS,
+    Settings,
+    TaskLockOptions,
+    from_conf,
+    parse_entry,
+    resolve_task_options,
+)
 
 __all__ = [
     "LockedTask",
@@ -217,11 +223,11 @@ def forget_settings(app: Celery) -> None:
 def lock_options(task: Task) -> TaskLockOptions:
     """Resolve and validate ``task``'s ``lock_*`` options (cached on the task class).
 
-    Options set by ``redlock_tasks`` (:func:`celery_redlock.config_only.lockify`)
+    Options set by ``redlock_tasks`` (:func:`celery_redlock.integration.config_only.lockify`)
     come first. A task class made lockable by configuration from a project's own
     base class has no ``lock_*`` options of ours besides those: its attributes of
     that name, if any, are the project's. The work is
-    :func:`celery_redlock.options.resolve_task_options`'s, which ``doctor`` calls too.
+    :func:`celery_redlock.integration.settings.resolve_task_options`'s, which ``doctor`` calls too.
 
     Raises:
         ConfigurationError: naming the task, the option and the accepted values (and
@@ -314,15 +320,16 @@ class LockedTask(Task):
     * ``lock_retry_countdown``, ``lock_wait_timeout``, ``lock_renew_interval``.
     * ``lock_unique``: ``None`` | ``"until_started"`` | ``"until_finished"``: at most
       one queued (or running) copy per key, decided at send time
-      (:mod:`celery_redlock.unique`); ``lock_on_duplicate``: ``"return"`` (the queued
+      (:mod:`celery_redlock.integration.unique`); ``lock_on_duplicate``: ``"return"`` (the queued
       copy's ``AsyncResult``) | ``"raise"`` (``LockBusy``); ``lock_unique_ttl``.
     * ``lock_debounce``: seconds; calls within it collapse into one run, started no
       sooner than that after the last call, with its arguments. ``lock_throttle``:
       seconds; at most one run per key starts per window.
     * ``lock_rate``: ``"N/s"`` | ``"N/m"`` | ``"N/h"``: at most N runs per key start in
       any such sliding window, across all workers; a run that comes early goes back on
-      the queue for its slot (:mod:`celery_redlock.budgets`). With ``lock_mode="shared"``
-      runs of a key may overlap; with ``lock_limit=N`` at most N at once.
+      the queue for its slot (:mod:`celery_redlock.integration.budgets`). With
+      ``lock_mode="shared"`` runs of a key may overlap; with ``lock_limit=N`` at most N
+      at once.
 
     ``lock_key`` may name several resources (a list of format strings, or a callable
     returning a list): all are locked together or none, e.g. both accounts of a
@@ -409,7 +416,7 @@ class LockedTask(Task):
 
         A duplicate publishes nothing: the queued (or running) copy's ``AsyncResult``
         is returned, or ``LockBusy`` raised (``lock_on_duplicate``). See
-        :mod:`celery_redlock.unique`.
+        :mod:`celery_redlock.integration.unique`.
         """
         lock = lock_options(self)
         options.update(

@@ -48,22 +48,16 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.concurrency.prefork import TaskPool as PreforkPool
 
-from . import config_only, metrics, parking, reaper, unique, wakeups
+from ..base import metrics
+from ..engine.renewal import get_renewer
+from ..engine.threads import start_daemon
+from ..exceptions import ConfigurationError
+from ..nodes import NodeSet, safe_url
+from . import config_only, parking, reaper, unique, wakeups
 from .beat import check_configuration
-from .engine.renewal import get_renewer
-from .engine.threads import start_daemon
-from .exceptions import ConfigurationError
-from .nodes import NodeSet, safe_url
-from .options import TASK_OPTIONS
 from .reaper import Reaper
-from .task import (
-    LockedTask,
-    app_settings,
-    config_overrides,
-    lock_options,
-    release_lock,
-    run_ended,
-)
+from .settings import TASK_OPTIONS
+from .task import LockedTask, app_settings, config_overrides, lock_options, release_lock, run_ended
 
 __all__ = ["RedlockStep", "install"]
 

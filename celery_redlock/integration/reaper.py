@@ -48,12 +48,12 @@ import select
 import threading
 from typing import cast
 
-from . import forksafe, metrics
-from .engine.keys import keys_of
-from .engine.scripts import RELEASE_IF, ReleaseIfStatus
-from .engine.waiting import named_reserve_ms
-from .nodes import NodeSet
-from .poll import readable
+from ..base import forksafe, metrics
+from ..base.poll import readable
+from ..engine.keys import keys_of
+from ..engine.scripts import RELEASE_IF, ReleaseIfStatus
+from ..engine.waiting import named_reserve_ms
+from ..nodes import NodeSet
 
 __all__ = ["DRAIN_INTERVAL", "Reaper", "announce", "encode", "flush", "forget", "in_pool_child"]
 

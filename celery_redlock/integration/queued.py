@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from ..engine.keys import QUEUED_GRACE, LockKeys
+from ..engine.scripts import NOTE_QUEUED, NOTE_STARTED
 from ..nodes import NodeSet
-from .keys import QUEUED_GRACE, LockKeys
-from .scripts import NOTE_QUEUED, NOTE_STARTED
 
 __all__ = ["note_queued", "note_started"]
 

@@ -15,8 +15,7 @@ from celery import Celery, states
 from celery.utils import uuid
 
 from celery_redlock import LockBusy, LockLost
-from celery_redlock.options import TaskLockOptions
-from celery_redlock.policies import (
+from celery_redlock.integration.policies import (
     REQUEUES_HEADER,
     Skipped,
     already_done,
@@ -24,6 +23,7 @@ from celery_redlock.policies import (
     apply_on_lost,
     requeues,
 )
+from celery_redlock.integration.settings import TaskLockOptions
 from tests.harness import close_app
 
 
@@ -53,7 +53,7 @@ def options(on_busy: str) -> TaskLockOptions:
 
 def test_raise_fails_with_the_lockbusy_itself(app):
     """lock_on_busy='raise' ends the run with the LockBusy naming key and holder."""
-    task = app.task(body, name="proj.t")
+    task = app.task(body, shared=False, name="proj.t")
     busy = LockBusy("redlock:{proj.t}", "other-id", 3.0)
     with pytest.raises(LockBusy) as info:
         apply_on_busy(task, "my-id", busy, options("raise"))
@@ -62,7 +62,7 @@ def test_raise_fails_with_the_lockbusy_itself(app):
 
 def test_skip_stores_lockbusy_as_the_result_and_ends_ignored(app):
     """lock_on_busy='skip' stores FAILURE with the LockBusy and raises Skipped (an Ignore)."""
-    task = app.task(body, name="proj.t")
+    task = app.task(body, shared=False, name="proj.t")
     busy = LockBusy("redlock:{proj.t}", "other-id", 3.0)
     task_id = uuid()
     with pytest.raises(Skipped) as info:
@@ -73,7 +73,7 @@ def test_skip_stores_lockbusy_as_the_result_and_ends_ignored(app):
 
 def test_skip_stores_nothing_for_a_task_that_ignores_its_result(app):
     """With ignore_result, a skipped run leaves the backend untouched."""
-    task = app.task(body, name="proj.t", ignore_result=True)
+    task = app.task(body, shared=False, name="proj.t", ignore_result=True)
     task_id = uuid()
     with pytest.raises(Skipped):
         apply_on_busy(task, task_id, LockBusy("k", "other-id"), options("skip"))
@@ -97,18 +97,18 @@ def test_requeues_reads_the_header_and_treats_garbage_as_none(request_, count):
 
 def test_already_done_only_for_a_final_stored_result(app):
     """A stored final state means an earlier delivery ran; no result, or none kept, does not."""
-    task = app.task(body, name="proj.t")
+    task = app.task(body, shared=False, name="proj.t")
     task_id = uuid()
     assert not already_done(task, task_id)
     task.backend.mark_as_done(task_id, 1)
     assert already_done(task, task_id)
-    quiet = app.task(body, name="proj.quiet", ignore_result=True)
+    quiet = app.task(body, shared=False, name="proj.quiet", ignore_result=True)
     assert not already_done(quiet, task_id)
 
 
 def test_ignore_logs_the_loss_and_leaves_the_body_running(app, caplog):
     """lock_on_lost='ignore' logs at ERROR under the task's logger and aborts nothing."""
-    task = app.task(body, name="proj.t")
+    task = app.task(body, shared=False, name="proj.t")
     lost = LockLost("redlock:{proj.t}", "expired", 7)
     with caplog.at_level(logging.ERROR, logger="celery_redlock.task"):
         apply_on_lost(task, "my-id", "ignore", SimpleNamespace(), lost)  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry
 
-from celery_redlock import LockLost, Redlock, metrics
+from celery_redlock import LockLost, Redlock
+from celery_redlock.base import metrics
 from celery_redlock.engine.lease import clock
 from celery_redlock.engine.renewal import get_renewer
 from tests.harness import wait_for
@@ -28,7 +29,7 @@ def test_metrics_are_off_and_free_by_default():
     probe = (
         "import sys, celery_redlock; "
         "assert 'prometheus_client' not in sys.modules; "
-        "assert celery_redlock.metrics.enabled is False; print('ok')"
+        "assert celery_redlock.base.metrics.enabled is False; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"

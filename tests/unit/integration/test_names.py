@@ -11,7 +11,7 @@ import pytest
 
 from celery_redlock import ConfigurationError, LockKeyError
 from celery_redlock.engine.keys import MAX_NAME_LENGTH, lock_keys
-from celery_redlock.engine.names import check_lock_args, task_lock_name
+from celery_redlock.integration.names import check_lock_args, task_lock_name
 
 
 def run(account_id, full=False, *extra, **options):

@@ -1,5 +1,6 @@
-"""The worker side of ``lock_on_busy="requeue"``'s wake-up (:mod:`celery_redlock.wakeups`),
-with a stand-in consumer and timer: which copies it starts, and which it never does.
+"""The worker side of ``lock_on_busy="requeue"``'s wake-up
+(:mod:`celery_redlock.integration.wakeups`), with a stand-in consumer and timer: which
+copies it starts, and which it never does.
 The end-to-end behaviour with real workers is in tests/integration/test_requeue_wake.py."""
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from celery_redlock import wakeups
 from celery_redlock.engine.waiting import Wakeup
-from celery_redlock.policies import WAKE_HEADER
+from celery_redlock.integration import wakeups
+from celery_redlock.integration.policies import WAKE_HEADER
 
 
 class Entry:

@@ -12,7 +12,7 @@ from celery_redlock.engine.timing import (
     MIN_TTL,
     Timing,
 )
-from celery_redlock.settings import OPTIONS, from_conf
+from celery_redlock.integration.settings import SETTING_OPTIONS, from_conf
 
 
 def test_defaults():
@@ -74,7 +74,7 @@ def test_invalid_values_name_the_setting_and_allowed_values(conf, message):
 
 def test_every_option_is_documented():
     """The table that generates the reference has a doc line for every setting."""
-    for option in OPTIONS.values():
+    for option in SETTING_OPTIONS.values():
         assert option.setting.startswith("redlock_") and option.doc.endswith(".")
 
 
@@ -82,12 +82,13 @@ def test_settings_reference_page_is_current():
     """docs/reference/settings.md holds the reference generated from the table."""
     from pathlib import Path
 
-    from celery_redlock.settings import reference
+    from celery_redlock.integration.settings import reference
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     page = (root / "docs" / "reference" / "settings.md").read_text()
     assert reference() in page, (
-        "regenerate: python -c 'from celery_redlock.settings import reference; print(reference())'"
+        "regenerate: python -c 'from celery_redlock.integration.settings import reference; "
+        "print(reference())'"
     )
 
 
@@ -124,7 +125,7 @@ def test_durations_out_of_range_name_the_setting_set_and_the_range(setting, valu
     message = str(info.value)
     assert message.startswith(f"{setting} must be "), message
     assert allowed in message and f"got {value!r}" in message, message
-    others = {o.setting for o in OPTIONS.values()} - {setting}
+    others = {o.setting for o in SETTING_OPTIONS.values()} - {setting}
     assert not [o for o in others if o in message], message
 
 

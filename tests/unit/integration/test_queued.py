@@ -9,9 +9,9 @@ import pytest
 
 from celery_redlock import RateLimit
 from celery_redlock.engine.keys import QUEUED_GRACE, lock_keys
-from celery_redlock.engine.queued import note_queued, note_started
 from celery_redlock.engine.rate import Budget, rate_calls
 from celery_redlock.engine.scripts import BUDGET_READ, NOTE_QUEUED, NOTE_STARTED, RATE
+from celery_redlock.integration.queued import note_queued, note_started
 from celery_redlock.nodes import NodeSet
 from tests.harness.lua import run
 from tests.harness.servers import wait_for

@@ -1,13 +1,13 @@
 """A run put back because its key was busy starts when the key is released.
 
 ``lock_on_busy="requeue"`` parks a busy run on its lock node
-(:mod:`celery_redlock.parking`); where no node takes it (a Redis Cluster), it goes back
-on the queue with a countdown (:func:`celery_redlock.policies.apply_on_busy`), as does a
+(:mod:`celery_redlock.integration.parking`); where no node takes it (a Redis Cluster), it goes back
+on the queue with a countdown (:func:`celery_redlock.integration.policies.apply_on_busy`), as does a
 second delivery of a task id that holds its lock: the copy is an ETA message, which
 the worker that receives it keeps in its timer until the countdown ends, holding no
 pool process. The countdown is a guess (a backoff, capped at the holder's lease); the
 holder usually ends long before. So the copy carries the busy key
-(:data:`~celery_redlock.policies.WAKE_HEADER`), and the worker's main process that
+(:data:`~celery_redlock.integration.policies.WAKE_HEADER`), and the worker's main process that
 holds it listens for that key's release (:mod:`celery_redlock.engine.waiting`: the
 process's one pub/sub connection per node). When a release is announced, the
 longest-waiting such copy in the process is started at once, through Celery's own
@@ -43,10 +43,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import forksafe
-from .engine.keys import keys_of
-from .engine.waiting import Subscription
-from .nodes import NodeSet
+from ..base import forksafe
+from ..engine.keys import keys_of
+from ..engine.waiting import Subscription
+from ..nodes import NodeSet
 from .policies import WAKE_HEADER
 from .task import app_settings
 

@@ -10,7 +10,7 @@
 
 Each registered task whose name matches a key (exact name or :mod:`fnmatch` glob)
 becomes a :class:`~celery_redlock.LockedTask`, with the option dict's entries (the
-names :data:`celery_redlock.options.TASK_OPTIONS` lists) as its ``lock_*`` options;
+names :data:`celery_redlock.integration.settings.TASK_OPTIONS` lists) as its ``lock_*`` options;
 the first matching pattern wins, in the dict's order. This runs in the worker (and
 beat) before any task executes; the task code and the app module stay untouched.
 
@@ -23,7 +23,7 @@ task class's own ``before_start``, ``__call__`` and ``push_request`` (through
 No change to task code: an attribute the task class already has is never
 shadowed. A project base class with its own ``lock`` method or ``lock_key``
 attribute keeps them (``self.lock`` is then the project's; the task's lock is
-:func:`celery_redlock.task.held_lock`), and the lock options of such a task come
+:func:`celery_redlock.integration.task.held_lock`), and the lock options of such a task come
 from its ``redlock_tasks`` entry (and the ``redlock_*`` settings) only, never from
 ``lock_*`` attributes of the project's class. A task class that already is a
 ``LockedTask`` keeps its ``lock_*`` options; the entry overrides them.
@@ -62,9 +62,8 @@ from typing import Any
 from celery import Task, signals
 from celery._state import _get_active_apps, connect_on_app_finalize
 
-from .exceptions import ConfigurationError
-from .options import parse_entry
-from .settings import Settings
+from ..exceptions import ConfigurationError
+from .settings import Settings, parse_entry
 from .task import LockedTask, app_settings, forget_options
 
 __all__ = ["apply", "lock_configured_tasks", "lockify"]
@@ -239,7 +238,7 @@ def _kept_attributes(cls: type) -> dict[str, Any]:
     A project's base class may already have a ``lock`` method, or a ``lock_key``
     attribute of its own meaning: configuration-only enablement must not change
     what the task code sees, so these are put back in front of LockedTask's. The
-    task's lock then stays reachable as :func:`celery_redlock.task.held_lock`.
+    task's lock then stays reachable as :func:`celery_redlock.integration.task.held_lock`.
     """
     kept = {}
     for name in vars(LockedTask):

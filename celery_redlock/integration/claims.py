@@ -3,7 +3,7 @@
 A claim reserves a lock name for one task id, from before the copy is published
 until the worker starts it (or finishes it): ``redlock:{NAME}:claim``, a hash of
 task_id, task_name and claimed_at with a TTL, on a majority of the lock's nodes.
-:mod:`celery_redlock.unique` decides when to take and free one; this module only
+:mod:`celery_redlock.integration.unique` decides when to take and free one; this module only
 speaks to the nodes.
 
 Why a claim is not a :class:`~celery_redlock.Redlock` lease: it is taken in one
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
 
+from ..engine.keys import LockKeys, claim_key
+from ..engine.scripts import CLAIM, CLAIM_START, THROTTLE, UNCLAIM, ClaimStatus, UnclaimStatus
 from ..exceptions import NodeUnavailable
 from ..nodes import NodeSet, Reply
-from .keys import LockKeys, claim_key
-from .scripts import CLAIM, CLAIM_START, THROTTLE, UNCLAIM, ClaimStatus, UnclaimStatus
 
 __all__ = ["ClaimResult", "admit", "claim", "start", "unclaim"]
 

@@ -2,28 +2,35 @@
 
 from __future__ import annotations
 
-from celery_redlock.options import TASK_OPTIONS
-from celery_redlock.settings import OPTIONS
+from celery_redlock.integration.settings import OPTIONS, SETTING_OPTIONS, TASK_OPTIONS
 
 
 def test_every_task_option_is_in_the_table_and_in_the_reference():
-    """One table of task options: redlock_tasks' documentation lists every key a worker
+    """One table of options: redlock_tasks' documentation lists every key a worker
     accepts (mode, limit and fair were missing), and LockedTask has each as lock_<name>."""
     from celery_redlock import LockedTask
-    from celery_redlock.settings import reference
+    from celery_redlock.integration.settings import reference
 
     assert {"mode", "limit", "fair"} <= set(TASK_OPTIONS)
     tasks_row = next(line for line in reference().splitlines() if "`redlock_tasks`" in line)
     for name, option in TASK_OPTIONS.items():
         assert name in tasks_row, name
-        assert option.doc, name
-        assert option.setting is None or option.setting in OPTIONS, name
+        assert option.task_doc, name
         assert hasattr(LockedTask, option.attribute), option.attribute
 
 
+def test_every_row_is_a_setting_a_task_option_or_both():
+    """A setting has a parser for its values; a row that is both checks a task's value
+    with the same parser, so the two cannot accept different things."""
+    assert set(SETTING_OPTIONS) | set(TASK_OPTIONS) == set(OPTIONS)
+    assert all(option.parse is not None for option in SETTING_OPTIONS.values())
+    both = set(SETTING_OPTIONS) & set(TASK_OPTIONS)
+    assert {"ttl", "on_busy", "unique", "rate"} <= both
+    assert not {"args", "key", "mode", "limit", "fair"} & set(SETTING_OPTIONS)
+
+
 def resolve(settings=None, **options):
-    from celery_redlock.options import resolve_task_options
-    from celery_redlock.settings import from_conf
+    from celery_redlock.integration.settings import from_conf, resolve_task_options
 
     def run(account_id, other=None):
         return account_id

@@ -1,6 +1,6 @@
 """What a locked task does when its lock is busy, held by itself, or lost.
 
-:func:`celery_redlock.task.acquire_for` takes the lock; when it cannot, or when the
+:func:`celery_redlock.integration.task.acquire_for` takes the lock; when it cannot, or when the
 renewer later finds the lease gone, the task's policy decides what happens.
 
 What a busy lock does (``lock_on_busy``, :func:`apply_on_busy`):
@@ -19,11 +19,11 @@ What a busy lock does (``lock_on_busy``, :func:`apply_on_busy`):
              then fails with ``LockBusy`` if still held.
 ``requeue``  Parked on the lock node until the key is free (same task id, arguments
              and options; not a retry: ``max_retries`` does not count it), then
-             published once by a live worker (:mod:`celery_redlock.parking`); holds
+             published once by a live worker (:mod:`celery_redlock.integration.parking`); holds
              no pool process meanwhile (:func:`defer`). Where no node takes it, it
              goes back on the queue after a jittered backoff that doubles per
              requeue from 0.25 s, capped at the holder's lease left, and starts as
-             soon as the key's release is announced (:mod:`celery_redlock.wakeups`).
+             soon as the key's release is announced (:mod:`celery_redlock.integration.wakeups`).
 ===========  ======================================================================
 
 A second delivery of a task id whose first delivery still holds the lock (acks_late
@@ -33,7 +33,7 @@ the policy, storing nothing (:func:`requeue_duplicate`); it runs once the lock i
 free, unless the first delivery stored a final result meanwhile (:func:`already_done`).
 
 What a lost lock does (``lock_on_lost``, :func:`apply_on_lost`): ``abort`` raises
-:class:`~celery_redlock.LockLost` in the body (:mod:`celery_redlock.abort`),
+:class:`~celery_redlock.LockLost` in the body (:mod:`celery_redlock.integration.abort`),
 ``revoke`` terminates it through Celery's revoke (prefork; else it aborts), and
 ``ignore`` only logs.
 """
@@ -48,13 +48,14 @@ from typing import Any, NoReturn
 from celery import Task, states
 from celery.exceptions import Ignore
 
-from . import abort, metrics, parking, reaper
-from .engine.keys import keys_of
-from .engine.lock import Redlock
-from .engine.queued import note_queued
-from .exceptions import LockBusy, LockLost
-from .nodes import NodeSet
-from .options import TaskLockOptions
+from ..base import metrics
+from ..engine.keys import keys_of
+from ..engine.lock import Redlock
+from ..exceptions import LockBusy, LockLost
+from ..nodes import NodeSet
+from . import abort, parking, reaper
+from .queued import note_queued
+from .settings import TaskLockOptions
 
 __all__ = [
     "DEFERRALS_HEADER",
@@ -129,7 +130,7 @@ def apply_on_busy(
             metrics.deferred(task.name, "busy")
         countdown = min(busy.ttl or 1.0, backoff)
         # The worker holding the copy in its timer starts it early when the key is
-        # released (celery_redlock.wakeups); the countdown is the fallback.
+        # released (celery_redlock.integration.wakeups); the countdown is the fallback.
         why = f"waits for its key: {busy}"
         spot = None
         if nodeset is not None and busy.key:
@@ -184,10 +185,10 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
     and before its lock expired. Running now would overlap; dropping the message
     would lose the task in the last two cases. So the message is published again
     with a growing delay (never beyond the holder's lease; started earlier by the key's
-    release, :mod:`celery_redlock.wakeups`) and this delivery ends as ignored, storing
+    release, :mod:`celery_redlock.integration.wakeups`) and this delivery ends as ignored, storing
     nothing. When the copy runs and the task id already has a final
     result from the first delivery, it does not run again (see
-    :func:`celery_redlock.task.acquire_for`).
+    :func:`celery_redlock.integration.task.acquire_for`).
 
     The same holds for the follow-up copy of a ``lock_unique="until_started"`` task,
     queued while another copy of its key runs: it is put back until that one ends,
@@ -220,7 +221,7 @@ def defer(
 ) -> NoReturn:
     """Park this run (``spot``) or put it back on the queue, and end this delivery.
 
-    Parked (:mod:`celery_redlock.parking`): the run waits on a lock node, due in
+    Parked (:mod:`celery_redlock.integration.parking`): the run waits on a lock node, due in
     ``countdown`` seconds (or when ``spot`` says), and a live worker publishes its copy
     once then; this delivery is acknowledged. Without a ``spot``, or when no node takes
     it, the copy goes back on the queue with a countdown: published before this delivery
@@ -229,7 +230,7 @@ def defer(
     with its arguments and options (headers, links, ``retries`` as they were: it is not
     a retry), counted in :data:`DEFERRALS_HEADER`, with ``headers`` added.
     ``wake``: the lock key whose release may start the copy before its countdown
-    (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.wakeups` in the worker); the
+    (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.integration.wakeups` in the worker); the
     copy is recorded on ``nodeset`` among the runs waiting for it (``ls``: QUEUED), with
     one call, before it is published: its start, which removes the entry, cannot come
     first. (A copy refused by its rate budget was recorded by its admission.)
@@ -329,7 +330,7 @@ class Requeued(Ignore):
     """The Ignore a delivery put back as a duplicate of itself ends with.
 
     The copy goes on (it is queued again under the same task id), so its send-time
-    claim stays (:func:`celery_redlock.unique.ended`).
+    claim stays (:func:`celery_redlock.integration.unique.ended`).
     """
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import celery
 import pytest
 
-from celery_redlock.budgets import MAX_HOLD, broker_visibility, longest_hold
+from celery_redlock.integration.budgets import MAX_HOLD, broker_visibility, longest_hold
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,9 @@ What makes a parked run due:
   lock is free (no holder; fewer holders than ``lock_limit``) and no other run waiting
   for the key was just handed it (a short hand-off mark), so one run per release goes
   through the broker, not every waiting one.
-* its nodes did not answer: a backoff (:data:`~celery_redlock.policies.UNAVAILABLE_BUDGET`
-  bounds how long a run is put back so).
+* its nodes did not answer: a backoff
+  (:data:`~celery_redlock.integration.policies.UNAVAILABLE_BUDGET` bounds how long a run
+  is put back so).
 
 Crashes. A take holds the run under a lease (:data:`LEASE`): a worker that dies after
 taking a run and before its copy starts leaves it due again when the lease ends, and
@@ -40,7 +41,7 @@ What is not covered: a lock node restarted without persistence loses the runs pa
 on it, as it loses its locks (``doctor`` warns of such nodes); parking needs one node or
 Redlock masters, not a Redis Cluster (the due set is one key for every lock): there,
 and whenever no node takes the run, it goes back on the queue with a countdown as
-before (:func:`celery_redlock.policies.put_back`).
+before (:func:`celery_redlock.integration.policies.put_back`).
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ from celery.result import denied_join_result
 from kombu.serialization import dumps, loads, prepare_accept_content
 from redis.exceptions import ResponseError
 
-from . import forksafe
-from .engine.keys import handed_key, keys_of, parked_keys
-from .engine.rate import Budget, judge, rate_calls, return_calls
-from .engine.scripts import PARK, TAKE_DUE, UNPARK, UnparkStatus
-from .nodes import Call, NodeSet, Reply
+from ..base import forksafe
+from ..engine.keys import handed_key, keys_of, parked_keys
+from ..engine.rate import Budget, judge, rate_calls, return_calls
+from ..engine.scripts import PARK, TAKE_DUE, UNPARK, UnparkStatus
+from ..nodes import Call, NodeSet, Reply
 
 __all__ = [
     "LEASE",

@@ -8,7 +8,7 @@ and a :class:`~celery_redlock.RateLimit` of the same name draws on it too.
 
 The admission is the last step before the body, after the execution lock (or shared
 slot) is taken: the start logged is the body's. A run that comes early holds nothing
-while it waits: it is parked on the lock node (:mod:`celery_redlock.parking`: same task
+while it waits: it is parked on the lock node (:mod:`celery_redlock.integration.parking`: same task
 id, arguments and options, not a retry; this delivery is acknowledged) until its place
 in line: the node serves the runs waiting for the key in the order they were refused, N
 per window (``rate.lua``). When its place comes, a live worker logs its start in the
@@ -26,7 +26,7 @@ before its slot.
 
 An eager run (``apply()``) has no queue: it sleeps until its slot, in its caller.
 Redis unreachable or late: as for the lock (the run is put back for a while, then
-fails with ``NodeUnavailable``, :func:`~celery_redlock.policies.defer_unavailable`;
+fails with ``NodeUnavailable``, :func:`~celery_redlock.integration.policies.defer_unavailable`;
 retries with ``lock_on_busy="retry"``; runs without its budget with
 ``redlock_fail_open``).
 """
@@ -41,13 +41,13 @@ from typing import Any
 
 from celery import Task
 
-from . import metrics, parking
-from .engine.lock import Redlock
-from .engine.rate import judge, rate_calls, return_calls
-from .exceptions import LockKeyError, NodeUnavailable
-from .options import TaskLockOptions
+from ..base import metrics
+from ..engine.lock import Redlock
+from ..engine.rate import judge, rate_calls, return_calls
+from ..exceptions import LockKeyError, NodeUnavailable
+from . import parking
 from .policies import defer, defer_unavailable, request_header
-from .settings import Settings
+from .settings import Settings, TaskLockOptions
 
 __all__ = ["admit", "broker_visibility", "longest_hold"]
 

@@ -2,7 +2,7 @@
 
 With ``lock_unique`` set, :meth:`LockedTask.apply_async` claims the task's lock name
 for the new task id *before* publishing (one claim per task and name: two tasks naming
-one resource are never duplicates of each other) (:mod:`celery_redlock.engine.claims`). When a
+one resource are never duplicates of each other) (:mod:`celery_redlock.integration.claims`). When a
 copy of the same key is queued (or, ``until_finished``, running), nothing is
 published: ``apply_async()`` returns that copy's ``AsyncResult``
 (``lock_on_duplicate="return"``) or raises :class:`~celery_redlock.LockBusy` naming it
@@ -64,7 +64,7 @@ to read ``lock_unique`` from). Configuration-only enablement (``redlock_tasks``)
 applied when the app finalizes in any process that imported :mod:`celery_redlock`, and
 again by workers and beat when they start; a task registered later is locked by
 :func:`celery_redlock.lock_configured_tasks` (its sends meanwhile are warned about:
-:mod:`celery_redlock.config_only`).
+:mod:`celery_redlock.integration.config_only`).
 
 Redis unreachable at send time: the copy is published anyway, with a WARNING (the
 execution lock still guards its body); with ``lock_on_duplicate="raise"``
@@ -84,17 +84,17 @@ from celery import Task, states
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from . import budgets, metrics
-from .engine.claims import admit, claim, start, unclaim
-from .engine.keys import LockKeys, lock_keys
-from .engine.names import call_lock_name
-from .engine.scripts import UnclaimStatus
-from .engine.timing import MAX_SECONDS
-from .exceptions import LockBusy, LockKeyError, NodeUnavailable
-from .nodes import NodeSet
-from .options import TaskLockOptions
+from ..base import metrics
+from ..engine.keys import LockKeys, lock_keys
+from ..engine.scripts import UnclaimStatus
+from ..engine.timing import MAX_SECONDS
+from ..exceptions import LockBusy, LockKeyError, NodeUnavailable
+from ..nodes import NodeSet
+from . import budgets
+from .claims import admit, claim, start, unclaim
+from .names import call_lock_name
 from .policies import Requeued, put_back, request_header
-from .settings import Settings
+from .settings import Settings, TaskLockOptions
 
 __all__ = ["active", "ended", "revoked", "send", "started"]
 

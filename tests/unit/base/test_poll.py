@@ -12,7 +12,7 @@ import socket
 import threading
 
 from celery_redlock import Redlock
-from celery_redlock.poll import readable
+from celery_redlock.base.poll import readable
 from tests.harness import wait_for
 
 HIGH = 1100
@@ -85,7 +85,7 @@ def test_buffered_tells_a_reply_read_but_not_parsed_without_reading_the_socket(r
     import redis
     from redis._parsers import _RESP2Parser
 
-    from celery_redlock.poll import buffered
+    from celery_redlock.base.poll import buffered
 
     # redis-py's own parser (hiredis, where installed, is one buffered() cannot read).
     conn = redis.Connection(host=redis_node.host, port=redis_node.port, parser_class=_RESP2Parser)

@@ -32,8 +32,8 @@ import sys
 import threading
 from typing import Any, cast
 
-from . import forksafe
-from .exceptions import LockLost
+from ..base import forksafe
+from ..exceptions import LockLost
 
 __all__ = ["abort", "ensure_signal_handler", "track", "untrack"]
 

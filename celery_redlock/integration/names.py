@@ -34,8 +34,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+from ..engine.keys import MAX_NAME_LENGTH
 from ..exceptions import ConfigurationError, LockKeyError
-from .keys import MAX_NAME_LENGTH
 
 __all__ = [
     "MAX_DEPTH",
