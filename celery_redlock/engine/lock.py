@@ -118,7 +118,7 @@ class Redlock:
         mode: ``exclusive`` (default) or ``shared``.
         limit: at most this many shared holders (implies ``mode="shared"``).
         fair: blocking waiters are served in arrival order.
-        timing: a validated :class:`~celery_redlock.settings.Timing`, in place of
+        timing: a validated :class:`~celery_redlock.engine.timing.Timing`, in place of
             ``ttl``, ``renew_interval``, ``node_timeout`` and ``drift_factor``
             (which are then ignored): what the task base and beat pass on.
 
