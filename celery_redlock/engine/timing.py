@@ -1,8 +1,8 @@
 """Lease timing and lock shapes: the durations and kinds the engine works with.
 
-A lower layer than :mod:`celery_redlock.integration.settings` (which reads Celery's configuration
-through a table and falls back on these): the lock engine validates a ``Redlock``'s
-own arguments here, with no knowledge of Celery.
+A lower layer than :mod:`celery_redlock.integration.settings` (which reads Celery's
+configuration through a table and falls back on these): the lock engine validates a
+``Redlock``'s own arguments here, with no knowledge of Celery.
 """
 
 from __future__ import annotations
