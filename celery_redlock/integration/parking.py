@@ -145,9 +145,9 @@ class Spot:
 
     def record(self) -> dict[str, Any]:
         """What ``take_due.lua`` and the publisher read of the run (JSON-ready)."""
-        record: dict[str, Any] = {"kind": self.kind}
+        record: dict[str, Any] = {"kind": self.kind, "lock": self.lock}
         if self.kind == "rate" and self.budget is not None:
-            record.update(lock=self.lock, rate=self.budget.limit, window=self.budget.window)
+            record.update(rate=self.budget.limit, window=self.budget.window)
         if self.kind == "busy" or self.check is not None or self.shared is not None:
             # Taken only while the key is free, one run at a time per key: runs published
             # together would find each other holding it (a rate run of an exclusive lock

@@ -14,6 +14,7 @@ from ...nodes import NodeSet
 from ..budgets import BudgetView, held_budgets
 from ..claims import ClaimView, held_claims
 from ..inventory import LockView, held_locks
+from ..parked import WAITS_FOR, ParkedView, parked_runs
 from ..shares import ShareView, held_shares
 from ..workers import STALE, UNKNOWN, Workers, ask_workers, classify
 from .base import check_quorum, common_options, no_worker_error, open_session
@@ -56,10 +57,12 @@ def ls(
     locks, then the send-time claims of ``lock_unique`` tasks (QUEUED KEY: the copy
     sent and not yet started, or not yet finished), then the rate budgets and the
     runs waiting on the queue for a key (BUDGET KEY: starts used of the budget in its
-    window, the next free slot, runs queued); ``--stale`` applies to exclusive locks
-    only (a share ends by itself within one TTL of its holder's death, a claim when
-    its copy starts or within ``lock_unique_ttl``), and budgets, which no task holds,
-    are left out with ``--task`` or ``--stale``.
+    window, the next free slot, runs queued), then the runs parked until their turn
+    (PARKED TASK ID: the task, what it waits for, its key, when a worker may publish
+    it, how often one did); ``--stale`` applies to exclusive locks only (a share ends
+    by itself within one TTL of its holder's death, a claim when its copy starts or
+    within ``lock_unique_ttl``), and budgets, which no task holds, are left out with
+    ``--task`` or ``--stale``; parked runs with ``--stale``.
     """
     session = open_session(ctx, node_timeout)
     try:
@@ -67,6 +70,7 @@ def ls(
         shares: list[ShareView] = []
         claims: list[ClaimView] = []
         budgets: list[BudgetView] = []
+        parked: list[ParkedView] = []
         if not stale:
             shares, share_errors = held_shares(
                 session.nodeset, session.prefix, task, timeout=node_timeout
@@ -79,7 +83,15 @@ def ls(
                 budgets, budget_errors = held_budgets(
                     session.nodeset, session.prefix, timeout=node_timeout
                 )
-            for node, error in {**budget_errors, **claim_errors, **share_errors}.items():
+            parked, parked_errors = parked_runs(
+                session.nodeset, session.prefix, task, timeout=node_timeout
+            )
+            for node, error in {
+                **parked_errors,
+                **budget_errors,
+                **claim_errors,
+                **share_errors,
+            }.items():
                 errors.setdefault(node, error)
     finally:
         session.close()
@@ -113,11 +125,12 @@ def ls(
                 "shares": [share.as_dict(now) for share in shares] if complete else None,
                 "claims": [claim.as_dict(now) for claim in claims] if complete else None,
                 "budgets": [budget.as_dict() for budget in budgets] if complete else None,
+                "parked": [run.as_dict() for run in parked] if complete else None,
                 "unknown": _lock_items(unknown, now, states) if stale else None,
                 "workers": None if not stale else (workers.as_dict() if workers else None),
             },
         )
-    elif locks or shares or claims or budgets:
+    elif locks or shares or claims or budgets or parked:
         tables = [
             table(rows)
             for rows, present in (
@@ -125,6 +138,7 @@ def ls(
                 (_share_rows(shares, now), shares),
                 (_claim_rows(claims, now), claims),
                 (_budget_rows(budgets), budgets),
+                (_parked_rows(parked), parked),
             )
             if present
         ]
@@ -207,6 +221,22 @@ def _budget_rows(budgets: Sequence[BudgetView]) -> list[list[str]]:
     for budget in budgets:
         rows.append(
             [budget.key, budget_used(budget), duration(budget.next_free), str(budget.queued)]
+        )
+    return rows
+
+
+def _parked_rows(parked: Sequence[ParkedView]) -> list[list[str]]:
+    rows = [["PARKED TASK ID", "TASK", "WAITS FOR", "KEY", "DUE IN", "TAKEN"]]
+    for run in parked:
+        rows.append(
+            [
+                run.task_id,
+                run.task_name or "-",
+                WAITS_FOR.get(run.kind, run.kind),
+                run.key or "-",
+                duration(max(run.due_in, 0.0)),
+                str(run.taken),
+            ]
         )
     return rows
 

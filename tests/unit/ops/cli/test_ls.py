@@ -8,7 +8,8 @@ import os
 import pytest
 
 from celery_redlock import Redlock
-from celery_redlock.engine.keys import lock_keys
+from celery_redlock.engine.keys import lock_keys, parked_keys
+from celery_redlock.engine.scripts import PARK
 from celery_redlock.integration.claims import claim, unclaim
 from celery_redlock.nodes import NodeSet
 from tests.unit.ops.cli.helpers import HOLDER, HOST, lock_on, rows
@@ -55,11 +56,12 @@ def test_ls_json_has_stable_keys_and_values(redis_node, cli):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert set(data) == {
-        "nodes", "quorum", "complete", "locks", "shares", "claims", "budgets", "unknown",
-        "workers",
+        "nodes", "quorum", "complete", "locks", "shares", "claims", "budgets", "parked",
+        "unknown", "workers",
     }  # fmt: skip
     assert data["complete"] is True and data["unknown"] is None
     assert data["shares"] == [] and data["claims"] == [] and data["budgets"] == []
+    assert data["parked"] == []
     assert data["nodes"] == [{"node": redis_node.url, "ok": True, "error": None}]
     assert data["quorum"] == 1
     assert data["workers"] is None
@@ -256,3 +258,39 @@ def test_ls_shows_a_beat_leaders_broker_without_credentials_as_written(redis_nod
     (shown,) = json.loads(result.stdout)["locks"]
     assert shown["task_name"] == holder and "://@" not in result.stdout
     lock.release()
+
+
+def park_run(node, task_id, task_name, spot_kind, lock, delay_ms):
+    """A run parked as ``park()`` parks it (park.lua, the record's fields)."""
+    keys = parked_keys()
+    record = {"kind": spot_kind, "lock": lock, "token": "t", "task": task_name, "body": ""}
+    call = PARK.call(
+        due=keys.due, runs=keys.runs, taken=keys.taken, gate=(), task_id=task_id,
+        run=json.dumps(record), delay_ms=delay_ms, lifetime_ms=86_400_000,
+    )  # fmt: skip
+    (reply,) = NodeSet([node.url], timeout=2).call([call])
+    assert reply is not None and reply.values[0] == 1, reply
+
+
+def test_ls_lists_the_parked_runs_soonest_first(redis_node, cli):
+    """Runs parked until their turn: task id, task, what each waits for, its key, when
+    a worker may publish it, how often one did; ``--task`` filters them; JSON too."""
+    park_run(redis_node, "id-late", "proj.report", "busy", "redlock:{report:3}", 60_000)
+    park_run(redis_node, "id-soon", "proj.call", "rate", "redlock:{api:acme}", 5_000)
+
+    result = cli(redis_node.url, "ls")
+    assert result.exit_code == 0, result.output
+    table = rows(result.stdout)
+    assert list(table) == ["id-soon", "id-late"], result.stdout  # soonest first
+    assert table["id-soon"]["WAITS FOR"] == "its rate slot"
+    assert table["id-late"]["WAITS FOR"] == "its key's release"
+    assert (table["id-late"]["TASK"], table["id-late"]["KEY"]) == (
+        "proj.report", "redlock:{report:3}"
+    )  # fmt: skip
+    assert table["id-late"]["TAKEN"] == "0"
+    data = json.loads(cli(redis_node.url, "ls", "--json", "--task", "proj.call").stdout)
+    (run,) = data["parked"]
+    assert (run["task_id"], run["kind"], run["name"], run["taken"]) == (
+        "id-soon", "rate", "api:acme", 0
+    )  # fmt: skip
+    assert 4 < run["due_in"] <= 5

@@ -1,0 +1,112 @@
+"""The runs parked on the lock nodes, waiting their turn (``ls``: PARKED).
+
+A run refused by its rate budget, put back because its key was busy, or whose nodes did
+not answer when it started waits parked on one lock node until a worker's publisher
+takes it (:mod:`celery_redlock.integration.parking`): its task id, due time (node
+clock) and record (the task, why it waits, its key, the message) under
+``<prefix>parked``. Reading them takes no lock and changes nothing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.keys import lock_name_of, parked_keys
+from ..nodes import Call, NodeSet
+from .inventory import reply_error
+
+__all__ = ["ParkedView", "parked_runs"]
+
+#: Why a parked run waits, by its record's kind, as ``ls`` words it.
+WAITS_FOR = {"rate": "its rate slot", "busy": "its key's release", "later": "a retry"}
+
+
+@dataclass(frozen=True)
+class ParkedView:
+    """One parked run: which task, why it waits, for which key, and when it is due."""
+
+    task_id: str
+    task_name: str | None
+    kind: str  #: ``rate``, ``busy`` or ``later`` (see :data:`WAITS_FOR`)
+    key: str | None  #: its lock key
+    name: str | None  #: its lock name
+    due_in: float  #: seconds until a publisher may take it (negative: overdue)
+    taken: int  #: how often a publisher took it (its copy published, not started yet)
+    node: str  #: the node it is parked on
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON of ``ls --json``'s ``parked`` list."""
+        return {
+            "task_id": self.task_id,
+            "task_name": self.task_name,
+            "kind": self.kind,
+            "key": self.key,
+            "name": self.name,
+            "due_in": round(self.due_in, 3),
+            "taken": self.taken,
+            "node": self.node,
+        }
+
+
+def parked_runs(
+    nodeset: NodeSet, prefix: str, task: str | None = None, *, timeout: float | None = None
+) -> tuple[list[ParkedView], dict[str, str]]:
+    """Every run parked on the nodes, soonest due first; errors per node.
+
+    A run is parked on one node (the first that answered its parking), so the nodes'
+    lists are joined, not voted on. ``task`` keeps the runs of task names matching
+    that glob.
+    """
+    keys = parked_keys(prefix)
+    calls = [
+        Call.command("TIME"),
+        Call.command("ZRANGE", keys.due, 0, -1, "WITHSCORES"),
+        Call.command("HGETALL", keys.runs),
+        Call.command("HGETALL", keys.taken),
+    ]
+    runs: list[ParkedView] = []
+    errors: dict[str, str] = {}
+    for node, reply in zip(nodeset.nodes, nodeset.call(calls, timeout=timeout), strict=True):
+        error = reply_error(reply)
+        if error is not None:
+            errors[node.safe_url] = error
+            continue
+        clock, due, records, taken = reply.values  # type: ignore[union-attr]
+        now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
+        records = dict(zip(records[::2], records[1::2], strict=True))
+        taken = dict(zip(taken[::2], taken[1::2], strict=True))
+        for task_id, score in zip(due[::2], due[1::2], strict=True):
+            text = records.get(task_id)
+            if text is None:
+                continue  # its record is gone (a copy started): the next take drops it
+            view = _view(task_id, text, (float(score) - now_ms) / 1000, taken, node.safe_url)
+            if task is None or fnmatch.fnmatchcase(view.task_name or "", task):
+                runs.append(_named(view, prefix))
+    runs.sort(key=lambda run: run.due_in)
+    return runs, errors
+
+
+def _view(task_id: str, text: str, due_in: float, taken: dict[str, str], node: str) -> ParkedView:
+    """A parked run from its record (``park()``'s JSON)."""
+    record = json.loads(text)
+    key = record.get("lock")
+    return ParkedView(
+        task_id=task_id,
+        task_name=record.get("task"),
+        kind=str(record.get("kind", "later")),
+        key=key,
+        name=None,
+        due_in=due_in,
+        taken=int(taken.get(task_id, 0)),
+        node=node,
+    )
+
+
+def _named(view: ParkedView, prefix: str) -> ParkedView:
+    """``view`` with its lock name read from its key."""
+    if view.key is None:
+        return view
+    return ParkedView(**{**view.__dict__, "name": lock_name_of(view.key, prefix)})
