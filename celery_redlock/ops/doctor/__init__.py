@@ -59,6 +59,9 @@ budget-backlog         warn    the runs waiting on the queue for a key's rate
                                budget take longer to start (queued / N x
                                window) than the shortest ``lock_unique_ttl`` of
                                a rated unique task
+parked-overdue         warn    runs parked on the lock nodes are due longer
+                               ago than twice a take's lease: no worker's
+                               publisher takes them (no worker running)
 ====================== ======= ===============================================
 
 Exit status of the command (:func:`exit_code`): 0 without error findings; 1 with
@@ -77,6 +80,7 @@ from .checks import (
     check_beat_leaders,
     check_independent,
     check_node_count,
+    check_overdue,
     evaluate,
     unique_claim_limit,
 )
@@ -96,6 +100,7 @@ from .collect import (
     backlogs,
     beat_leader,
     collect,
+    overdue_runs,
     probe_nodes,
     task_locking,
 )
@@ -134,6 +139,7 @@ __all__ = [
     "check_independent",
     "check_latency",
     "check_node_count",
+    "check_overdue",
     "check_persistence",
     "check_reachable",
     "check_replication",
@@ -146,6 +152,7 @@ __all__ = [
     "exit_code",
     "invalid_settings",
     "leases",
+    "overdue_runs",
     "parse_info",
     "probe_nodes",
     "task_locking",
@@ -164,5 +171,8 @@ def diagnose(app: Any, *, timeout: float = 1.0) -> Report:
         return Report([invalid_settings(str(exc))], [])
     beat = beat_leader(app, settings, timeout=timeout)
     queued = backlogs(settings, timeout=timeout)
-    findings = evaluate(settings, facts, tasks, unmatched, beat=beat, backlogs=queued)
+    overdue = overdue_runs(settings, timeout=timeout)
+    findings = evaluate(
+        settings, facts, tasks, unmatched, beat=beat, backlogs=queued, overdue=overdue
+    )
     return Report(findings, facts)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from ...engine.timing import drift_allowance
 from ...integration.settings import Settings
+from ..parked import ParkedView
 from .checks_nodes import (
     check_clock,
     check_config_access,
@@ -108,13 +109,15 @@ def evaluate(
     unmatched: Sequence[str] = (),
     beat: BeatLeaderFacts | None = None,
     backlogs: Sequence[Backlog] = (),
+    overdue: Sequence[ParkedView] = (),
 ) -> list[Finding]:
     """Run every check over the gathered facts.
 
     The setup's findings (node count, independence, settings) come first, then each
     node's, in the order of the configured nodes, then the beat leader's (``beat``,
     when it was looked up), then the keys whose queued runs drain too slowly
-    (``backlogs``, against the tasks' claims).
+    (``backlogs``, against the tasks' claims), then the parked runs no worker took
+    (``overdue``).
     """
     # The masters of one Redis Cluster are one lock node (one vote) between them.
     lock_nodes = len({n.lock_node or n.node for n in facts})
@@ -160,7 +163,30 @@ def evaluate(
         finding = check_backlog(backlog, claims)
         if finding is not None:
             findings.append(finding)
+    if overdue:
+        findings.append(check_overdue(overdue))
     return findings
+
+
+OVERDUE_MESSAGE = (
+    "{count} run(s) parked on the lock nodes are overdue by up to {late} (e.g. {example}): "
+    "no worker's publisher took them. A worker of this app publishes parked runs from "
+    "its main process: is one running, with redlock enabled, on these lock nodes?"
+)
+
+
+def check_overdue(overdue: Sequence[ParkedView]) -> Finding:
+    """Warn of parked runs that no worker took (see :func:`.collect.overdue_runs`)."""
+    oldest = min(overdue, key=lambda run: run.due_in)
+    return Finding(
+        WARN,
+        "parked-overdue",
+        OVERDUE_MESSAGE.format(
+            count=len(overdue),
+            late=f"{-oldest.due_in:.0f}s",
+            example=f"{oldest.task_name or 'task'}[{oldest.task_id}]",
+        ),
+    )
 
 
 BACKLOG_MESSAGE = "{key}: {queued} run(s) wait on the queue for a budget of {rate}. {parts}"

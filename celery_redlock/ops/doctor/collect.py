@@ -18,9 +18,11 @@ from redis.exceptions import RedisError
 
 from ...engine.keys import lock_keys
 from ...exceptions import ConfigurationError
+from ...integration.parking import LEASE
 from ...integration.settings import Settings, from_conf
 from ...nodes import Call, NodeSet, Server, fan_out
 from ..budgets import held_budgets
+from ..parked import ParkedView, parked_runs
 from .facts import (
     CONFIG_PARAMETERS,
     INFO_SECTIONS,
@@ -35,12 +37,18 @@ from .facts import (
 
 __all__ = [
     "CLOCK_SAMPLES",
+    "OVERDUE",
     "backlogs",
     "beat_leader",
     "collect",
+    "overdue_runs",
     "probe_nodes",
     "task_locking",
 ]
+
+#: Seconds past its due time after which a parked run counts as waiting for a worker:
+#: twice a take's lease (a taken run whose copy did not start is due again after one).
+OVERDUE = 2 * LEASE
 
 #: TIME round trips per node; the one with the shortest round trip measures the skew.
 CLOCK_SAMPLES = 3
@@ -267,6 +275,21 @@ def beat_leader(app: Any, settings: Settings, *, timeout: float) -> BeatLeaderFa
         for i, (key, found) in enumerate(zip(keys, holders, strict=True))
     )
     return BeatLeaderFacts(broker, tuple(locks))
+
+
+def overdue_runs(settings: Settings, *, timeout: float) -> list[ParkedView]:
+    """The parked runs no worker took in time: due longer ago than :data:`OVERDUE`.
+
+    A live worker's publisher takes a run within a tick of its due time, and a taken run
+    is due again only when its copy did not start within the take's lease; so a run due
+    longer ago than that lease and more has been waiting for a worker, not its turn.
+    """
+    nodeset = NodeSet(settings.node_urls(), timeout=timeout)
+    try:
+        runs, _ = parked_runs(nodeset, settings.key_prefix, timeout=timeout)
+    finally:
+        nodeset.close()
+    return [run for run in runs if run.due_in < -OVERDUE]
 
 
 def backlogs(settings: Settings, *, timeout: float) -> list[Backlog]:

@@ -7,12 +7,15 @@ tests use it too).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from typing import Any
 
 from celery_redlock import RateLimit, Redlock
+from celery_redlock.engine.keys import parked_keys
 from celery_redlock.engine.rate import judge, rate_calls
+from celery_redlock.engine.scripts import PARK
 from celery_redlock.nodes import NodeSet
 
 HOST = socket.gethostname()
@@ -57,3 +60,15 @@ def backlog_on(url: str, name: str = "api:acme", rate: str = "2/m", queued: int 
             assert not judge(nodeset.call([call]), 1).admitted
     finally:
         nodeset.close()
+
+
+def park_run(node, task_id, task_name, spot_kind, lock, delay_ms):
+    """A run parked as ``park()`` parks it (park.lua, the record's fields)."""
+    keys = parked_keys()
+    record = {"kind": spot_kind, "lock": lock, "token": "t", "task": task_name, "body": ""}
+    call = PARK.call(
+        due=keys.due, runs=keys.runs, taken=keys.taken, gate=(), task_id=task_id,
+        run=json.dumps(record), delay_ms=delay_ms, lifetime_ms=86_400_000,
+    )  # fmt: skip
+    (reply,) = NodeSet([node.url], timeout=2).call([call])
+    assert reply is not None and reply.values[0] == 1, reply

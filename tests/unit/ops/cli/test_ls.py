@@ -8,11 +8,10 @@ import os
 import pytest
 
 from celery_redlock import Redlock
-from celery_redlock.engine.keys import lock_keys, parked_keys
-from celery_redlock.engine.scripts import PARK
+from celery_redlock.engine.keys import lock_keys
 from celery_redlock.integration.claims import claim, unclaim
 from celery_redlock.nodes import NodeSet
-from tests.unit.ops.cli.helpers import HOLDER, HOST, lock_on, rows
+from tests.unit.ops.cli.helpers import HOLDER, HOST, lock_on, park_run, rows
 
 
 @pytest.mark.smoke
@@ -258,18 +257,6 @@ def test_ls_shows_a_beat_leaders_broker_without_credentials_as_written(redis_nod
     (shown,) = json.loads(result.stdout)["locks"]
     assert shown["task_name"] == holder and "://@" not in result.stdout
     lock.release()
-
-
-def park_run(node, task_id, task_name, spot_kind, lock, delay_ms):
-    """A run parked as ``park()`` parks it (park.lua, the record's fields)."""
-    keys = parked_keys()
-    record = {"kind": spot_kind, "lock": lock, "token": "t", "task": task_name, "body": ""}
-    call = PARK.call(
-        due=keys.due, runs=keys.runs, taken=keys.taken, gate=(), task_id=task_id,
-        run=json.dumps(record), delay_ms=delay_ms, lifetime_ms=86_400_000,
-    )  # fmt: skip
-    (reply,) = NodeSet([node.url], timeout=2).call([call])
-    assert reply is not None and reply.values[0] == 1, reply
 
 
 def test_ls_lists_the_parked_runs_soonest_first(redis_node, cli):

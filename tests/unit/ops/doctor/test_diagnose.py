@@ -11,9 +11,10 @@ import pytest
 from click.testing import Result
 
 from celery_redlock import Redlock
+from celery_redlock.engine.keys import parked_keys
 from celery_redlock.ops.doctor import ERROR, diagnose
 from tests.harness import wait_for
-from tests.unit.ops.cli.helpers import backlog_on
+from tests.unit.ops.cli.helpers import backlog_on, park_run
 
 
 def test_invalid_settings_are_one_error_and_no_node_is_asked():
@@ -198,3 +199,28 @@ def test_doctor_warns_when_a_budgets_backlog_outlasts_a_unique_claim(redis_facto
     assert "budget-backlog" in text.stdout
     default = findings_of(doctor_cli(server.url, "--json"))
     assert "budget-backlog" not in {f["code"] for f in default}
+
+
+# -- parked runs -------------------------------------------------------------------
+
+
+def test_doctor_warns_of_parked_runs_no_worker_took(redis_factory, doctor_cli):
+    """A run parked a minute past its due time (no worker's publisher takes it) is a
+    warning naming it; one due a moment ago, or not yet, is a publisher's next tick."""
+    (server,) = redis_factory(1)
+    park_run(server, "id-stuck", "proj.report", "busy", "redlock:{report:3}", 0)
+    park_run(server, "id-fine", "proj.call", "rate", "redlock:{api:acme}", 5_000)
+    quiet = findings_of(doctor_cli(server.url, "--json"))
+    assert "parked-overdue" not in {f["code"] for f in quiet}
+
+    client = server.client()
+    now_ms = int(client.time()[0]) * 1000
+    client.zadd(parked_keys().due, {"id-stuck": now_ms - 60_000})
+
+    result = doctor_cli(server.url, "--json")
+
+    assert result.exit_code == 0, result.output
+    (finding,) = [f for f in findings_of(result) if f["code"] == "parked-overdue"]
+    assert finding["level"] == "warn"
+    assert finding["message"].startswith("1 run(s) parked on the lock nodes are overdue by up to 6")
+    assert "proj.report[id-stuck]" in finding["message"]
