@@ -1,16 +1,23 @@
-"""``celery redlock inspect KEY``: one lock's fields, PTTL, fence counter and budget."""
+"""``celery redlock inspect KEY``: one lock's fields, PTTL, fence counter and budget.
+
+Or, given a task id, where that task stands on the lock nodes: the locks it holds, the
+lock names its queued copy claims, and its run parked until its turn.
+"""
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand
 
 from ..budgets import read_budgets
-from ..inventory import read_locks
-from .base import check_quorum, common_options, lock_key, open_session
+from ..claims import held_claims
+from ..inventory import held_locks, read_locks
+from ..parked import WAITS_FOR, parked_runs
+from .base import Session, check_quorum, common_options, lock_key, open_session
 from .output import budget_used, duration, echo_json, holder
 
 __all__ = ["inspect"]
@@ -27,9 +34,21 @@ def inspect(
 
     KEY is the lock's key (redlock:{NAME}) or its name. A key with a rate budget, or
     with runs waiting on the queue for it, also shows the starts used in the window,
-    the next free slot and the runs queued.
+    the next free slot and the runs queued. KEY may also be a task id (a UUID, as
+    Celery makes them): then the locks that task holds, the lock names its queued copy
+    claims and its parked run are shown; a UUID none of these names is read as a lock
+    name.
     """
     session = open_session(ctx, node_timeout)
+    if _is_task_id(key):
+        try:
+            found = _task_story(session, key, node_timeout)
+        finally:
+            session.close()
+        if found is not None:
+            _echo_task(ctx, key, found, as_json)
+            return
+        session = open_session(ctx, node_timeout)
     try:
         key = lock_key(session, key)
         (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
@@ -104,3 +123,57 @@ def inspect(
         for name in sorted(view.fields):
             ctx.obj.echo(f"  {name:<14} {view.fields[name]}")
     ctx.exit(code)
+
+
+def _is_task_id(key: str) -> bool:
+    """Whether ``key`` reads as a Celery task id (a UUID in its usual 36-character form)."""
+    try:
+        return len(key) == 36 and str(uuid.UUID(key)) == key.lower()
+    except ValueError:
+        return False
+
+
+def _task_story(session: Session, task_id: str, timeout: float) -> dict[str, Any] | None:
+    """The locks ``task_id`` holds, the names it claims, its parked run; None if none."""
+    now = time.time()
+    nodeset, prefix = session.nodeset, session.prefix
+    locks, errors = held_locks(nodeset, prefix, None, timeout=timeout)
+    claims, claim_errors = held_claims(nodeset, prefix, timeout=timeout)
+    parked, parked_errors = parked_runs(nodeset, prefix, timeout=timeout)
+    story = {
+        "task_id": task_id,
+        "holds": [lock.as_dict(now) for lock in locks if lock.task_id == task_id],
+        "claims": [claim.as_dict(now) for claim in claims if claim.task_id == task_id],
+        "parked": [run.as_dict() for run in parked if run.task_id == task_id],
+        "errors": {**errors, **claim_errors, **parked_errors},
+    }
+    if not (story["holds"] or story["claims"] or story["parked"]):
+        return None
+    return story
+
+
+def _echo_task(ctx: click.Context, task_id: str, story: dict[str, Any], as_json: bool) -> None:
+    """Print a task id's story (:func:`_task_story`) as lines, or as JSON."""
+    if as_json:
+        echo_json(ctx, story)
+        ctx.exit(0)
+    ctx.obj.echo(f"task id {task_id}")
+    for lock in story["holds"]:
+        ctx.obj.echo(
+            f"holds {lock['key']} ({lock['task_name'] or '-'}), fence {lock['fence']}, "
+            f"TTL {duration(lock['ttl'])}"
+        )
+    for claim in story["claims"]:
+        ctx.obj.echo(
+            f"claims {claim['key']}: its queued copy keeps the name ({claim['task_name'] or '-'})"
+        )
+    for run in story["parked"]:
+        due = "due now" if run["due_in"] <= 0 else f"due in {duration(run['due_in'])}"
+        taken = f", published {run['taken']} time(s), not started yet" if run["taken"] else ""
+        ctx.obj.echo(
+            f"parked on {run['node']}: waits for {WAITS_FOR.get(run['kind'], run['kind'])} "
+            f"of {run['key'] or '-'}, {due}{taken}"
+        )
+    for node, error in story["errors"].items():
+        ctx.obj.echo(f"{node}: {error} (what it holds is not shown)")
+    ctx.exit(0)

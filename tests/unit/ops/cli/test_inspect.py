@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 import pytest
 
+from celery_redlock.engine.keys import lock_keys
+from celery_redlock.integration.claims import claim, unclaim
+from celery_redlock.nodes import NodeSet
 from tests.harness.fences import assert_clock_fence, assert_counter_expires
-from tests.unit.ops.cli.helpers import HOST, lock_on
+from tests.unit.ops.cli.helpers import HOST, lock_on, park_run
 
 
 @pytest.mark.smoke
@@ -72,3 +76,34 @@ def test_a_key_that_names_no_lock_is_a_usage_error_not_a_traceback(redis_node, c
     assert "Invalid value for 'KEY'" in result.output
     assert ("non-empty" if not key else "the limit is") in result.output
     assert "Traceback" not in result.output
+
+
+def test_inspect_a_task_id_tells_where_that_task_stands(redis_node, cli):
+    """inspect TASK_ID: the lock it holds, the name its queued copy claims, its parked
+    run (each in words and in JSON); a task id that none of these names is read as a
+    lock name, as before."""
+    holding, queued, waiting = (str(uuid.uuid4()) for _ in range(3))
+    lock = lock_on(redis_node, "proj:sync:2", task_id=holding, task_name="proj.tasks.sync")
+    nodeset = NodeSet([redis_node.url], timeout=0.5)
+    claim(nodeset, lock_keys("report:mon"), queued, 600, task_name="proj.report")
+    park_run(redis_node, waiting, "proj.call", "rate", "redlock:{api:acme}", 5_000)
+
+    held = cli(redis_node.url, "inspect", holding)
+    assert held.exit_code == 0, held.output
+    assert f"task id {holding}" in held.stdout
+    assert "holds redlock:{proj:sync:2} (proj.tasks.sync), fence " in held.stdout
+    claimed = cli(redis_node.url, "inspect", queued).stdout
+    assert "claims redlock:{report:mon}: its queued copy keeps the name" in claimed
+    parked = cli(redis_node.url, "inspect", waiting).stdout
+    assert "waits for its rate slot of redlock:{api:acme}, due in " in parked
+
+    data = json.loads(cli(redis_node.url, "inspect", waiting, "--json").stdout)
+    assert set(data) == {"task_id", "holds", "claims", "parked", "errors"}
+    (run,) = data["parked"]
+    assert (data["holds"], data["claims"], run["key"]) == ([], [], "redlock:{api:acme}")
+
+    unknown = cli(redis_node.url, "inspect", str(uuid.uuid4()), "--json")
+    assert json.loads(unknown.stdout)["held"] is False  # a lock name, not held
+    lock.release()
+    unclaim(nodeset, lock_keys("report:mon"), queued, "proj.report")
+    nodeset.close()
