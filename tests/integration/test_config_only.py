@@ -42,7 +42,12 @@ def test_project_attributes_and_hooks_survive_configuration_only_locking(
     failed = app.tasks["custom.explode"].delay(3)
     with pytest.raises(ValueError):
         get(failed)
-    assert ("on_failure", failed.id) in configonly_custom.EVENTS
+    # Celery stores the failure before it calls on_failure: the caller may hear first.
+    wait_for(
+        lambda: ("on_failure", failed.id) in configonly_custom.EVENTS,
+        timeout=10,
+        message="the project's on_failure hook ran",
+    )
     wait_for(lambda: not lock_keys(celery_redis), timeout=10, message="locks released")
 
 
