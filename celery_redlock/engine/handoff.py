@@ -234,7 +234,12 @@ def _until(lock: Redlock, grant: Grant) -> float:
 
 def forget(lock: Redlock, grant: Grant) -> None:
     """The takeover ``grant`` will not be held (undone, or its waiter left)."""
-    if _held.get(lock.local_key) == _until(lock, grant):
+    _unhold(lock, _until(lock, grant))
+
+
+def _unhold(lock: Redlock, until: float) -> None:
+    """Drop the "held here until ``until``" record of ``lock``, unless another replaced it."""
+    if _held.get(lock.local_key) == until:
         _held.pop(lock.local_key, None)
 
 
@@ -341,8 +346,8 @@ def hand_over(lock: Redlock, token: str) -> Handed:
             # after, this would outlive that hold and keep the process's next waiters
             # queuing for a handoff nobody makes.
             holding(entry.lock, _until(entry.lock, result))
-        elif _held.get(lock.local_key) == deciding:
-            _held.pop(lock.local_key, None)
+        else:
+            _unhold(lock, deciding)
         delivered = entry._deliver.pop(_OPEN, None) is not None
         if delivered:
             entry.wakeup.set()

@@ -610,8 +610,10 @@ class _Acquiring:
         False too once the caller's timeout passed: its attempt then decides.
         """
         lock = self.lock
-        held = handoff.held_here(lock) if self.blocking else 0.0
-        if not held or self.subscription is None:
+        if self.subscription is None:  # not blocking, or not waiting yet
+            return False
+        held = handoff.held_here(lock)
+        if not held:
             return False
         pause = bounded(min(held, lock.timing.renew_interval), self.give_up)
         if pause <= 0:

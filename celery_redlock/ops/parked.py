@@ -82,14 +82,17 @@ def parked_runs(
             text = records.get(task_id)
             if text is None:
                 continue  # its record is gone (a copy started): the next take drops it
-            view = _view(task_id, text, (float(score) - now_ms) / 1000, taken, node.safe_url)
+            due_in = (float(score) - now_ms) / 1000
+            view = _view(task_id, text, due_in, taken, node.safe_url, prefix)
             if task is None or fnmatch.fnmatchcase(view.task_name or "", task):
-                runs.append(_named(view, prefix))
+                runs.append(view)
     runs.sort(key=lambda run: run.due_in)
     return runs, errors
 
 
-def _view(task_id: str, text: str, due_in: float, taken: dict[str, str], node: str) -> ParkedView:
+def _view(
+    task_id: str, text: str, due_in: float, taken: dict[str, str], node: str, prefix: str
+) -> ParkedView:
     """A parked run from its record (``park()``'s JSON)."""
     record = json.loads(text)
     key = record.get("lock")
@@ -98,15 +101,8 @@ def _view(task_id: str, text: str, due_in: float, taken: dict[str, str], node: s
         task_name=record.get("task"),
         kind=str(record.get("kind", "later")),
         key=key,
-        name=None,
+        name=lock_name_of(key, prefix) if key else None,
         due_in=due_in,
         taken=int(taken.get(task_id, 0)),
         node=node,
     )
-
-
-def _named(view: ParkedView, prefix: str) -> ParkedView:
-    """``view`` with its lock name read from its key."""
-    if view.key is None:
-        return view
-    return ParkedView(**{**view.__dict__, "name": lock_name_of(view.key, prefix)})

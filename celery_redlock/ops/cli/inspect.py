@@ -40,23 +40,18 @@ def inspect(
     name.
     """
     session = open_session(ctx, node_timeout)
-    if _is_task_id(key):
-        try:
-            found = _task_story(session, key, node_timeout)
-        finally:
-            session.close()
-        if found is not None:
-            _echo_task(ctx, key, found, as_json)
-            return
-        session = open_session(ctx, node_timeout)
     try:
-        key = lock_key(session, key)
-        (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
-        (budget,), budget_errors = read_budgets(
-            session.nodeset, [key], session.prefix, timeout=node_timeout
-        )
+        story = _task_story(session, key, node_timeout) if _is_task_id(key) else None
+        if story is None:
+            key = lock_key(session, key)
+            (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
+            (budget,), budget_errors = read_budgets(
+                session.nodeset, [key], session.prefix, timeout=node_timeout
+            )
     finally:
         session.close()
+    if story is not None:
+        _echo_task(ctx, key, story, as_json)
     errors = {v.node: v.error for v in lock.views if v.error is not None}
     for node, error in budget_errors.items():
         errors.setdefault(node, error)

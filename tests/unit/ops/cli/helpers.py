@@ -70,5 +70,7 @@ def park_run(node, task_id, task_name, spot_kind, lock, delay_ms):
         due=keys.due, runs=keys.runs, taken=keys.taken, gate=(), task_id=task_id,
         run=json.dumps(record), delay_ms=delay_ms, lifetime_ms=86_400_000,
     )  # fmt: skip
-    (reply,) = NodeSet([node.url], timeout=2).call([call])
+    nodeset = NodeSet([node.url], timeout=2)
+    (reply,) = nodeset.call([call])
+    nodeset.close()
     assert reply is not None and reply.values[0] == 1, reply
