@@ -3,14 +3,14 @@ backlog takes, for ``lock_rate`` alone and with ``lock_on_busy="requeue"``, besi
 Celery's own ``rate_limit`` (how many windows it overruns), in one run.
 
 Run from the repository root: ``python -m benchmarks.bench_backlog [--sizes 100,1000]
-[--rates 5,50] [--runs R]``. Starts one redis-server (broker, locks, counters) and two
-``celery worker -P prefork -c 2`` subprocesses with Celery's default worker options,
-running :data:`benchmarks.celery_apps.backlog_app`, and writes
-``benchmarks/results/backlog.json``.
+[--rates 5,50] [--workers 2,4] [--runs R]``. Starts one redis-server (broker, locks,
+counters) and, per count of workers, that many ``celery worker -P prefork -c 2``
+subprocesses with Celery's default worker options, running
+:data:`benchmarks.celery_apps.backlog_app`, and writes ``benchmarks/results/backlog.json``.
 
 Per size B and rate N (a backlog of 1,000 at 5/s takes 200 s: left out unless
 ``--sizes`` and ``--rates`` both name it and ``--slow`` is given): B calls on one key
-are sent onto a queue no worker consumes yet, then both workers consume it. Reported
+are sent onto a queue no worker consumes yet, then every worker consumes it. Reported
 per peer: **re-publishes per run** (deliveries that ended IGNORED, each a run put back
 and published again, over B: the target is at most 1.1), **drain** (the last start after
 the queue was opened) against the **ideal** ``(B - 1) // N`` seconds, the most starts in
@@ -43,8 +43,6 @@ from benchmarks.celery_apps import (
 from benchmarks.common import environment, server_label, source_state, write_report
 from celery_redlock.engine.rate import parse_rate
 from tests.harness import RedisServer, WorkerProcess, unique_nodename
-
-WORKERS = 2
 
 
 def peers(n: int) -> tuple[Case, ...]:
@@ -93,6 +91,45 @@ def backlog_run(
     }
 
 
+def backlogs(
+    app: Any, server: Any, count: int, sizes: list[int], rates: list[int], args: Any
+) -> list[dict[str, Any]]:
+    """Every backlog of ``sizes`` x ``rates`` x peers, drained by ``count`` workers: rows."""
+    rows: list[dict[str, Any]] = []
+    workers = [
+        WorkerProcess(
+            "benchmarks.celery_apps:backlog_app",
+            name=unique_nodename(f"backlog{i}"),
+            pool="prefork",
+            concurrency=args.concurrency,
+            redis_url=server.url,
+            env={WORKER_ENV: "1"},
+            extra_args=["-Q", IDLE_QUEUE],
+        )
+        for i in range(count)
+    ]
+    try:
+        for worker in workers:
+            worker.start()
+        for n in rates:
+            for case in peers(n):  # warm: connections, script caches
+                backlog_run(app, workers, case, f"warm{count}-{case.task}", 2, n)
+        for r in range(args.runs):
+            for size in sizes:
+                for n in rates:
+                    if size * 1.0 / n > 60 and not args.slow:
+                        continue
+                    for p, case in enumerate(peers(n)):
+                        tag = f"w{count}b{r}s{size}n{n}p{p}"
+                        row = backlog_run(app, workers, case, tag, size, n)
+                        rows.append({"case": case.name, "workers": count, **row})
+                        print(rows[-1], flush=True)
+    finally:
+        for worker in workers:
+            worker.stop()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,1000", help="backlog sizes")
@@ -100,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runs", type=int, default=1, help="runs per configuration")
     parser.add_argument("--slow", action="store_true", help="also 1,000 runs at 5/s")
     parser.add_argument("--concurrency", type=int, default=2, help="pool processes per worker")
+    parser.add_argument("--workers", default="2,4", help="counts of workers")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     rates = [int(r) for r in args.rates.split(",")]
@@ -107,36 +145,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with RedisServer() as server:
         app = add_backlog_tasks(create_app(server.url))
-        workers = [
-            WorkerProcess(
-                "benchmarks.celery_apps:backlog_app",
-                name=unique_nodename(f"backlog{i}"),
-                pool="prefork",
-                concurrency=args.concurrency,
-                redis_url=server.url,
-                env={WORKER_ENV: "1"},
-                extra_args=["-Q", IDLE_QUEUE],
-            )
-            for i in range(WORKERS)
-        ]
         try:
-            for worker in workers:
-                worker.start()
-            for n in rates:
-                for case in peers(n):  # warm: connections, script caches
-                    backlog_run(app, workers, case, f"warm-{case.task}", 2, n)
-            for r in range(args.runs):
-                for size in sizes:
-                    for n in rates:
-                        if size * 1.0 / n > 60 and not args.slow:
-                            continue
-                        for p, case in enumerate(peers(n)):
-                            row = backlog_run(app, workers, case, f"b{r}s{size}n{n}p{p}", size, n)
-                            rows.append({"case": case.name, "workers": WORKERS, **row})
-                            print(rows[-1], flush=True)
+            for count in (int(w) for w in args.workers.split(",")):
+                rows += backlogs(app, server, count, sizes, rates, args)
         finally:
-            for worker in workers:
-                worker.stop()
             app.close()
         version = server.version
     report = {

@@ -137,6 +137,9 @@ class Verdict:
     used: int
     undo: tuple[bool, ...] = ()
     errors: tuple[str, ...] = ()
+    #: Admitted: seconds from now to the start logged (0.0 but for a start reserved
+    #: ahead: the latest of the admitting nodes').
+    start: float = 0.0
 
     def wait_or_raise(self, key: str) -> float:
         """0.0 if admitted, else the wait; NodeUnavailable if too few nodes answered."""
@@ -154,6 +157,8 @@ def rate_calls(
     task_id: str | None = None,
     jitter: float = 0.0,
     owned: bool = False,
+    at: float = 0.0,
+    ahead: float = 0.0,
 ) -> Call:
     """The ``rate.lua`` call admitting (or, ``peek``, counting) one start of ``keys``.
 
@@ -162,14 +167,20 @@ def rate_calls(
     at the end of its wait plus ``jitter`` seconds, and an admission removes it: in
     the same call, so a run pays no round trip for being seen waiting.
 
-    ``owned``: ``member`` was logged for this run earlier (a parked run's publisher
-    logged it before publishing the copy): the start moves to now if the window still
-    has room for it there, else it is given back and the run refused.
+    ``at``, ``ahead``: reserve the start ahead, at the first slot at least ``at`` (at
+    most one window) and at most ``ahead`` (two) seconds from now (:attr:`Verdict.start`
+    says when): a parked run's publisher reserves its slot before publishing its copy
+    with a countdown to it.
+
+    ``owned``: ``member`` was reserved for this run earlier (by its publisher): the copy
+    is told to wait if it came early; else its start moves to now if the windows after
+    the reservation have room for it there, or the run is judged as any other.
     """
     queued = (round(jitter * 1000), round(QUEUED_GRACE * 1000)) if task_id else ("", "")
     return (RATE_PEEK if peek else RATE_OWNED if owned else RATE).on(
         keys, limit=budget.limit, window_ms=budget.window_ms, member=member,
         task_id=task_id or "", jitter_ms=queued[0], grace_ms=queued[1],
+        at_ms=round(at * 1000), ahead_ms=round(max(at, ahead) * 1000),
     )  # fmt: skip
 
 
@@ -190,6 +201,7 @@ def judge(replies: Sequence[Reply | None], quorum: int) -> Verdict:
     :meth:`Verdict.wait_or_raise`), after the give-back like any refusal.
     """
     waits: list[float] = []
+    starts: list[float] = []
     used: list[int] = []
     admitted_on: list[bool] = []
     errors: list[str] = []
@@ -212,12 +224,14 @@ def judge(replies: Sequence[Reply | None], quorum: int) -> Verdict:
         admitted = status == RateStatus.ADMITTED or (status == RateStatus.PEEKED and not wait_ms)
         waits.append(0.0 if admitted else max(wait_ms, 1) / 1000)
         admitted_on.append(status == RateStatus.ADMITTED)
+        if status == RateStatus.ADMITTED:
+            starts.append(wait_ms / 1000)
     ranked = sorted(waits)
     wait = ranked[quorum - 1] if len(ranked) >= quorum else math.inf
     top = sorted(used, reverse=True)
     count = top[min(quorum, len(top)) - 1] if top else 0
     if wait == 0.0:
-        return Verdict(True, 0.0, count)
+        return Verdict(True, 0.0, count, start=max(starts, default=0.0))
     return Verdict(False, wait, count, tuple(admitted_on), tuple(errors) or ("no reply",))
 
 

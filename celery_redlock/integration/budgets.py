@@ -11,9 +11,11 @@ slot) is taken: the start logged is the body's. A run that comes early holds not
 while it waits: it is parked on the lock node (:mod:`celery_redlock.integration.parking`: same task
 id, arguments and options, not a retry; this delivery is acknowledged) until its place
 in line: the node serves the runs waiting for the key in the order they were refused, N
-per window (``rate.lua``). When its place comes, a live worker logs its start in the
-budget and publishes its copy, once; the copy's admission moves that start to the
-body's moment (``owned``), so a backlog of B runs goes through the broker about B
+per window (``rate.lua``). Shortly before its place comes, a live worker reserves its
+start in the budget at its slot and publishes its copy, once, with a countdown to it;
+the copy's admission moves that start to the body's moment (``owned``; a copy that
+comes a little early, its countdown having run on another clock, waits for its slot in
+place, up to :data:`IN_PLACE`), so a backlog of B runs goes through the broker about B
 times more, whoever dies meanwhile. Its lock is released as the delivery ends.
 
 Where no node takes the run (a Redis Cluster), it goes back on the queue with a
@@ -54,6 +56,10 @@ __all__ = ["admit", "broker_visibility", "longest_hold"]
 #: Longest random margin after its slot a run is put back with, in seconds.
 MAX_MARGIN = 0.02
 
+#: Longest wait in place (holding its lock) of a parked run's copy that came before the
+#: start reserved for it, in seconds; one earlier than that is parked again.
+IN_PLACE = 0.25
+
 #: Longest countdown of a run put back, for a broker without a visibility timeout
 #: (RabbitMQ closes a channel whose delivery stays unacknowledged past its
 #: ``consumer_timeout``, 30 minutes by default).
@@ -86,6 +92,7 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
     waiting = None if eager else task.request.id
     # A parked run's copy: the publisher logged its start already (it owns its slot).
     logged = None if eager else request_header(task.request, parking.MEMBER_HEADER)
+    in_place = IN_PLACE
     while True:
         owned = isinstance(logged, str) and bool(logged)
         member = str(logged) if owned else secrets.token_hex(8)
@@ -113,6 +120,11 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
             raise
         if not wait:
             return
+        if owned and wait <= in_place:
+            # Early for the start reserved for it (clocks): still its own slot.
+            logged, in_place = member, in_place - wait
+            time.sleep(wait)
+            continue
         if metrics.enabled:
             metrics.deferred(task.name, "rate")
         if not eager:

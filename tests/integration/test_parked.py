@@ -26,8 +26,12 @@ import pytest
 from celery import _state as celery_state
 from celery.exceptions import WorkerLostError
 
+from celery_redlock import RateLimit
+from celery_redlock.engine.keys import DEFAULT_PREFIX, lock_keys
+from celery_redlock.engine.rate import Budget
 from celery_redlock.exceptions import NodeUnavailable
 from celery_redlock.integration import parking, policies
+from celery_redlock.nodes import NodeSet
 from tests.apps.rated import make_rated_app
 from tests.harness import close_app, wait_for
 from tests.integration.test_rate import busiest_window, parked_runs, runs_of
@@ -317,3 +321,56 @@ def test_the_publisher_does_not_subscribe_to_the_results_of_what_it_publishes(
     assert [r.get(timeout=30) for r in results] == ["sub"] * 7
     assert parking._publishers[id(app)].published >= 2, "runs were parked and published"
     assert "celery_redlock-publisher" not in by_thread
+
+
+def _park_rate_run(app, nodeset, task_id, spot):
+    """Park a run of ``rated.call`` due now, as a refused delivery would be parked."""
+    task = app.tasks["rated.call"]
+    task.push_request(
+        id=task_id, args=("deep", "/dev/null"), kwargs={},
+        delivery_info={"exchange": "", "routing_key": "celery"},
+    )  # fmt: skip
+    try:
+        assert parking.park(task, 0.0, {}, spot).parked
+    finally:
+        task.pop_request()
+
+
+def test_a_rate_run_is_not_published_behind_a_deep_queue(app, celery_redis, monkeypatch):
+    """A rate run that comes due while its queue holds more than DEEP messages stays
+    parked: its copy would wait behind them past its slot (a backlog sent at once: the
+    runs still on the queue take the budget's slots meanwhile). With the queue short, it
+    is published, its start reserved at its slot (the budget is full: a second on) and
+    the copy counting down to it. Held HOLD, it is published whatever the queue."""
+    monkeypatch.setattr(parking, "HOLD", 1.0)
+    nodeset = NodeSet.get([app.conf.redlock_url], timeout=2)
+    keys = lock_keys("api:deep")
+    spot = parking.Spot(nodeset, "rate", keys.lock, Budget(5, 1.0))
+    broker, locks = celery_redis.client(db=1), celery_redis.client(db=0)
+    publisher = parking.Publisher(app, nodeset, DEFAULT_PREFIX)
+    limit = RateLimit("api:deep", rate="5/s", nodes=[app.conf.redlock_url])
+    assert [limit.try_acquire() for _ in range(5)] == [0.0] * 5
+    broker.lpush("celery", *[f"other-{n}" for n in range(parking.DEEP + 1)])
+    _park_rate_run(app, nodeset, "deep-1", spot)
+    publisher.tick()
+    assert publisher.published == 0, "held while the queue is deep"
+    assert locks.zscore("redlock:parked", "deep-1") is not None
+    broker.delete("celery")
+
+    def published(count):
+        publisher.tick()
+        return publisher.published == count
+
+    wait_for(partial(published, 1), timeout=5, interval=0.01, message="the copy published")
+    (message,) = [json.loads(m) for m in broker.lrange("celery", 0, -1)]
+    member = message["headers"][parking.MEMBER_HEADER]
+    reserved = float(locks.zscore(keys.rate, member)) / 1000
+    oldest = float(locks.zrange(keys.rate, 0, 0, withscores=True)[0][1]) / 1000
+    assert reserved == pytest.approx(oldest + 1.01, abs=0.005), "the next slot"
+    assert message["headers"]["eta"], "counting down to it"
+
+    broker.lpush("celery", *[f"other-{n}" for n in range(parking.DEEP + 1)])
+    _park_rate_run(app, nodeset, "deep-2", spot)
+    wait_for(partial(published, 2), timeout=10, interval=0.01, message="held HOLD at most")
+    assert broker.llen("celery") > parking.DEEP
+    broker.delete("celery")

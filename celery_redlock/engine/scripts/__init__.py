@@ -163,8 +163,8 @@ class ClaimStatus(enum.IntEnum):
 class RateStatus(enum.IntEnum):
     """First element of a ``rate.lua`` reply (then the starts in the window, and a wait)."""
 
-    REFUSED = 0  #: N starts in the last window; the reply's third element: ms until one leaves
-    ADMITTED = 1
+    REFUSED = 0  #: no slot now; the reply's third element: ms until the run's slot
+    ADMITTED = 1  #: logged; the third element: ms from now to the start (0: now)
     PEEKED = 2  #: counted only (``peek``); the third element: ms until a start fits (0: now)
 
 
@@ -466,7 +466,7 @@ _rate = functools.partial(
     Script,
     file="rate",
     keys=("rate", "budget", "queued"),
-    argv=("limit", "window_ms", "member", "task_id", "jitter_ms", "grace_ms"),
+    argv=("limit", "window_ms", "member", "task_id", "jitter_ms", "grace_ms", "at_ms", "ahead_ms"),
     status=RateStatus,
     libraries=("queued",),
 )
@@ -495,7 +495,7 @@ PARK = Script(
 TAKE_DUE = Script(
     "take_due",
     keys=("due", "runs", "taken"),
-    argv=("most", "lease_ms", "recheck_ms", "handoff_ms"),
+    argv=("most", "lease_ms", "recheck_ms", "handoff_ms", "ahead_ms"),
 )
 #: Whether a parked run's copy may start; it then leaves the parked runs.
 UNPARK = Script(

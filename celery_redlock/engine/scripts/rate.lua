@@ -21,20 +21,39 @@
 --                     again (a small random margin it is put back with)
 -- ARGV[6]  grace_ms   with a task id: the grace in ms (keys.QUEUED_GRACE) of the
 --                     queued runs' entries
+-- ARGV[7]  at_ms      the earliest the start may be, in ms from now ('' or 0: now)
+-- ARGV[8]  ahead_ms   the latest it may be, in ms from now, at least at_ms and at most
+--                     two windows ('' or 0: at_ms): a start reserved ahead (a parked
+--                     run's copy is published with a countdown to it)
 --
--- Returns  {1, used, 0}        admitted: the start is logged; used counts it
+-- Returns  {1, used, in_ms}    admitted: the start is logged, in_ms from now (0 but
+--                              for a start reserved ahead); used counts it
 --          {0, used, wait_ms}  N starts in the last window: the oldest leaves it
 --                              in wait_ms (at least 1)
 --          {2, used, wait_ms}  peek: used now, and wait_ms until a start would be
 --                              admitted (0: now)
 -- A member logged already (the same admission sent again) is admitted again without a
--- second entry (except by rate_owned: then it is judged again, at now). The key expires one window after its last start: nothing of it
--- outlives its last use by more than one window.
+-- second entry (rate_owned: see below). The key expires one window (and the guard,
+-- below) after its last start: nothing of it outlives its last use by more.
+--
+-- Starts are appended: a start is logged at or after the latest one logged, when the
+-- N-th latest is at least one window older than it. So the log holds at most N starts
+-- in any window (every N+1 consecutive starts span a window) with starts reserved
+-- ahead in it as well as past ones, and the next start's slot is always
+-- max(latest, N-th latest + window): a newcomer never takes a slot reserved for a run
+-- ahead of it (it is refused, and placed after the reserved ones).
+--
+-- rate_owned: the copy of a parked run whose start was reserved for it (its member).
+-- Come early (its countdown ran on another clock), it is told to wait until then and
+-- keeps the reservation; on time or late, its start moves to now (the body's moment)
+-- when the windows after the reservation have room for it there (fewer than N starts
+-- between the reservation and one window after now: every window holding now then has
+-- at most N); else the reservation is given up and the run judged as any newcomer.
 --
 -- Starts are logged in ms with the node clock's microseconds as decimals, and a start
--- leaves the window when it is window ms old or older: two starts of a "1/s" budget are
--- never less than 1 s apart on the node's clock (whole ms lost up to 1 ms: measured
--- 999.4 ms).
+-- leaves the window when it is window ms and a guard old or older: two starts of a
+-- "1/s" budget are never less than 1 s apart on the node's clock, nor their bodies'
+-- starts unless one was delayed 10 ms more than the other.
 --
 -- A refused run with a task id gets a place in line, not only the next slot: the
 -- runs already waiting for the key (queued, due earlier than this run's own earlier
@@ -64,6 +83,11 @@ end
 if member == nil or member == '' then
     return redis.error_reply('ERR celery_redlock rate: empty member')
 end
+local at, ahead = tonumber(ARGV[7] or '') or 0, tonumber(ARGV[8] or '') or 0
+if at < 0 or ahead < 0 or at > window or ahead > 2 * window then
+    return redis.error_reply('ERR celery_redlock rate: at_ms must be from 0 to the window, ahead_ms to two windows')
+end
+ahead = math.max(at, ahead)
 if not KEYS[3] or task_id == '' then
     task_id = nil
 end
@@ -77,25 +101,45 @@ end
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now = math.floor(now_us / 1000)
+-- A start leaves the window a guard after it is a window old: its body starts a few ms
+-- after its admission, and one body's more than the next one's at times (a process
+-- scheduled later); the guard (10 ms at most, half a slot for fast budgets) keeps the
+-- bodies' starts, not only their admissions, within N per window.
+local window_us = window * 1000 + math.floor(math.min(10000, window * 500 / limit))
 local function ms_text(us)
     return string.format('%.3f', us / 1000)
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms_text(now_us - window * 1000))
+local function score_us(score)
+    return math.floor(tonumber(score) * 1000 + 0.5)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms_text(now_us - window_us))
 local used = redis.call('ZCARD', KEYS[1])
-local function wait_ms(ahead)
-    -- Served after `ahead` waiting runs: the slot of the ((ahead mod N)+1)-th of the
-    -- last N starts, floor(ahead/N) windows later (ahead 0: the next slot).
-    local rank = used - limit + ahead % limit
-    local oldest = redis.call('ZRANGE', KEYS[1], rank, rank, 'WITHSCORES')
-    local leaves_us = math.floor(tonumber(oldest[2]) * 1000 + 0.5) + window * 1000
-    local windows = math.floor(ahead / limit)
-    -- Each window ahead, the runs before this one start a little after their slots (a
-    -- delivery's lag), and their own slots free that much later: allow for it, or this
-    -- run comes back a hair early and is put back once more (measured: 34 deferrals
-    -- for 20 early runs of 25 at 5/s without).
+local function latest_us()
+    -- The latest start logged (reserved ones included), or now.
+    local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+    return last[2] and math.max(now_us, score_us(last[2])) or now_us
+end
+local function slot_us(k)
+    -- The slot of the k-th start after the log's end (k = 0: the next), appended as
+    -- starts are: the ((k mod N)+1)-th of the last N starts' slot (a free one, of
+    -- fewer than N, at the latest start), floor(k/N) windows later.
+    local latest = latest_us()
+    local i = used - limit + k % limit
+    local frees = latest
+    if i >= 0 then
+        local entry = redis.call('ZRANGE', KEYS[1], i, i, 'WITHSCORES')
+        frees = math.max(latest, score_us(entry[2]) + window_us)
+    end
+    return frees + math.floor(k / limit) * window_us
+end
+local function wait_ms(k)
+    -- Served after k waiting runs. Each window ahead, the runs before this one start a
+    -- little after their slots (a delivery's lag), and their own slots free that much
+    -- later: allow for it, or this run comes back a hair early and is put back once
+    -- more (measured: 34 deferrals for 20 early runs of 25 at 5/s without).
+    local windows = math.floor(k / limit)
     local lag = windows * math.min(30, window / limit / 5)
-    local wait = math.ceil((leaves_us - now_us) / 1000 + lag) + windows * window
-    return math.max(1, wait)
+    return math.max(1, math.ceil((slot_us(k) - now_us) / 1000 + lag))
 end
 local function waiting_ahead()
     -- The runs that wait for the key and are served before this one.
@@ -110,41 +154,54 @@ local function waiting_ahead()
     end
     return redis.call('ZCOUNT', KEYS[3], since, '+inf')
 end
-local function starts()
+local function log(start_us)
+    -- Log the start; keep the log (and the budget beside it) one window past its
+    -- latest start, never shortening it.
+    redis.call('ZADD', KEYS[1], ms_text(start_us), member)
+    local keep = math.ceil((latest_us() - now_us + window_us) / 1000)
+    if redis.call('PTTL', KEYS[1]) < keep then
+        redis.call('PEXPIRE', KEYS[1], keep)
+    end
+    if KEYS[2] then
+        redis.call('SET', KEYS[2], string.format('%d/%d', limit, window), 'PX', keep)
+    end
     -- The run starts: it no longer waits on the queue.
     if task_id then
         redis.call('ZREM', KEYS[3], task_id)
     end
 end
 if PEEK then
-    if used < limit then
+    if slot_us(0) <= now_us then
         return {2, used, 0}
     end
     return {2, used, wait_ms(0)}
 end
-if redis.call('ZSCORE', KEYS[1], member) then
-    if not OWNED then
-        starts()
+local logged = redis.call('ZSCORE', KEYS[1], member)
+if logged and not OWNED then
+    log(score_us(logged))
+    return {1, used, math.max(0, math.ceil((score_us(logged) - now_us) / 1000))}
+end
+if logged then
+    local reserved = score_us(logged)
+    if reserved > now_us then
+        return {0, used, math.max(1, math.ceil((reserved - now_us) / 1000))}
+    end
+    local after = redis.call('ZCOUNT', KEYS[1], '(' .. logged, '(' .. ms_text(now_us + window_us))
+    if after < limit then
+        log(now_us)
         return {1, used, 0}
     end
-    -- The start logged for this run kept its slot while the run went through the
-    -- broker; it moves to now, the body's start, if the window still has room for it
-    -- without it (the copy may come late: the starts logged since must not be crowded
-    -- into one window with it). Else it is given back and the run is refused as any.
     redis.call('ZREM', KEYS[1], member)
     used = used - 1
 end
-if used >= limit then
+local slot = slot_us(0)
+if slot > now_us + ahead * 1000 then
     local wait = wait_ms(waiting_ahead())
     if task_id then
         queue_run(KEYS[3], task_id, now + wait + jitter, now, grace)
     end
     return {0, used, wait}
 end
-redis.call('ZADD', KEYS[1], ms_text(now_us), member)
-redis.call('PEXPIRE', KEYS[1], window)
-if KEYS[2] then
-    redis.call('SET', KEYS[2], string.format('%d/%d', limit, window), 'PX', window)
-end
-starts()
-return {1, used + 1, 0}
+local start = math.max(slot, now_us + at * 1000)
+log(start)
+return {1, used + 1, math.ceil((start - now_us) / 1000)}

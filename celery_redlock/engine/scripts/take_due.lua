@@ -10,10 +10,14 @@
 -- ARGV[3]  recheck_ms  ms until a run waiting for a key that is still held is looked at again
 -- ARGV[4]  handoff_ms  ms the hand-off mark of a key lasts (a run published for its release
 --          has that long to start before the next one is published)
+-- ARGV[5]  ahead_ms    a run waiting for its rate slot alone (record kind "rate", no
+--          "gate") is taken that many ms before it is due: its copy is published with a
+--          countdown to the slot
 --
--- Returns  {next_ms, id, run, taken, id, run, taken, ...}: next_ms the ms until the
---          earliest run left is due (-1: none parked); then each run taken, its
---          record, and how often it was taken (2 or more: an earlier copy may exist)
+-- Returns  {next_ms, id, run, taken, in_ms, ...}: next_ms the ms until the next run may
+--          be taken (-1: none parked); then each run taken, its record, how often it
+--          was taken (2 or more: an earlier copy may exist), and the ms until it is due
+--          (0 but for a rate run taken ahead)
 --
 -- A run that waits for a key's release (its record has a "gate": the hand-off mark's
 -- key, and "check", the lock key, or "shared" and "limit", the shared holders and how
@@ -22,20 +26,28 @@
 -- keys are named in the record, not in KEYS (they are the run's lock's): parking is for
 -- a single Redis node or Redlock masters, not a Redis Cluster.
 local most, lease, recheck, handoff = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local ahead = tonumber(ARGV[5])
 if not most or most < 1 or not lease or lease < 1 or not recheck or recheck < 1 or not handoff or handoff < 1 then
     return redis.error_reply('ERR celery_redlock take_due: counts and times must be positive')
+end
+if not ahead or ahead < 0 then
+    return redis.error_reply('ERR celery_redlock take_due: ahead_ms must be a non-negative number')
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {-1}
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, most)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + ahead, 'WITHSCORES', 'LIMIT', 0, most)
 local handed = {}
-for _, id in ipairs(due) do
+for i = 1, #due, 2 do
+    local id, at = due[i], tonumber(due[i + 1])
     local record = redis.call('HGET', KEYS[2], id)
+    local run = record and cjson.decode(record)
     if not record then
         redis.call('ZREM', KEYS[1], id)
+    elseif at > now and (run.kind ~= 'rate' or run.gate) then
+        -- not due yet: only a rate run that waits for nothing else is taken ahead (one
+        -- that also waits for its key to be free is taken then, one at a time)
     else
-        local run = cjson.decode(record)
         local free = true
         if run.gate then
             if handed[run.gate] or redis.call('EXISTS', run.gate) == 1 then
@@ -56,6 +68,7 @@ for _, id in ipairs(due) do
             out[#out + 1] = id
             out[#out + 1] = record
             out[#out + 1] = taken
+            out[#out + 1] = math.max(0, at - now)
         else
             redis.call('ZADD', KEYS[1], now + recheck, id)
         end
@@ -63,6 +76,10 @@ for _, id in ipairs(due) do
 end
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 if first[2] then
-    out[1] = math.max(0, tonumber(first[2]) - now)
+    -- A run further than ahead_ms may be a rate run, taken that much early (the caller
+    -- looks again at least every idle period, so a rate run behind a later one of
+    -- another kind is still taken ahead).
+    local wait = tonumber(first[2]) - now
+    out[1] = math.max(0, wait > ahead and wait - ahead or wait)
 end
 return out

@@ -4,14 +4,16 @@ against real redis-servers: one node, and three (Redlock) with nodes cut off in 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
+import time
 
 import pytest
 
 from celery_redlock import AsyncRateLimit, ConfigurationError, NodeUnavailable, RateLimit
 from celery_redlock.engine.keys import lock_keys
 from celery_redlock.engine.rate import Budget, parse_rate
-from celery_redlock.engine.scripts import RATE, RATE_PEEK, RATE_RETURN
+from celery_redlock.engine.scripts import RATE, RATE_OWNED, RATE_PEEK, RATE_RETURN
 from tests.harness.servers import wait_for
 
 KEYS = lock_keys("api:stripe")
@@ -36,11 +38,11 @@ def test_the_script_admits_n_starts_per_window_and_says_when_the_next_fits(redis
     assert (status, used) == (0, 3)
     oldest = float(c.zrange(KEYS.rate, 0, 0, withscores=True)[0][1])
     assert wait == pytest.approx(oldest + 60_000 - node_ms(c), abs=50)
-    assert 0 < c.pttl(KEYS.rate) <= 60_000, "expires one window after its last start"
+    assert 0 < c.pttl(KEYS.rate) <= 60_010, "expires one window (and the guard) after its last start"
     assert rate(c, "b") == [1, 3, 0], "the same admission sent again"
     assert c.zcard(KEYS.rate) == 3
     status, used, wait = rate(c, "-", peek=True)
-    assert (status, used) == (2, 3) and 59_000 < wait <= 60_000
+    assert (status, used) == (2, 3) and 59_000 < wait <= 60_010
     assert c.zcard(KEYS.rate) == 3, "peek logs nothing"
     assert c.eval(RATE_RETURN.source, 1, KEYS.rate, "a") == 1
     assert c.eval(RATE_RETURN.source, 1, KEYS.rate, "a") == 0
@@ -101,7 +103,7 @@ def test_try_acquire_admits_exactly_n_among_racing_threads(redis_node):
     for t in threads:
         t.join()
     assert sorted(waits)[:8].count(0.0) == 7
-    assert all(55 < w <= 60 for w in waits if w)
+    assert all(55 < w <= 60.01 for w in waits if w)  # a minute and the guard
     assert limit.used()[0] == 7
 
 
@@ -239,12 +241,13 @@ def _places_in_line(c):
     assert [rate(c, m, limit=2, window=1000)[0] for m in "ab"] == [1, 1]
     waits = [_refuse(c, f"run-{k}")[2] for k in range(6)]
     first = waits[0]
-    assert 900 < first <= 1000
+    assert 900 < first <= 1010  # the window and its guard
     for k, wait in enumerate(waits):
-        # A window later per two ahead, and 30 ms for the lag of each window's starts.
-        assert wait == pytest.approx(first + (k // 2) * 1030, abs=20), (k, waits)
+        # A window and its guard (10 ms) later per two ahead, and 30 ms for the lag of
+        # each window's starts.
+        assert wait == pytest.approx(first + (k // 2) * 1040, abs=20), (k, waits)
     again = _refuse(c, "run-3")[2]
-    assert again == pytest.approx(first + 1030, abs=20), "run-3 keeps its place"
+    assert again == pytest.approx(first + 1040, abs=20), "run-3 keeps its place"
     assert c.zcard(KEYS.queued) == 6, "one entry per run, however often refused"
 
 
@@ -272,3 +275,112 @@ def _full_seconds_apart(c, url):
         wait_for(lambda: limit.try_acquire() == 0.0, timeout=3, interval=0)
         after_second = micros()
         assert after_second - before_first >= 1_000_000, (attempt, after_second - before_first)
+
+
+def _start(client, member, *, limit, window, at=0, ahead=0, owned=False):
+    """rate.lua (or rate_owned) for ``member`` with a start from ``at`` to ``ahead`` ms on."""
+    script = RATE_OWNED if owned else RATE
+    keys = (KEYS.rate, KEYS.budget, KEYS.queued)
+    return client.eval(script.source, 3, *keys, limit, window, member, "", "", "", at, ahead)
+
+
+def _spaced(scores, limit, window):
+    """Whether every limit+1 consecutive starts span at least one window."""
+    scores = sorted(scores)
+    return all(b - a >= window - 0.001 for a, b in zip(scores, scores[limit:], strict=False))
+
+
+def test_a_start_reserved_ahead_holds_its_slot_and_a_newcomer_goes_after_it(redis_node):
+    """2 per 2 s, used up: a start reserved up to 3 s ahead takes the next slot, when the
+    oldest start leaves (a window and its guard, 10 ms, after it); a second reservation
+    the slot after; a third finds none within its horizon and is told when. A newcomer
+    now is refused until after the reserved starts (not the slot an admission at the end
+    of the window would see), and peek agrees. Every three consecutive starts logged
+    span a window."""
+    c = redis_node.client()
+    kw = {"limit": 2, "window": 2000}
+    assert [_start(c, m, **kw)[0] for m in "ab"] == [1, 1]
+    a, b = (float(c.zscore(KEYS.rate, m)) for m in "ab")
+    status, used, start_in = _start(c, "r1", at=0, ahead=3000, **kw)
+    assert (status, used) == (1, 3)
+    assert float(c.zscore(KEYS.rate, "r1")) == pytest.approx(a + 2010, abs=0.01)
+    assert start_in == pytest.approx(a + 2010 - node_ms(c), abs=50)
+    assert _start(c, "r2", at=0, ahead=3000, **kw)[0] == 1
+    assert float(c.zscore(KEYS.rate, "r2")) == pytest.approx(b + 2010, abs=0.01)
+    status, _, wait = _start(c, "r3", at=0, ahead=3000, **kw)
+    assert status == 0 and wait == pytest.approx(a + 4020 - node_ms(c), abs=50)
+    status, _, wait = _start(c, "newcomer", **kw)
+    assert status == 0 and wait == pytest.approx(a + 4020 - node_ms(c), abs=50)
+    assert rate(c, "-", limit=2, window=2000, peek=True)[2] == pytest.approx(wait, abs=50)
+    scores = [s for _, s in c.zrange(KEYS.rate, 0, -1, withscores=True)]
+    assert len(scores) == 4 and _spaced(scores, 2, 2000)
+    assert c.pttl(KEYS.rate) > 2000, "kept one window past the latest reserved start"
+
+
+def test_a_reserved_copy_waits_if_early_and_starts_now_if_late(redis_node):
+    """1 per 600 ms. A copy that comes before the start reserved for it is told to
+    wait until then and keeps it; after it, its start moves to now (the body's moment).
+    A copy so late that a start was reserved after its own within one window of now
+    gives its reservation up and is judged as a newcomer: placed after that start."""
+    c = redis_node.client()
+    kw = {"limit": 1, "window": 600}
+    assert _start(c, "a", **kw)[0] == 1
+    assert _start(c, "r", at=0, ahead=1000, **kw)[0] == 1
+    reserved = float(c.zscore(KEYS.rate, "r"))
+    status, _, wait = _start(c, "r", owned=True, **kw)
+    assert status == 0 and 0 < wait <= 610
+    assert float(c.zscore(KEYS.rate, "r")) == reserved, "still reserved"
+    wait_for(lambda: node_ms(c) > reserved + 20, timeout=5, interval=0.005)
+    assert _start(c, "r", owned=True, **kw)[0] == 1
+    assert float(c.zscore(KEYS.rate, "r")) >= reserved + 20, "moved to the body's moment"
+
+    c.delete(KEYS.rate)
+    assert _start(c, "a", **kw)[0] == 1
+    assert _start(c, "late", at=0, ahead=1000, **kw)[0] == 1
+    late = float(c.zscore(KEYS.rate, "late"))
+    wait_for(lambda: node_ms(c) > late + 20, timeout=5, interval=0.005)
+    assert _start(c, "next", at=0, ahead=1000, **kw)[0] == 1
+    following = float(c.zscore(KEYS.rate, "next"))
+    status, _, wait = _start(c, "late", owned=True, **kw)
+    assert status == 0 and wait == pytest.approx(following + 610 - node_ms(c), abs=50)
+    assert c.zscore(KEYS.rate, "late") is None, "its reservation is given up"
+    assert float(c.zscore(KEYS.rate, "next")) == following
+
+
+def test_starts_admitted_reserved_and_moved_in_any_order_keep_n_per_window(redis_node):
+    """Admissions now, reservations ahead and reserved copies coming early, on time or
+    late, at random, for about three seconds on a 3 per 200 ms budget: the starts logged
+    (their last place; a reservation given up is none) never hold more than 3 in any
+    window of 200 ms."""
+    c = redis_node.client()
+    kw = {"limit": 3, "window": 200}
+    rng = random.Random(7)
+    starts: dict[str, float] = {}
+    reserved: list[str] = []
+    deadline = time.monotonic() + 3.0
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+        roll = rng.random()
+        if roll < 0.4 and reserved:
+            member = reserved.pop(rng.randrange(len(reserved)))
+            status = _start(c, member, owned=True, **kw)[0]
+            if status == 0 and c.zscore(KEYS.rate, member) is not None:
+                reserved.append(member)  # early: it comes again later
+        elif roll < 0.6:
+            member = f"r{n}"
+            status = _start(c, member, at=rng.randrange(0, 100), ahead=rng.randrange(0, 200), **kw)[
+                0
+            ]
+            if status == 1:
+                reserved.append(member)
+        else:
+            member = f"n{n}"
+            status = _start(c, member, **kw)[0]
+        for m, s in c.zrange(KEYS.rate, 0, -1, withscores=True):
+            starts[m] = s
+        if status == 0 and member not in reserved:
+            starts.pop(member, None)
+        time.sleep(rng.uniform(0, 0.01))  # spreads the calls over the windows
+    assert len(starts) > 20
+    assert _spaced(starts.values(), 3, 200)
