@@ -124,8 +124,12 @@ LEASE = 10.0
 #: Seconds a parked run nobody takes is kept after it was due (no worker ran at all).
 LIFETIME = 86400.0
 
-#: Seconds between two looks at a run whose key is still held.
-RECHECK = 0.02
+#: Seconds between two looks at a run whose key is still held, at least: a quarter of
+#: how long the lock has been held (since its acquisition or last renewal), up to
+#: :data:`IDLE`. A short hold (a rate run's body) is seen to end within a few ms, so a
+#: key's runs follow each other about as fast as the broker carries them; a long hold
+#: is looked at a few dozen times per renewal, not every few ms.
+RECHECK = 0.005
 
 #: Seconds a run published for its key's release has to start before the next one
 #: waiting for that key may be published.
@@ -133,7 +137,7 @@ HANDOFF = 2.0
 
 #: Seconds between the publisher's takes while runs are due or about to be; and at
 #: most, when none is.
-TICK = 0.02
+TICK = 0.005
 IDLE = 0.25
 
 #: Most runs one take returns (a bound on one script call's work).
@@ -369,7 +373,7 @@ class Publisher:
         call = TAKE_DUE.call(
             due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken,
             most=BATCH, lease_ms=_ms(LEASE), recheck_ms=_ms(RECHECK), handoff_ms=_ms(HANDOFF),
-            ahead_ms=_ms(AHEAD),
+            ahead_ms=_ms(AHEAD), longest_ms=_ms(IDLE),
         )  # fmt: skip
         pause = IDLE
         for index, reply in enumerate(self.nodeset.call([call])):

@@ -27,13 +27,15 @@ from celery import _state as celery_state
 from celery.exceptions import WorkerLostError
 
 from celery_redlock import RateLimit
-from celery_redlock.engine.keys import DEFAULT_PREFIX, lock_keys
+from celery_redlock.engine.keys import DEFAULT_PREFIX, handed_key, lock_keys, parked_keys
 from celery_redlock.engine.rate import Budget
+from celery_redlock.engine.scripts import TAKE_DUE
 from celery_redlock.exceptions import NodeUnavailable
 from celery_redlock.integration import parking, policies
 from celery_redlock.nodes import NodeSet
 from tests.apps.rated import make_rated_app
 from tests.harness import close_app, wait_for
+from tests.harness.lua import run
 from tests.integration.test_rate import busiest_window, parked_runs, runs_of
 
 TRIALS = int(os.environ.get("REDLOCK_SOAK_TRIALS", "1"))
@@ -374,3 +376,31 @@ def test_a_rate_run_is_not_published_behind_a_deep_queue(app, celery_redis, monk
     wait_for(partial(published, 2), timeout=10, interval=0.01, message="held HOLD at most")
     assert broker.llen("celery") > parking.DEEP
     broker.delete("celery")
+
+
+def test_a_run_waiting_for_a_held_key_is_looked_at_less_often_the_longer_it_is_held(
+    celery_redis,
+):
+    """A run parked for its key's release is looked at again a quarter of the time its
+    lock has been held since its acquisition or renewal, from RECHECK (a short hold: a
+    key's runs follow each other as fast as the broker carries them) to IDLE (a long
+    hold costs a few dozen looks per renewal, not one every few ms)."""
+    c = celery_redis.client(db=0)
+    keys, parked = lock_keys("turn:held"), parked_keys(DEFAULT_PREFIX)
+    record = {"kind": "busy", "lock": keys.lock, "gate": handed_key(keys), "check": keys.lock}
+    c.hset(parked.runs, "held-1", json.dumps(record))
+    c.hset(keys.lock, mapping={"token": "t", "ttl": 10_000})
+
+    def looked_at_again_in(left_ms):
+        c.pexpire(keys.lock, left_ms)
+        c.zadd(parked.due, {"held-1": 0})
+        out = run(
+            c, TAKE_DUE, due=parked.due, runs=parked.runs, taken=parked.taken, most=10,
+            lease_ms=10_000, recheck_ms=5, handoff_ms=2000, ahead_ms=500, longest_ms=250,
+        )  # fmt: skip
+        assert out[1:] == [], "not taken while its key is held"
+        return c.zscore(parked.due, "held-1") - c.time()[0] * 1000 - c.time()[1] // 1000
+
+    assert looked_at_again_in(10_000) == pytest.approx(5, abs=3), "just acquired"
+    assert looked_at_again_in(9_600) == pytest.approx(100, abs=5), "held 400 ms"
+    assert looked_at_again_in(2_000) == pytest.approx(250, abs=5), "held 8 s: at most IDLE"

@@ -495,7 +495,7 @@ PARK = Script(
 TAKE_DUE = Script(
     "take_due",
     keys=("due", "runs", "taken"),
-    argv=("most", "lease_ms", "recheck_ms", "handoff_ms", "ahead_ms"),
+    argv=("most", "lease_ms", "recheck_ms", "handoff_ms", "ahead_ms", "longest_ms"),
 )
 #: Whether a parked run's copy may start; it then leaves the parked runs.
 UNPARK = Script(

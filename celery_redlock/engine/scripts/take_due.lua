@@ -7,12 +7,15 @@
 -- KEYS[3]  taken  how often each parked run was taken (hash: task id -> count)
 -- ARGV[1]  most        the most runs to take (a bound on this call's work)
 -- ARGV[2]  lease_ms    the lease in ms: a run taken is due again that long after
--- ARGV[3]  recheck_ms  ms until a run waiting for a key that is still held is looked at again
+-- ARGV[3]  recheck_ms  ms until a run waiting for a key that is still held is looked at
+--          again, at least (a quarter of how long the lock has been held, at most
+--          longest_ms)
 -- ARGV[4]  handoff_ms  ms the hand-off mark of a key lasts (a run published for its release
 --          has that long to start before the next one is published)
 -- ARGV[5]  ahead_ms    a run waiting for its rate slot alone (record kind "rate", no
 --          "gate") is taken that many ms before it is due: its copy is published with a
 --          countdown to the slot
+-- ARGV[6]  longest_ms  the longest wait before a run waiting for a held key is looked at again
 --
 -- Returns  {next_ms, id, run, taken, in_ms, ...}: next_ms the ms until the next run may
 --          be taken (-1: none parked); then each run taken, its record, how often it
@@ -26,16 +29,27 @@
 -- keys are named in the record, not in KEYS (they are the run's lock's): parking is for
 -- a single Redis node or Redlock masters, not a Redis Cluster.
 local most, lease, recheck, handoff = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local ahead = tonumber(ARGV[5])
+local ahead, longest = tonumber(ARGV[5]), tonumber(ARGV[6])
 if not most or most < 1 or not lease or lease < 1 or not recheck or recheck < 1 or not handoff or handoff < 1 then
     return redis.error_reply('ERR celery_redlock take_due: counts and times must be positive')
 end
-if not ahead or ahead < 0 then
-    return redis.error_reply('ERR celery_redlock take_due: ahead_ms must be a non-negative number')
+if not ahead or ahead < 0 or not longest or longest < recheck then
+    return redis.error_reply('ERR celery_redlock take_due: ahead_ms must be >= 0, longest_ms >= recheck_ms')
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {-1}
+local function held_wait(lock)
+    -- A quarter of how long the lock has been held since its last acquisition or
+    -- renewal (its lease less the time left), from recheck_ms to longest_ms: a short
+    -- hold is looked at again soon, a long one less and less often.
+    local ttl = tonumber(redis.call('HGET', lock, 'ttl') or '')
+    local left = redis.call('PTTL', lock)
+    if not ttl or left < 0 then
+        return recheck
+    end
+    return math.min(longest, math.max(recheck, math.floor((ttl - left) / 4)))
+end
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + ahead, 'WITHSCORES', 'LIMIT', 0, most)
 local handed = {}
 for i = 1, #due, 2 do
@@ -48,12 +62,13 @@ for i = 1, #due, 2 do
         -- not due yet: only a rate run that waits for nothing else is taken ahead (one
         -- that also waits for its key to be free is taken then, one at a time)
     else
-        local free = true
+        local free, wait = true, recheck
         if run.gate then
             if handed[run.gate] or redis.call('EXISTS', run.gate) == 1 then
                 free = false
             elseif run.check and redis.call('EXISTS', run.check) == 1 then
                 free = false
+                wait = held_wait(run.check)
             elseif run.shared and redis.call('ZCOUNT', run.shared, now, '+inf') >= (run.limit or 1) then
                 free = false
             end
@@ -70,7 +85,7 @@ for i = 1, #due, 2 do
             out[#out + 1] = taken
             out[#out + 1] = math.max(0, at - now)
         else
-            redis.call('ZADD', KEYS[1], now + recheck, id)
+            redis.call('ZADD', KEYS[1], now + wait, id)
         end
     end
 end
