@@ -13,7 +13,9 @@ Per size B and rate N (a backlog of 1,000 at 5/s takes 200 s: left out unless
 are sent onto a queue no worker consumes yet, then every worker consumes it. Reported
 per peer: **re-publishes per run** (deliveries that ended IGNORED, each a run put back
 and published again, over B: the target is at most 1.1), **drain** (the last start after
-the queue was opened) against the **ideal** ``(B - 1) // N`` seconds, the most starts in
+the queue was opened) against the issue's ideal, B / N seconds (the target: at most
+1.1x), and against the earliest last start a sliding window of N allows, ``(B - 1) // N``
+seconds (``drain_vs_ideal``: the stricter measure, reported), the most starts in
 any window of 1 s (less 5 ms of body-side timing: the limit is N) and how many windows
 of 1 s (one per start) held more than N starts; and whether any run started twice.
 Celery's ``rate_limit`` is a token bucket per worker: two workers start up to 2N a
@@ -84,6 +86,7 @@ def backlog_run(
         "drain_s": row["last_start_s"],
         "ideal_drain_s": ideal,
         "drain_vs_ideal": round(row["last_start_s"] / ideal, 3) if ideal else None,
+        "drain_vs_runs_over_rate": round(row["last_start_s"] * n / size, 3),
         "most_starts_in_any_window": row["most_starts_in_any_window"],
         "windows_over_limit": windows_over(starts, n),
         "ran_more_than_once": row["ran_more_than_once"],
@@ -130,6 +133,27 @@ def backlogs(
     return rows
 
 
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets over the ``lock_rate`` rows (alone and with requeue): the worst."""
+    ours = [row for row in rows if row["case"].startswith("lock_rate") and "timed_out" not in row]
+    if not ours:
+        return {}
+    return {
+        "Issue 38: re-publishes per run, worst lock_rate row (<= 1.1)": max(
+            row["republishes_per_run"] for row in ours
+        ),
+        "Issue 38: drain time over the ideal runs / rate, worst lock_rate row (<= 1.1)": max(
+            row["drain_vs_runs_over_rate"] for row in ours
+        ),
+        "Issue 38: windows of 1 s over the limit, all lock_rate rows (== 0)": sum(
+            row["windows_over_limit"] for row in ours
+        ),
+        "lock_rate rows timed out (== 0)": sum(
+            1 for row in rows if row["case"].startswith("lock_rate") and "timed_out" in row
+        ),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,1000", help="backlog sizes")
@@ -158,11 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "celery": celery.__version__,
         "source": source_state(),
         "wall_s": round(time.monotonic() - started, 1),
-        "targets": {
-            "republishes_per_run": "<= 1.1 for lock_rate, alone and with requeue",
-            "drain_vs_ideal": "<= 1.1",
-            "windows_over_limit": "0 for lock_rate (one node)",
-        },
+        "targets": targets(rows),
         "results": rows,
     }
     write_report("backlog", report)

@@ -86,6 +86,10 @@ REQUEUES_HEADER = "redlock_requeues"
 #: (``lock_on_busy="requeue"``, ``lock_rate``): not a retry, so not ``retries``.
 DEFERRALS_HEADER = "redlock_deferrals"
 
+#: Header of a copy sent with a send-time claim (``lock_unique``, debounce, throttle);
+#: its retries and copies put back keep it (:mod:`celery_redlock.integration.unique`).
+CLAIMED_HEADER = "redlock_claimed"
+
 #: Header of a copy put back because its key was busy: the lock key whose release may
 #: start it before its countdown (None: only the countdown).
 WAKE_HEADER = "redlock_wake"
@@ -112,7 +116,8 @@ def apply_on_busy(
     ``nodeset``: the busy lock's nodes, where a run put back is recorded as waiting.
     """
     if busy.holder == task_id:
-        requeue_duplicate(task, task_id, busy, "is held by an earlier delivery of itself")
+        why = "is held by an earlier delivery of itself"
+        requeue_duplicate(task, task_id, busy, why, nodeset, options)
     follows = options.unique == "until_started" or options.debounce or options.throttle
     if follows or (options.unique == "until_finished" and busy.holder):
         # The follow-up of a running copy (queued while it ran; or, until_finished, a
@@ -120,7 +125,7 @@ def apply_on_busy(
         # task on the resource): it must run after that task, so it waits on the queue,
         # whatever lock_on_busy says. A holder that is no task (a Redlock in a web
         # request) gets lock_on_busy.
-        requeue_duplicate(task, task_id, busy, "follows the running copy")
+        requeue_duplicate(task, task_id, busy, "follows the running copy", nodeset, options)
     policy = options.on_busy
     if policy == "requeue" and not getattr(task.request, "is_eager", False):
         # An eager run has no queue to go back to: it gets LockBusy (as "raise").
@@ -176,17 +181,26 @@ class Skipped(Ignore):
         self.busy = busy
 
 
-def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> None:
+def requeue_duplicate(
+    task: Task,
+    task_id: str,
+    busy: LockBusy,
+    why: str,
+    nodeset: NodeSet | None = None,
+    options: TaskLockOptions | None = None,
+) -> NoReturn:
     """The lock is held under this very task id: put this delivery back for later.
 
     This is a second delivery of a message whose first delivery holds the lock: an
     acks_late redelivery while it runs, a ``retry(countdown=0)`` picked up before the
     first attempt released, or a redelivery after the first delivery's worker died
     and before its lock expired. Running now would overlap; dropping the message
-    would lose the task in the last two cases. So the message is published again
-    with a growing delay (never beyond the holder's lease; started earlier by the key's
-    release, :mod:`celery_redlock.integration.wakeups`) and this delivery ends as ignored, storing
-    nothing. When the copy runs and the task id already has a final
+    would lose the task in the last two cases. So the run is parked until the key is
+    free (on ``nodeset``, as a busy run of ``options``: a worker's death does not strand
+    it), or, where no node takes it, its message is published again with a growing
+    delay (never beyond the holder's lease; started earlier by the key's release,
+    :mod:`celery_redlock.integration.wakeups`), and this delivery ends as ignored,
+    storing nothing. When the copy runs and the task id already has a final
     result from the first delivery, it does not run again (see
     :func:`celery_redlock.integration.task.acquire_for`).
 
@@ -196,6 +210,10 @@ def requeue_duplicate(task: Task, task_id: str, busy: LockBusy, why: str) -> Non
     """
     count = requeues(task.request) + 1
     countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(count, 8))
+    if nodeset is not None and options is not None and busy.key:
+        spot = parking.spot(nodeset, "busy", busy.key, options)
+        defer(task, task_id, countdown, why, wake=busy.key, spot=spot,
+              headers={REQUEUES_HEADER: count})  # fmt: skip
     put_back(task, countdown, headers={REQUEUES_HEADER: count, WAKE_HEADER: busy.key})
     logger.info(
         "Task %s[%s] %s; trying again in %.2fs: %s",
@@ -228,7 +246,10 @@ def defer(
     ends, so before an ``acks_late`` message is acknowledged, it waits in the broker and
     a worker's timer. Either way it holds no pool process, and it is the same task id
     with its arguments and options (headers, links, ``retries`` as they were: it is not
-    a retry), counted in :data:`DEFERRALS_HEADER`, with ``headers`` added.
+    a retry), counted in :data:`DEFERRALS_HEADER`, with ``headers`` added. A copy that
+    holds a send-time claim (``lock_unique``, :data:`CLAIMED_HEADER`) goes back on the
+    queue: publishing it again carries its claim over the wait, which a parked copy's
+    publisher (in another worker, outside the run) does not do.
     ``wake``: the lock key whose release may start the copy before its countdown
     (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.integration.wakeups` in the worker); the
     copy is recorded on ``nodeset`` among the runs waiting for it (``ls``: QUEUED), with
@@ -244,9 +265,10 @@ def defer(
     if wake is not None and nodeset is not None:
         note_queued(nodeset, keys_of(wake), task_id, countdown)
     token = None
-    if spot is not None:
+    if spot is not None and not request_header(task.request, CLAIMED_HEADER):
         try:
-            token = parking.park(task, 0.0 if spot.kind == "busy" else countdown, added, spot)
+            delay = 0.0 if spot.kind == "busy" else countdown
+            token = parking.park(task, delay, added, spot)
         except Exception:  # the queue still takes it
             logger.exception("Task %s[%s]: parking failed", task.name, task_id)
     if token is not None and token.parked:
@@ -261,9 +283,8 @@ def defer(
     # No node took it. If one may have (no reply), the copy carries that parking's
     # token: of it and the parked one, the first to start runs (parking.claim_start).
     maybe = token.value if token is not None and token.maybe else None
-    put_back(
-        task, countdown, headers={**added, parking.PARKED_HEADER: None, parking.MAYBE_HEADER: maybe}
-    )
+    headers = {**added, parking.PARKED_HEADER: None, parking.MAYBE_HEADER: maybe}
+    put_back(task, countdown, headers=headers)
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 

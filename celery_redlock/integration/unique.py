@@ -93,15 +93,13 @@ from ..nodes import NodeSet
 from . import budgets
 from .claims import admit, claim, start, unclaim
 from .names import call_lock_name
-from .policies import Requeued, put_back, request_header
+from .policies import CLAIMED_HEADER, Requeued, put_back, request_header
 from .settings import Settings, TaskLockOptions
 
 __all__ = ["active", "ended", "revoked", "send", "started"]
 
 logger = logging.getLogger("celery_redlock.unique")
 
-#: Header of a copy sent with a claim; its retries and requeues keep it.
-CLAIMED_HEADER = "redlock_claimed"
 
 #: Options that make a send part of a canvas (its task id is promised to it already):
 #: a chain's next step, a group's or chord's member, and a ``link``/``link_error``

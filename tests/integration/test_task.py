@@ -373,8 +373,13 @@ def test_invalid_setting_stops_the_worker_with_a_clear_error(celery_redis):
     assert "redlock_on_busy must be one of 'skip', 'retry', 'raise', 'wait'" in str(info.value)
 
 
-def test_redelivery_after_the_holder_died_still_runs(app, celery_redis, inprocess_worker_factory):
-    """Same task id, lock left by a dead delivery: the new delivery waits, then runs."""
+def test_redelivery_after_the_holder_died_still_runs(
+    app, celery_redis, inprocess_worker_factory, caplog
+):
+    """Same task id, lock left by a dead delivery: the new delivery waits, then runs.
+
+    It waits parked on the lock node until the key is free (no worker holds it: a
+    worker's death would not strand it), not as a message in a worker's timer."""
     from celery_redlock.engine.keys import lock_keys
     from celery_redlock.integration.names import task_lock_name
 
@@ -385,9 +390,11 @@ def test_redelivery_after_the_holder_died_still_runs(app, celery_redis, inproces
     celery_redis.client().hset(key, mapping={"token": "dead", "task_id": "dead-1", "pid": 1})
     celery_redis.client().pexpire(key, 1500)
     inprocess_worker_factory(app, pool="threads", concurrency=2)
-    result = hold.apply_async(("acct-dead", None, "after-death", 0), task_id="dead-1")
-    assert get(result)["label"] == "after-death"
+    with caplog.at_level(logging.INFO, logger="celery_redlock.task"):
+        result = hold.apply_async(("acct-dead", None, "after-death", 0), task_id="dead-1")
+        assert get(result)["label"] == "after-death"
     assert result.state == "SUCCESS"
+    assert "is held by an earlier delivery of itself; parked" in caplog.text
 
 
 def test_an_immediate_retry_is_not_lost(app, inprocess_worker_factory):

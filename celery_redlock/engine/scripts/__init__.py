@@ -468,7 +468,7 @@ _rate = functools.partial(
     keys=("rate", "budget", "queued"),
     argv=("limit", "window_ms", "member", "task_id", "jitter_ms", "grace_ms", "at_ms", "ahead_ms"),
     status=RateStatus,
-    libraries=("queued",),
+    libraries=("window", "queued"),
 )
 #: Admits one start under a budget (or refuses it, putting its run in line).
 RATE = _rate("rate", constants={"PEEK": False, "OWNED": False})
@@ -484,7 +484,9 @@ NOTE_QUEUED = Script(
     libraries=("queued",),
 )
 NOTE_STARTED = Script("note_started", keys=("queued*",), argv=("task_id",))
-BUDGET_READ = Script("budget_read", keys=("rate", "budget", "queued"), argv=("grace_ms",))
+BUDGET_READ = Script(
+    "budget_read", keys=("rate", "budget", "queued"), argv=("grace_ms",), libraries=("window",)
+)
 #: Parks a run that must wait (or puts a taken one back), on one node.
 PARK = Script(
     "park",

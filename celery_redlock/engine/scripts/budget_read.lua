@@ -13,7 +13,8 @@
 --          budget  'N/WINDOW_MS', or '' when none is recorded (no start for one
 --                  window, or logged by a version that did not record it)
 --          used    starts in the current window (without a budget: in the log)
---          wait_ms until a start would be admitted (0: now; -1 without a budget)
+--          wait_ms until a start would be admitted (0: now; -1 without a budget),
+--                  after the starts reserved ahead
 --          queued  runs waiting on the queue, due at most the grace ago
 local grace_ms = ARGV[1]
 local grace = tonumber(grace_ms)
@@ -32,11 +33,16 @@ limit, window = tonumber(limit), tonumber(window)
 if not limit then
     return {'', redis.call('ZCARD', KEYS[1]), -1, queued}
 end
-local since = string.format('(%d', now - window)
+-- As rate.lua judges it: a start stays a window and its guard (window.lua), starts
+-- reserved ahead count, and the next slot is max(latest, N-th latest + that span).
+local span = span_us(window, limit) / 1000
+local since = string.format('(%.3f', now - span)
 local used = redis.call('ZCOUNT', KEYS[1], since, '+inf')
-local wait = 0
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+local slot = math.max(now, last[2] and tonumber(last[2]) or now)
 if used >= limit then
     local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], since, '+inf', 'WITHSCORES', 'LIMIT', used - limit, 1)
-    wait = math.max(1, tonumber(oldest[2]) + window - now)
+    slot = math.max(slot, tonumber(oldest[2]) + span)
 end
+local wait = slot > now and math.max(1, math.ceil(slot - now)) or 0
 return {budget, used, wait, queued}

@@ -101,11 +101,8 @@ end
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now = math.floor(now_us / 1000)
--- A start leaves the window a guard after it is a window old: its body starts a few ms
--- after its admission, and one body's more than the next one's at times (a process
--- scheduled later); the guard (10 ms at most, half a slot for fast budgets) keeps the
--- bodies' starts, not only their admissions, within N per window.
-local window_us = window * 1000 + math.floor(math.min(10000, window * 500 / limit))
+-- A start leaves the window a guard after it is a window old (the library window.lua).
+local window_us = span_us(window, limit)
 local function ms_text(us)
     return string.format('%.3f', us / 1000)
 end

@@ -41,7 +41,9 @@ def test_ls_shows_used_of_the_limit_the_next_free_slot_and_the_runs_queued(
     assert list(table) == ["redlock:{api:acme}", "redlock:{export:7}"], "no lock rows"
     acme = table["redlock:{api:acme}"]
     assert (acme["USED"], acme["QUEUED"]) == ("2/2 per 1m", "3")
-    assert 55 < float(acme["NEXT FREE"].removesuffix("s")) <= 60
+    # A minute and the window's guard (10 ms) at most: "59.9s" to "1m00s".
+    free = acme["NEXT FREE"]
+    assert free == "1m00s" or 55 < float(free.removesuffix("s")) <= 60, free
     assert table["redlock:{export:7}"] == {
         "BUDGET KEY": "redlock:{export:7}", "USED": "-", "NEXT FREE": "-", "QUEUED": "2",
     }  # fmt: skip
@@ -52,7 +54,7 @@ def test_ls_shows_used_of_the_limit_the_next_free_slot_and_the_runs_queued(
     assert set(acme) == set(export) == BUDGET_ITEM
     assert (acme["key"], acme["name"], acme["rate"]) == ("redlock:{api:acme}", "api:acme", "2/m")
     assert (acme["limit"], acme["window"], acme["used"], acme["queued"]) == (2, 60.0, 2, 3)
-    assert 55 < acme["next_free"] <= 60
+    assert 55 < acme["next_free"] <= 60.01
     assert acme["drain"] == 90.0, "3 runs at 2 per minute"
     assert (export["key"], export["rate"], export["used"], export["queued"]) == (
         "redlock:{export:7}", None, None, 2,
