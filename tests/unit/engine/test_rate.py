@@ -38,7 +38,7 @@ def test_the_script_admits_n_starts_per_window_and_says_when_the_next_fits(redis
     assert (status, used) == (0, 3)
     oldest = float(c.zrange(KEYS.rate, 0, 0, withscores=True)[0][1])
     assert wait == pytest.approx(oldest + 60_000 - node_ms(c), abs=50)
-    assert 0 < c.pttl(KEYS.rate) <= 60_010, "expires one window (and the guard) after its last start"
+    assert 0 < c.pttl(KEYS.rate) <= 60_010, "expires a window and its guard after its last start"
     assert rate(c, "b") == [1, 3, 0], "the same admission sent again"
     assert c.zcard(KEYS.rate) == 3
     status, used, wait = rate(c, "-", peek=True)

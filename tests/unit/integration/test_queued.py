@@ -52,8 +52,10 @@ def test_an_admission_records_its_budget_beside_the_log_and_it_expires_with_it(r
     assert start(c, "c")[:2] == [0, 2]
     assert read(c) == ["2/60000", 2, pytest.approx(60_000, abs=1000), 0]
     short = lock_keys("api:short")
-    run(c, RATE, short, limit=1, window_ms=300, member="x", task_id="", jitter_ms="", grace_ms="",
-        at_ms=0, ahead_ms=0)
+    run(
+        c, RATE, short, limit=1, window_ms=300, member="x", task_id="", jitter_ms="", grace_ms="",
+        at_ms=0, ahead_ms=0,
+    )  # fmt: skip
     wait_for(lambda: not c.exists(short.rate, short.budget), timeout=5)
 
 
