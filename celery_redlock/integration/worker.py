@@ -53,13 +53,17 @@ from ..engine.renewal import get_renewer
 from ..engine.threads import start_daemon
 from ..exceptions import ConfigurationError
 from ..nodes import NodeSet, safe_url
-from . import config_only, parking, reaper, unique, wakeups
+from . import config_only, declared, parking, reaper, unique, wakeups
 from .beat import check_configuration
 from .reaper import Reaper
 from .settings import TASK_OPTIONS
 from .task import LockedTask, app_settings, config_overrides, lock_options, release_lock, run_ended
 
 __all__ = ["RedlockStep", "install"]
+
+#: The remote-control commands a worker answers (registered with Celery as their module
+#: is imported, with the worker's bootstep): ``redlock_options`` (``doctor`` asks it).
+INSPECT_COMMANDS = (declared.redlock_options,)
 
 logger = logging.getLogger("celery_redlock.worker")
 

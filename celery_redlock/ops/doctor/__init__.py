@@ -62,6 +62,10 @@ budget-backlog         warn    the runs waiting on the queue for a key's rate
 parked-overdue         warn    runs parked on the lock nodes are due longer
                                ago than twice a take's lease: no worker's
                                publisher takes them (no worker running)
+settings-drift         error   workers that answered ``inspect`` declare
+                               different lock options (key, args, mode, limit,
+                               ttl, rate, unique, debounce, throttle) for one
+                               task: they lock different keys for one call
 ====================== ======= ===============================================
 
 Exit status of the command (:func:`exit_code`): 0 without error findings; 1 with
@@ -78,6 +82,7 @@ from .checks import (
     check_backlog,
     check_beat_leader,
     check_beat_leaders,
+    check_drift,
     check_independent,
     check_node_count,
     check_overdue,
@@ -100,6 +105,7 @@ from .collect import (
     backlogs,
     beat_leader,
     collect,
+    declared_options,
     overdue_runs,
     probe_nodes,
     task_locking,
@@ -135,6 +141,7 @@ __all__ = [
     "check_beat_leaders",
     "check_clock",
     "check_config_access",
+    "check_drift",
     "check_eviction",
     "check_independent",
     "check_latency",
@@ -146,6 +153,7 @@ __all__ = [
     "check_settings",
     "check_uptime",
     "collect",
+    "declared_options",
     "diagnose",
     "durable",
     "evaluate",
@@ -172,7 +180,15 @@ def diagnose(app: Any, *, timeout: float = 1.0) -> Report:
     beat = beat_leader(app, settings, timeout=timeout)
     queued = backlogs(settings, timeout=timeout)
     overdue = overdue_runs(settings, timeout=timeout)
+    declared = declared_options(app, timeout=timeout)
     findings = evaluate(
-        settings, facts, tasks, unmatched, beat=beat, backlogs=queued, overdue=overdue
+        settings,
+        facts,
+        tasks,
+        unmatched,
+        beat=beat,
+        backlogs=queued,
+        overdue=overdue,
+        declared=declared,
     )
     return Report(findings, facts)

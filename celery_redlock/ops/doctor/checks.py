@@ -11,6 +11,7 @@ is pure: values in, :class:`~.report.Finding` objects out.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ...engine.timing import drift_allowance
 from ...integration.settings import Settings
@@ -110,6 +111,7 @@ def evaluate(
     beat: BeatLeaderFacts | None = None,
     backlogs: Sequence[Backlog] = (),
     overdue: Sequence[ParkedView] = (),
+    declared: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[Finding]:
     """Run every check over the gathered facts.
 
@@ -117,7 +119,8 @@ def evaluate(
     node's, in the order of the configured nodes, then the beat leader's (``beat``,
     when it was looked up), then the keys whose queued runs drain too slowly
     (``backlogs``, against the tasks' claims), then the parked runs no worker took
-    (``overdue``).
+    (``overdue``), then the tasks whose workers disagree on their lock options
+    (``declared``: worker -> task -> options).
     """
     # The masters of one Redis Cluster are one lock node (one vote) between them.
     lock_nodes = len({n.lock_node or n.node for n in facts})
@@ -165,6 +168,43 @@ def evaluate(
             findings.append(finding)
     if overdue:
         findings.append(check_overdue(overdue))
+    if declared:
+        findings += check_drift(declared)
+    return findings
+
+
+DRIFT_MESSAGE = (
+    "Workers disagree on the lock options of {task}: {parts}. They lock different keys, "
+    "or the same key differently, for the same call: two bodies of one resource can run "
+    "at once. Deploy one configuration (redlock_tasks, the task's lock_* options) to "
+    "every worker."
+)
+
+
+def check_drift(declared: Mapping[str, Mapping[str, Any]]) -> list[Finding]:
+    """Error for each task whose workers declared different lock options.
+
+    ``declared``: worker -> task name -> the options it resolved
+    (:func:`celery_redlock.integration.declared.declared`). A task one worker runs
+    and another does not is no drift (queues route tasks to some workers only).
+    """
+    by_task: dict[str, dict[str, Mapping[str, Any]]] = {}
+    for worker, tasks in declared.items():
+        for task, options in tasks.items():
+            by_task.setdefault(task, {})[worker] = options
+    findings = []
+    for task, workers in sorted(by_task.items()):
+        fields = sorted({f for options in workers.values() for f in options})
+        differ = [f for f in fields if len({repr(o.get(f)) for o in workers.values()}) > 1]
+        if not differ:
+            continue
+        parts = "; ".join(
+            f"{f}: " + ", ".join(f"{w} {o.get(f)!r}" for w, o in sorted(workers.items()))
+            for f in differ
+        )
+        findings.append(
+            Finding(ERROR, "settings-drift", DRIFT_MESSAGE.format(task=task, parts=parts))
+        )
     return findings
 
 

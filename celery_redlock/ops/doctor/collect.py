@@ -41,6 +41,7 @@ __all__ = [
     "backlogs",
     "beat_leader",
     "collect",
+    "declared_options",
     "overdue_runs",
     "probe_nodes",
     "task_locking",
@@ -275,6 +276,25 @@ def beat_leader(app: Any, settings: Settings, *, timeout: float) -> BeatLeaderFa
         for i, (key, found) in enumerate(zip(keys, holders, strict=True))
     )
     return BeatLeaderFacts(broker, tuple(locks))
+
+
+def declared_options(app: Any, *, timeout: float) -> dict[str, dict[str, Any]] | None:
+    """Each worker's locked tasks and their options (the ``redlock_options`` command).
+
+    None when no worker answered (or the broker could not be reached): nothing to
+    compare. A worker of an older version does not know the command and is left out.
+    """
+    try:
+        replies = app.control.broadcast("redlock_options", reply=True, timeout=timeout)
+    except Exception:  # the broker: doctor reports the lock nodes regardless
+        return None
+    found = {
+        worker: tasks
+        for reply in replies or ()
+        for worker, tasks in reply.items()
+        if isinstance(tasks, dict) and "error" not in tasks
+    }
+    return found or None
 
 
 def overdue_runs(settings: Settings, *, timeout: float) -> list[ParkedView]:

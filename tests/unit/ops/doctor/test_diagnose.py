@@ -13,6 +13,7 @@ from click.testing import Result
 from celery_redlock import Redlock
 from celery_redlock.engine.keys import parked_keys
 from celery_redlock.ops.doctor import ERROR, diagnose
+from tests.apps.drift import ARGS_ENV, make_drift_app
 from tests.harness import wait_for
 from tests.unit.ops.cli.helpers import backlog_on, park_run
 
@@ -224,3 +225,32 @@ def test_doctor_warns_of_parked_runs_no_worker_took(redis_factory, doctor_cli):
     assert finding["level"] == "warn"
     assert finding["message"].startswith("1 run(s) parked on the lock nodes are overdue by up to 6")
     assert "proj.report[id-stuck]" in finding["message"]
+
+
+def test_doctor_finds_workers_that_disagree_on_a_tasks_lock(celery_redis, worker_process_factory):
+    """Two workers of one project, one started with ``redlock_tasks`` locking
+    drift.charge by ``account``, the other by ``account`` and ``amount``: they lock
+    different keys for one call. doctor asks the workers (``inspect``) and reports
+    ``settings-drift`` naming the task, the option and each worker's value; with both
+    alike it reports none."""
+    first = worker_process_factory("tests.apps.drift", env={ARGS_ENV: '["account"]'})
+    second = worker_process_factory("tests.apps.drift", env={ARGS_ENV: '["account", "amount"]'})
+    app = make_drift_app(celery_redis.url, ["account"])
+    try:
+        report = diagnose(app, timeout=2.0)
+    finally:
+        app.close()
+    (drift,) = [f for f in report.findings if f.code == "settings-drift"]
+    assert drift.level == ERROR
+    assert "drift.charge" in drift.message and "args:" in drift.message
+    assert f"{first.nodename} ['account']" in drift.message
+    assert f"{second.nodename} ['account', 'amount']" in drift.message
+
+    second.stop()
+    worker_process_factory("tests.apps.drift", env={ARGS_ENV: '["account"]'})
+    app = make_drift_app(celery_redis.url, ["account"])
+    try:
+        report = diagnose(app, timeout=2.0)
+    finally:
+        app.close()
+    assert [f for f in report.findings if f.code == "settings-drift"] == []
