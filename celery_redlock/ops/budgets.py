@@ -31,6 +31,9 @@ __all__ = ["BudgetView", "NodeBudget", "held_budgets", "read_budgets"]
 #: Keys read per round trip.
 READ_CHUNK = 500
 
+#: Waiting runs listed per key (``ls --verbose``, ``--json``): the first, soonest due.
+WAITING_SHOWN = 100
+
 
 @dataclass(frozen=True)
 class NodeBudget:
@@ -44,6 +47,8 @@ class NodeBudget:
     used: int
     wait: float | None
     queued: int
+    #: The first runs waiting, soonest due first: (task id, seconds until due).
+    waiting: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -87,6 +92,19 @@ class BudgetView:
         return int(self._majority([v.queued for v in self.views], largest=True) or 0)
 
     @property
+    def waiting(self) -> list[tuple[str, float]]:
+        """The runs waiting for the key that the nodes listed, soonest due first.
+
+        (task id, seconds until due: negative for a run due and not started yet), each
+        with the earliest due any node records; their place in line is their order.
+        """
+        due: dict[str, float] = {}
+        for view in self.views:
+            for task_id, due_in in view.waiting:
+                due[task_id] = min(due_in, due.get(task_id, due_in))
+        return sorted(due.items(), key=lambda item: item[1])
+
+    @property
     def seen(self) -> bool:
         """Some node records a budget, a start or a queued run for the key."""
         return any(v.budget is not None or v.used or v.queued for v in self.views)
@@ -98,7 +116,10 @@ class BudgetView:
         return None if budget is None else self.queued / budget.limit * budget.window
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form: key, name, rate, limit, window, used, next_free, queued, drain."""
+        """JSON-ready form: key, name, rate, limit, window, used, next_free, queued, drain.
+
+        And ``waiting``: the runs the nodes listed (task id, seconds until due, place).
+        """
         budget, next_free, drain = self.budget, self.next_free, self.drain
         return {
             "key": self.key,
@@ -111,6 +132,10 @@ class BudgetView:
             "queued": self.queued,
             "drain": None if drain is None else round(drain, 3),
             "nodes": len(self.views),
+            "waiting": [
+                {"task_id": task_id, "due_in": round(due_in, 3), "place": place}
+                for place, (task_id, due_in) in enumerate(self.waiting, 1)
+            ],
         }
 
 
@@ -123,7 +148,7 @@ def _rate_text(budget: Budget) -> str:
 
 def _parse(value: Any) -> NodeBudget:
     """A ``budget_read.lua`` reply as a :class:`NodeBudget`."""
-    text, used, wait_ms, queued = value
+    text, used, wait_ms, queued, waiting = value
     limit, _, window_ms = str(text).partition("/")
     budget = Budget(int(limit), int(window_ms) / 1000) if text else None
     return NodeBudget(
@@ -131,6 +156,7 @@ def _parse(value: Any) -> NodeBudget:
         int(used),
         None if budget is None else int(wait_ms) / 1000,
         int(queued),
+        tuple((str(waiting[i]), int(waiting[i + 1]) / 1000) for i in range(0, len(waiting), 2)),
     )
 
 
@@ -149,7 +175,7 @@ def read_budgets(
     grace = round(QUEUED_GRACE * 1000)
     for start in range(0, len(keys), READ_CHUNK):
         chunk = keys[start : start + READ_CHUNK]
-        calls = [BUDGET_READ.on(keys_of(key), grace_ms=grace) for key in chunk]
+        calls = [BUDGET_READ.on(keys_of(key), grace_ms=grace, most=WAITING_SHOWN) for key in chunk]
         for node, reply in zip(nodeset.nodes, nodeset.call(calls, timeout=timeout), strict=True):
             error = reply_error(reply)
             if error is not None:

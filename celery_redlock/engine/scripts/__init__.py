@@ -485,7 +485,10 @@ NOTE_QUEUED = Script(
 )
 NOTE_STARTED = Script("note_started", keys=("queued*",), argv=("task_id",))
 BUDGET_READ = Script(
-    "budget_read", keys=("rate", "budget", "queued"), argv=("grace_ms",), libraries=("window",)
+    "budget_read",
+    keys=("rate", "budget", "queued"),
+    argv=("grace_ms", "most"),
+    libraries=("window",),
 )
 #: Parks a run that must wait (or puts a taken one back), on one node.
 PARK = Script(

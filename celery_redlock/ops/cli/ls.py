@@ -39,6 +39,15 @@ __all__ = ["ls"]
     help="Only locks whose holder is proven dead (its process is gone on this host, or "
     "its own worker answered and does not run the task); the others are named on stderr.",
 )
+@click.option(
+    "--verbose",
+    "-v",
+    cls=CeleryOption,
+    is_flag=True,
+    help_group="Output Options",
+    help="Also list the runs waiting on the queue for each budget's key (QUEUED TASK ID: "
+    "the key, when each is due, its place in line; the first 100 per key).",
+)
 @common_options(workers=True)
 @click.pass_context
 def ls(
@@ -46,6 +55,7 @@ def ls(
     /,
     task: str | None,
     stale: bool,
+    verbose: bool,
     as_json: bool,
     node_timeout: float,
     timeout: float,
@@ -57,7 +67,8 @@ def ls(
     locks, then the send-time claims of ``lock_unique`` tasks (QUEUED KEY: the copy
     sent and not yet started, or not yet finished), then the rate budgets and the
     runs waiting on the queue for a key (BUDGET KEY: starts used of the budget in its
-    window, the next free slot, runs queued), then the runs parked until their turn
+    window, the next free slot, runs queued; with ``--verbose``, QUEUED TASK ID: each
+    waiting run, its key, when it is due and its place), then the runs parked until their turn
     (PARKED TASK ID: the task, what it waits for, its key, when a worker may publish
     it, how often one did); ``--stale`` applies to exclusive locks only (a share ends
     by itself within one TTL of its holder's death, a claim when its copy starts or
@@ -138,6 +149,7 @@ def ls(
                 (_share_rows(shares, now), shares),
                 (_claim_rows(claims, now), claims),
                 (_budget_rows(budgets), budgets),
+                (_waiting_rows(budgets), verbose and any(b.waiting for b in budgets)),
                 (_parked_rows(parked), parked),
             )
             if present
@@ -222,6 +234,14 @@ def _budget_rows(budgets: Sequence[BudgetView]) -> list[list[str]]:
         rows.append(
             [budget.key, budget_used(budget), duration(budget.next_free), str(budget.queued)]
         )
+    return rows
+
+
+def _waiting_rows(budgets: Sequence[BudgetView]) -> list[list[str]]:
+    rows = [["QUEUED TASK ID", "KEY", "DUE IN", "PLACE"]]
+    for budget in budgets:
+        for place, (task_id, due_in) in enumerate(budget.waiting, 1):
+            rows.append([task_id, budget.key, duration(max(due_in, 0.0)), str(place)])
     return rows
 
 

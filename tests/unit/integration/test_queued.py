@@ -35,7 +35,7 @@ def start(client, member, task_id="", limit=2, window=60_000, jitter=0, grace=GR
 
 
 def read(client, grace=GRACE):
-    return run(client, BUDGET_READ, KEYS, grace_ms=grace)
+    return run(client, BUDGET_READ, KEYS, grace_ms=grace, most=0)[:4]
 
 
 def test_an_admission_records_its_budget_beside_the_log_and_it_expires_with_it(redis_node):

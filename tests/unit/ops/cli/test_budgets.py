@@ -14,6 +14,7 @@ from tests.unit.ops.cli.helpers import backlog_on, rows
 
 BUDGET_ITEM = {
     "key", "name", "rate", "limit", "window", "used", "next_free", "queued", "drain", "nodes",
+    "waiting",
 }  # fmt: skip
 
 
@@ -62,6 +63,31 @@ def test_ls_shows_used_of_the_limit_the_next_free_slot_and_the_runs_queued(
     assert export["next_free"] is None and export["drain"] is None
 
 
+def test_ls_verbose_lists_the_waiting_runs_with_their_due_times_and_places(
+    redis_node, cli, backlog
+):
+    """QUEUED was a bare count: ls --verbose lists each waiting run (task id, key, due
+    in, place in line), and --json has them under each budget's "waiting": api:acme's
+    three refused runs in the order of their places (two per minute: the third a window
+    later), export:7's two put back for 30 s."""
+    result = cli(redis_node.url, "ls", "--verbose")
+    assert result.exit_code == 0, result.output
+    table = rows(result.stdout.split("\n\n")[1])
+    assert list(table) == ["run-0", "run-1", "run-2", "busy-0", "busy-1"]
+    assert [r["PLACE"] for r in table.values()] == ["1", "2", "3", "1", "2"]
+    assert {r["KEY"] for r in list(table.values())[:3]} == {"redlock:{api:acme}"}
+    assert "QUEUED TASK ID" not in cli(redis_node.url, "ls").stdout, "only with --verbose"
+
+    acme, export = json.loads(cli(redis_node.url, "ls", "--json").stdout)["budgets"]
+    assert [(w["task_id"], w["place"]) for w in acme["waiting"]] == [
+        ("run-0", 1), ("run-1", 2), ("run-2", 3),
+    ]  # fmt: skip
+    first, _, third = (w["due_in"] for w in acme["waiting"])
+    assert 55 < first <= 60.2 and third == pytest.approx(first + 60, abs=1)
+    assert [w["task_id"] for w in export["waiting"]] == ["busy-0", "busy-1"]
+    assert all(25 < w["due_in"] <= 30 for w in export["waiting"])
+
+
 def test_ls_leaves_budgets_out_when_it_lists_a_tasks_locks(redis_node, cli, backlog):
     """--task filters holders; no task holds a budget."""
     data = json.loads(cli(redis_node.url, "ls", "--json", "--task", "proj.*").stdout)
@@ -84,7 +110,7 @@ def test_inspect_shows_the_budget_of_a_key_and_its_queue(redis_node, cli, backlo
     budget = data["budget"]
     assert set(budget) == BUDGET_ITEM
     assert (budget["used"], budget["limit"], budget["queued"]) == (2, 2, 3)
-    assert 55 < budget["next_free"] <= 60
+    assert 55 < budget["next_free"] <= 60.01
     assert data["held"] is False
     none = json.loads(cli(redis_node.url, "inspect", "other", "--json").stdout)
     assert none["budget"] is None
