@@ -72,8 +72,9 @@ def ls(
     (PARKED TASK ID: the task, what it waits for, its key, when a worker may publish
     it, how often one did); ``--stale`` applies to exclusive locks only (a share ends
     by itself within one TTL of its holder's death, a claim when its copy starts or
-    within ``lock_unique_ttl``), and budgets, which no task holds, are left out with
-    ``--task`` or ``--stale``; parked runs with ``--stale``.
+    within ``lock_unique_ttl``); budgets, which no task holds, are those of the keys
+    the task's runs hold, share or are parked for with ``--task``, and left out with
+    ``--stale``, as are parked runs.
     """
     session = open_session(ctx, node_timeout)
     try:
@@ -89,14 +90,18 @@ def ls(
             claims, claim_errors = held_claims(
                 session.nodeset, session.prefix, task, timeout=node_timeout
             )
-            budget_errors: dict[str, str] = {}
-            if task is None:
-                budgets, budget_errors = held_budgets(
-                    session.nodeset, session.prefix, timeout=node_timeout
-                )
             parked, parked_errors = parked_runs(
                 session.nodeset, session.prefix, task, timeout=node_timeout
             )
+            budgets, budget_errors = held_budgets(
+                session.nodeset, session.prefix, timeout=node_timeout
+            )
+            if task is not None:
+                # No task holds a budget: with --task, the budgets of the keys the
+                # task's runs hold, share or are parked for.
+                used = {lock.key for lock in locks} | {share.key for share in shares}
+                used |= {run.key for run in parked if run.key}
+                budgets = [budget for budget in budgets if budget.key in used]
             for node, error in {
                 **parked_errors,
                 **budget_errors,

@@ -10,7 +10,7 @@ import pytest
 from celery_redlock.engine.keys import lock_keys
 from celery_redlock.integration.queued import note_queued
 from celery_redlock.nodes import NodeSet
-from tests.unit.ops.cli.helpers import backlog_on, rows
+from tests.unit.ops.cli.helpers import backlog_on, park_run, rows
 
 BUDGET_ITEM = {
     "key", "name", "rate", "limit", "window", "used", "next_free", "queued", "drain", "nodes",
@@ -88,11 +88,16 @@ def test_ls_verbose_lists_the_waiting_runs_with_their_due_times_and_places(
     assert all(25 < w["due_in"] <= 30 for w in export["waiting"])
 
 
-def test_ls_leaves_budgets_out_when_it_lists_a_tasks_locks(redis_node, cli, backlog):
-    """--task filters holders; no task holds a budget."""
+def test_ls_task_keeps_the_budgets_of_the_keys_its_runs_use(redis_node, cli, backlog):
+    """No task holds a budget: --task keeps those of the keys the task's runs hold,
+    share or are parked for (a run of proj.call parked on api:acme), and no other."""
+    park_run(redis_node, "p-1", "proj.call", "rate", "redlock:{api:acme}", 60_000)
     data = json.loads(cli(redis_node.url, "ls", "--json", "--task", "proj.*").stdout)
-    assert data["budgets"] == []
-    assert "No locks held." in cli(redis_node.url, "ls", "--task", "proj.*").stdout
+    assert [b["key"] for b in data["budgets"]] == ["redlock:{api:acme}"]
+    assert [p["task_id"] for p in data["parked"]] == ["p-1"]
+    other = json.loads(cli(redis_node.url, "ls", "--json", "--task", "other.*").stdout)
+    assert other["budgets"] == [] and other["parked"] == []
+    assert "No locks held." in cli(redis_node.url, "ls", "--task", "other.*").stdout
 
 
 def test_inspect_shows_the_budget_of_a_key_and_its_queue(redis_node, cli, backlog):
