@@ -100,9 +100,10 @@ ABOUT: dict[str, tuple[str, str]] = {
     ),
     "backlog": (
         "Backlogs of deferred runs",
-        "100 and 1,000 runs of one key sent at once to two prefork workers: re-publishes per "
-        'run and drain time for `lock_rate` alone and with `lock_on_busy="requeue"`, '
-        "beside Celery's `rate_limit` (windows over the limit).",
+        "100 and 1,000 runs of one key sent at once to two and to four prefork workers "
+        "(`-c 2`): re-publishes per run and drain time (the last start; the ideal is runs / "
+        'rate) for `lock_rate` alone and with `lock_on_busy="requeue"`, beside Celery\'s '
+        "`rate_limit` (windows over the limit).",
     ),
     "slow_node": (
         "A slow or silent node",
@@ -124,7 +125,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "soak": ("totals", "scenarios"),
 }
 #: The widest table shown: the first columns of a row are its main figures.
-MAX_COLUMNS = 12
+MAX_COLUMNS = 13
 
 #: Stamp fields, in the order shown, with their labels.
 STAMP = {
