@@ -68,8 +68,12 @@ def keys_without_ttl(server):
 def whereabouts(server, task_id, out):
     """Where a run that never ended is: its messages, its parked record, its starts."""
     broker, locks = server.client(db=1), server.client(db=0)
-    queued = [m for m in broker.lrange("celery", 0, -1) if task_id.encode() in m]
-    unacked = [m for m in broker.hvals("unacked") if task_id.encode() in m]
+
+    def text(message):
+        return message if isinstance(message, str) else message.decode()
+
+    queued = [m for m in map(text, broker.lrange("celery", 0, -1)) if task_id in m]
+    unacked = [m for m in map(text, broker.hvals("unacked")) if task_id in m]
     return (
         f"run {task_id} never ended: {len(queued)} message(s) queued, {len(unacked)} "
         f"unacknowledged; parked record {locks.hget('redlock:parked:runs', task_id)!r}, "
