@@ -232,18 +232,27 @@ def can_park(nodeset: NodeSet) -> bool:
     return not any(node.slotted for node in nodeset.nodes)
 
 
-def park(task: Task, delay: float, headers: dict[str, Any], spot: Spot) -> Parking:
+def park(
+    task: Task,
+    delay: float,
+    headers: dict[str, Any],
+    spot: Spot,
+    *,
+    args: Any = None,
+    kwargs: Any = None,
+) -> Parking:
     """Park the running delivery's run for ``delay`` seconds (see :class:`Parking`).
 
     The copy is the delivery's message (same task id, arguments, options, retries) with
-    ``headers`` merged into its own and a fresh token (:data:`PARKED_HEADER`). Tried on
-    each node in turn: a run needs one place to wait, and the first node that answers
-    keeps it (every publisher takes from every node).
+    ``headers`` merged into its own and a fresh token (:data:`PARKED_HEADER`);
+    ``args``/``kwargs`` replace its arguments when given (a debounced copy runs with the
+    last call's). Tried on each node in turn: a run needs one place to wait, and the
+    first node that answers keeps it (every publisher takes from every node).
     """
     token = secrets.token_hex(8)
     if not can_park(spot.nodeset):
         return Parking(token, parked=False, maybe=False)
-    signature = task.signature_from_request(task.request)
+    signature = task.signature_from_request(task.request, args=args, kwargs=kwargs)
     signature.set(
         headers={
             **(signature.options.get("headers") or {}),

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from celery import Task, states
@@ -89,6 +90,10 @@ DEFERRALS_HEADER = "redlock_deferrals"
 #: Header of a copy sent with a send-time claim (``lock_unique``, debounce, throttle);
 #: its retries and copies put back keep it (:mod:`celery_redlock.integration.unique`).
 CLAIMED_HEADER = "redlock_claimed"
+
+#: Called with the running delivery and its countdown before its run is parked (the
+#: Celery layer registers what it must keep over the wait: a send-time claim).
+PARK_HOOKS: list[Callable[[Task, float], None]] = []
 
 #: Header of a copy put back because its key was busy: the lock key whose release may
 #: start it before its countdown (None: only the countdown).
@@ -236,6 +241,8 @@ def defer(
     nodeset: NodeSet | None = None,
     spot: parking.Spot | None = None,
     headers: dict[str, Any] | None = None,
+    args: Any = None,
+    kwargs: Any = None,
 ) -> NoReturn:
     """Park this run (``spot``) or put it back on the queue, and end this delivery.
 
@@ -246,10 +253,11 @@ def defer(
     ends, so before an ``acks_late`` message is acknowledged, it waits in the broker and
     a worker's timer. Either way it holds no pool process, and it is the same task id
     with its arguments and options (headers, links, ``retries`` as they were: it is not
-    a retry), counted in :data:`DEFERRALS_HEADER`, with ``headers`` added. A copy that
-    holds a send-time claim (``lock_unique``, :data:`CLAIMED_HEADER`) goes back on the
-    queue: publishing it again carries its claim over the wait, which a parked copy's
-    publisher (in another worker, outside the run) does not do.
+    a retry), counted in :data:`DEFERRALS_HEADER`, with ``headers`` added
+    (``args``/``kwargs``: other arguments, as :func:`put_back` takes them). Before a run
+    is parked, :data:`PARK_HOOKS` are called (a copy holding a send-time claim keeps it
+    over its countdown, as one published again does); such a copy waiting for a key's
+    release goes back on the queue, where each put-back renews its claim.
     ``wake``: the lock key whose release may start the copy before its countdown
     (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.integration.wakeups` in the worker); the
     copy is recorded on ``nodeset`` among the runs waiting for it (``ls``: QUEUED), with
@@ -265,10 +273,16 @@ def defer(
     if wake is not None and nodeset is not None:
         note_queued(nodeset, keys_of(wake), task_id, countdown)
     token = None
-    if spot is not None and not request_header(task.request, CLAIMED_HEADER):
+    # A copy holding a send-time claim keeps it while it waits for as long as its claim
+    # is carried: over a known countdown (its slot, a debounce, a throttle window), not
+    # over a wait for a key's release, which only a copy published again renews.
+    claimed = request_header(task.request, CLAIMED_HEADER)
+    if spot is not None and not (claimed and spot.kind == "busy"):
         try:
+            for hook in PARK_HOOKS:
+                hook(task, countdown)
             delay = 0.0 if spot.kind == "busy" else countdown
-            token = parking.park(task, delay, added, spot)
+            token = parking.park(task, delay, added, spot, args=args, kwargs=kwargs)
         except Exception:  # the queue still takes it
             logger.exception("Task %s[%s]: parking failed", task.name, task_id)
     if token is not None and token.parked:
@@ -284,7 +298,7 @@ def defer(
     # token: of it and the parked one, the first to start runs (parking.claim_start).
     maybe = token.value if token is not None and token.maybe else None
     headers = {**added, parking.PARKED_HEADER: None, parking.MAYBE_HEADER: maybe}
-    put_back(task, countdown, headers=headers)
+    put_back(task, countdown, headers=headers, args=args, kwargs=kwargs)
     logger.info("Task %s[%s] %s; runs again in %.3fs", task.name, task_id, why, countdown)
     raise Requeued(why)
 

@@ -49,7 +49,7 @@ from celery.result import EagerResult
 from ..engine.keys import handed_key
 from ..engine.lock import Redlock
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from . import abort, budgets, reaper, unique
+from . import abort, budgets, policies, reaper, unique
 from .names import call_lock_name, signature
 from .parking import MAYBE_HEADER, PARKED_HEADER, Spot, can_park, claim_start
 from .policies import (
@@ -687,3 +687,22 @@ def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> bool:
             lock.try_acquire()
         return True
     return False
+
+
+def _keep_claim(task: Task, countdown: float) -> None:
+    """A copy holding a send-time claim keeps it while parked, as one published again does."""
+    if not request_header(task.request, policies.CLAIMED_HEADER):
+        return
+    request = task.request
+    unique.carry(
+        task,
+        lock_options(task),
+        app_settings(task.app),
+        request.id,
+        tuple(request.args or ()),
+        dict(request.kwargs or {}),
+        {"countdown": countdown},
+    )
+
+
+policies.PARK_HOOKS.append(_keep_claim)

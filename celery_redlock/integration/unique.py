@@ -24,9 +24,11 @@ published: ``apply_async()`` returns that copy's ``AsyncResult``
                      lease: ``claim.lua`` reads it)
 ===================  ====================================  ===============================
 
-A claim lives as long as its copy: ``self.retry()`` and a copy put back on the queue
-carry it (the ``redlock_claimed`` header marks a copy sent with one, :func:`_carry`),
-over any countdown; a task id sent twice while queued publishes once. An ``acks_late``
+A claim lives as long as its copy: ``self.retry()``, a copy put back on the queue and
+a copy parked until its turn carry it (the ``redlock_claimed`` header marks a copy sent
+with one, :func:`carry`: as it is parked, for ``lock_unique_ttl`` and its countdown, and
+again when a worker publishes it), over any countdown; a task id sent twice while
+queued publishes once. An ``acks_late``
 ``until_finished`` copy that starts extends its claim by the broker's visibility timeout
 (:func:`_outlive_the_worker`): if its whole worker dies, the broker's redelivery is
 still that copy, and no send in between publishes another.
@@ -46,8 +48,8 @@ over. A revoke no worker receives does nothing (docs/failure-modes.md).
 ``lock_debounce`` and ``lock_throttle`` give the claim other lives: a debounced claim
 is pushed back by every call and carries the last call's arguments; the copy runs
 only once the last call is ``lock_debounce`` old by the lock node's clock (no
-countdown from the sender's), with its arguments, or goes back on
-the queue as that call (:func:`started`). A throttle claim lives ``lock_throttle``
+countdown from the sender's), with its arguments, or is parked until then as that call
+(:func:`started`). A throttle claim lives ``lock_throttle``
 seconds from the call that opened the window, whatever its run does, and the worker
 admits one run per key per window (``throttle.lua``).
 
@@ -78,7 +80,7 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task, states
 from celery.utils import uuid
@@ -90,10 +92,11 @@ from ..engine.scripts import UnclaimStatus
 from ..engine.timing import MAX_SECONDS
 from ..exceptions import LockBusy, LockKeyError, NodeUnavailable
 from ..nodes import NodeSet
-from . import budgets
+from . import budgets, parking
 from .claims import admit, claim, start, unclaim
 from .names import call_lock_name
-from .policies import CLAIMED_HEADER, Requeued, put_back, request_header
+from .parking import PARKED_HEADER
+from .policies import CLAIMED_HEADER, Requeued, defer, request_header
 from .settings import Settings, TaskLockOptions
 
 __all__ = ["active", "ended", "revoked", "send", "started"]
@@ -128,12 +131,14 @@ def send(
     task_id = send_options.get("task_id")
     if not active(options) or task.app.conf.task_always_eager:
         return publish(send_options)
-    if task_id is not None and task_id == task.request.id:
-        # The running copy sends itself again: self.retry(), or put back on the queue
-        # (a busy lock, a debounced or throttled run). It stays the one copy, and
-        # one sent with a claim carries it over the time it waits on the queue.
-        if request_header(task.request, CLAIMED_HEADER):
-            _carry(task, options, settings, task_id, args, kwargs, send_options)
+    headers = send_options.get("headers") or {}
+    if task_id is not None and (task_id == task.request.id or headers.get(PARKED_HEADER)):
+        # The running copy sends itself again (self.retry(), or put back on the queue:
+        # a busy lock, a debounced or throttled run), or a worker publishes a parked
+        # run's copy. It stays the one copy, and one sent with a claim carries it over
+        # the time it waits on the queue.
+        if request_header(task.request, CLAIMED_HEADER) or headers.get(CLAIMED_HEADER):
+            carry(task, options, settings, task_id, args, kwargs, send_options)
         return publish(send_options)
     if any(send_options.get(name) is not None for name in CANVAS_OPTIONS):
         return publish(send_options)
@@ -183,7 +188,7 @@ def send(
             break
         if found.claimed:
             # Marks the copy (and its retries, which keep its headers) as one that
-            # holds a claim: see _carry.
+            # holds a claim: see carry.
             send_options["headers"] = {**(send_options.get("headers") or {}), CLAIMED_HEADER: 1}
             try:
                 return publish(send_options)
@@ -205,7 +210,7 @@ def send(
     return task.AsyncResult(holder)
 
 
-def _carry(
+def carry(
     task: Task,
     options: TaskLockOptions,
     settings: Settings,
@@ -214,7 +219,7 @@ def _carry(
     kwargs: dict[str, Any],
     send_options: dict[str, Any],
 ) -> None:
-    """Keep the running copy's claim while it waits on the queue again.
+    """Keep the copy's claim while it waits again (on the queue, or parked).
 
     Taken again if it was handed back at start (``until_started``) or has expired
     while the body ran: until the copy is delivered again, and ``lock_unique_ttl``
@@ -271,14 +276,16 @@ def started(
         # long, and the gap is between the bodies' starts.
         wait = admit(nodeset, keys, task_id, options.throttle + options.timing.node_timeout)
         if wait is not None:
-            _requeue(task, task_id, wait, args, kwargs, "waits for its throttle window")
+            why, spot = "waits for its throttle window", parking.Spot(nodeset, "later", keys.lock)
+            _requeue(task, task_id, wait, args, kwargs, why, spot)
         return
     if options.debounce is not None:
         verdict = start(nodeset, keys, task_id, task.name, _payload(task, args, kwargs))
         if verdict is not None:
             wait, payload = verdict
             last_args, last_kwargs = json.loads(payload)
-            _requeue(task, task_id, wait, tuple(last_args), last_kwargs, "was called again")
+            spot = parking.Spot(nodeset, "later", keys.lock)
+            _requeue(task, task_id, wait, tuple(last_args), last_kwargs, "was called again", spot)
     else:
         _free(task, options, settings, keys, task_id)
     _handed().add(task_id)
@@ -388,11 +395,14 @@ def _requeue(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     why: str,
-) -> None:
-    """Publish this copy again (same task id, keeping its claim) and end this delivery."""
-    put_back(task, countdown, args=args, kwargs=kwargs)
-    logger.info("Task %s[%s] %s; runs in %.3fs", task.name, task_id, why, countdown)
-    raise Requeued(why)
+    spot: parking.Spot,
+) -> NoReturn:
+    """Park this copy until due (same task id, keeping its claim) and end this delivery.
+
+    Where no node takes it, it goes back on the queue with the countdown
+    (:func:`~celery_redlock.integration.policies.defer`).
+    """
+    defer(task, task_id, countdown, why, spot=spot, args=args, kwargs=kwargs)
 
 
 def _payload(task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

@@ -471,20 +471,23 @@ def nodes_app(request, redis_factory):
 
 
 def test_debounce_runs_once_after_the_last_call_with_its_arguments(
-    nodes_app, inprocess_worker_factory, tmp_path
+    nodes_app, inprocess_worker_factory, tmp_path, caplog
 ):
     """lock_debounce=1: 10 calls 100 ms apart give one run, >= 1 s after the last call,
-    with the last call's arguments; every call's result is that run's."""
+    with the last call's arguments; every call's result is that run's. The copy that
+    came too soon waits parked on a lock node (no worker holds it), as that call."""
     app = nodes_app
     inprocess_worker_factory(app, pool="threads", concurrency=2)
     out = tmp_path / "runs"
     task = app.tasks["unique.digest"]
     results, last_call = [], 0.0
-    for n in every(0.1, 10):
-        last_call = time.time()
-        results.append(task.delay("ann", n, str(out)))
-    assert len({r.id for r in results}) == 1, "one copy for the whole burst"
-    assert [get(r) for r in results] == [9] * 10
+    with caplog.at_level(logging.INFO, logger="celery_redlock.task"):
+        for n in every(0.1, 10):
+            last_call = time.time()
+            results.append(task.delay("ann", n, str(out)))
+        assert len({r.id for r in results}) == 1, "one copy for the whole burst"
+        assert [get(r) for r in results] == [9] * 10
+    assert "was called again; parked" in caplog.text
     ((run_id, n, started),) = runs_of(out)
     assert (run_id, n) == (results[0].id, 9)
     assert started >= last_call + 1.0
