@@ -90,7 +90,7 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
     # A run on the queue is seen waiting (ls: QUEUED) from its refusal to its start,
     # both recorded by the admission's own call; an eager run waits in its caller.
     waiting = None if eager else task.request.id
-    # A parked run's copy: the publisher logged its start already (it owns its slot).
+    # A parked run's copy: its publisher reserved its start (it owns its slot).
     logged = None if eager else request_header(task.request, parking.MEMBER_HEADER)
     in_place = IN_PLACE
     while True:

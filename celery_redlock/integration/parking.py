@@ -96,8 +96,8 @@ PARKED_HEADER = "redlock_parked"
 #: start runs). Not :data:`PARKED_HEADER`: no record is known to bring this copy back.
 MAYBE_HEADER = "redlock_parked_maybe"
 
-#: Header of a parked rate run's copy: the member of the start the publisher logged for
-#: it in the budget (its admission finds it logged: the copy owns its slot).
+#: Header of a parked rate run's copy: the member of the start its publisher reserved for
+#: it in the budget (its admission finds it reserved: the copy owns its slot).
 MEMBER_HEADER = "redlock_rate_member"
 
 #: Seconds before its slot a rate run that waits for nothing else is taken: its start is

@@ -3,9 +3,9 @@
 --
 -- Three scripts run this file, told apart by the prelude's PEEK and OWNED (never by an
 -- argument): rate admits (or refuses) a start; rate_peek only counts, and writes
--- nothing but the trim; rate_owned admits a start logged earlier for this run (a
--- parked run's copy: its publisher logged the start before publishing it) at this
--- moment instead.
+-- nothing but the trim; rate_owned admits a start reserved earlier for this run (a
+-- parked run's copy: its publisher reserved the start before publishing it) at this
+-- moment instead (below).
 --
 -- KEYS[1]  rate       the key's starts (sorted set: member -> start time in ms, node
 --                     clock)
