@@ -79,7 +79,7 @@ local token, ttl_ms, task_id, host, pid = ARGV[1], ARGV[2], ARGV[3], ARGV[4], AR
 local acquired_at, task_name, blocking, waiter_ms = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local arrival, channel = ARGV[10], ARGV[11]
 local attempt = tonumber(ARGV[12])
-if not attempt or attempt < 1 or attempt ~= math.floor(attempt) then
+if not attempt or attempt < 1 or attempt > 9007199254740991 or attempt ~= math.floor(attempt) then
     return redis.error_reply('ERR celery_redlock acquire: the attempt number must be a positive integer')
 end
 local predecessor = #ARGV == 16 and ARGV[13] or ''

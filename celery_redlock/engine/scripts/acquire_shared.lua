@@ -37,7 +37,7 @@ end
 local token, ttl_ms, limit_text, task_id, host = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local pid, acquired_at, task_name = ARGV[6], ARGV[7], ARGV[8]
 local attempt = tonumber(ARGV[9])
-if not attempt or attempt < 1 or attempt ~= math.floor(attempt) then
+if not attempt or attempt < 1 or attempt > 9007199254740991 or attempt ~= math.floor(attempt) then
     return redis.error_reply('ERR celery_redlock acquire_shared: the attempt number must be a positive integer')
 end
 -- Capped at 30 days, as in acquire.lua (PEXPIRE refuses what Lua writes as '1e+14').
@@ -46,7 +46,7 @@ if not ttl or ttl <= 0 or ttl > 2592000000 or ttl ~= math.floor(ttl) then
     return redis.error_reply('ERR celery_redlock acquire_shared: lease must be a positive integer of ms, at most 30 days')
 end
 local limit = tonumber(limit_text)
-if not limit or limit < 0 or limit ~= math.floor(limit) then
+if not limit or limit < 0 or limit > 9007199254740991 or limit ~= math.floor(limit) then
     return redis.error_reply('ERR celery_redlock acquire_shared: limit must be an integer >= 0')
 end
 if token == nil or token == '' or token == WRITER_MARK then

@@ -17,7 +17,7 @@ if task_id == nil or task_id == '' then
     return redis.error_reply('ERR celery_redlock note_queued: empty task id')
 end
 local delay = tonumber(delay_ms)
-if not delay or delay < 0 or delay ~= math.floor(delay) or not grace then
+if not delay or delay < 0 or delay > 1000000000000 or delay ~= math.floor(delay) or not grace then
     return redis.error_reply('ERR celery_redlock note_queued: delay must be a whole number of ms >= 0, grace > 0')
 end
 local t = redis.call('TIME')

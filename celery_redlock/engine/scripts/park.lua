@@ -23,7 +23,7 @@ if task_id == nil or task_id == '' then
     return redis.error_reply('ERR celery_redlock park: empty task id')
 end
 local delay, lifetime = tonumber(ARGV[3]), tonumber(ARGV[4])
-if not delay or delay < 0 or delay ~= math.floor(delay) or not lifetime or lifetime <= 0 then
+if not delay or delay < 0 or delay > 1000000000000 or delay ~= math.floor(delay) or not lifetime or lifetime <= 0 or lifetime > 1000000000000 then
     return redis.error_reply('ERR celery_redlock park: delay must be whole ms >= 0, lifetime > 0')
 end
 local t = redis.call('TIME')

@@ -10,7 +10,7 @@
 -- grace_ms(text)  ARGV text as a grace in ms (a positive integer), or nil.
 local function grace_ms(text)
     local grace = tonumber(text)
-    if not grace or grace <= 0 or grace ~= math.floor(grace) then
+    if not grace or grace <= 0 or grace > 1000000000000 or grace ~= math.floor(grace) then
         return nil
     end
     return grace

@@ -94,7 +94,7 @@ end
 local jitter, grace = 0, nil
 if task_id then
     jitter, grace = tonumber(jitter_ms), grace_ms(grace_text)
-    if not jitter or jitter < 0 or jitter ~= math.floor(jitter) or not grace then
+    if not jitter or jitter < 0 or jitter > 1000000000000 or jitter ~= math.floor(jitter) or not grace then
         return redis.error_reply('ERR celery_redlock rate: a task id needs a whole jitter >= 0 and a grace > 0 in ms')
     end
 end

@@ -59,7 +59,7 @@ end
 local undo = nil
 if attempt ~= nil and attempt ~= '' then
     undo = tonumber(attempt)
-    if not undo or undo < 1 or undo ~= math.floor(undo) then
+    if not undo or undo < 1 or undo > 9007199254740991 or undo ~= math.floor(undo) then
         return redis.error_reply('ERR celery_redlock release: an attempt number must be a positive integer')
     end
 end

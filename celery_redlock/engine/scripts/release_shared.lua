@@ -20,7 +20,7 @@ if token == WRITER_MARK then
 end
 if attempt ~= nil and attempt ~= '' then
     local undo = tonumber(attempt)
-    if not undo or undo < 1 or undo ~= math.floor(undo) then
+    if not undo or undo < 1 or undo > 9007199254740991 or undo ~= math.floor(undo) then
         return redis.error_reply('ERR celery_redlock release_shared: an attempt number must be a positive integer')
     end
     local details = redis.call('HGET', KEYS[3], token)
