@@ -35,10 +35,9 @@ from benchmarks.bench_celery import Case
 from benchmarks.bench_rate import RECORD_SLACK, accuracy_run
 from benchmarks.celery_apps import (
     BACKLOG_RATES,
-    IDLE_QUEUE,
     STARTS_KEY,
-    WORKER_ENV,
     add_backlog_tasks,
+    bench_worker,
     counter,
     create_app,
 )
@@ -100,14 +99,11 @@ def backlogs(
     """Every backlog of ``sizes`` x ``rates`` x peers, drained by ``count`` workers: rows."""
     rows: list[dict[str, Any]] = []
     workers = [
-        WorkerProcess(
+        bench_worker(
             "benchmarks.celery_apps:backlog_app",
+            server.url,
+            args.concurrency,
             name=unique_nodename(f"backlog{i}"),
-            pool="prefork",
-            concurrency=args.concurrency,
-            redis_url=server.url,
-            env={WORKER_ENV: "1"},
-            extra_args=["-Q", IDLE_QUEUE],
         )
         for i in range(count)
     ]

@@ -48,7 +48,7 @@ import celery
 import redis
 from celery.result import EagerResult
 
-from benchmarks.celery_apps import DONE_KEY, IDLE_QUEUE, WORKER_ENV, counter, create_app
+from benchmarks.celery_apps import DONE_KEY, bench_worker, counter, create_app
 from benchmarks.common import environment, server_label, write_report
 from tests.harness import RedisServer, WorkerProcess, wait_for
 
@@ -187,14 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timeout = 60 + args.tasks * 0.05  # a hung worker fails the run instead of hanging it
     with RedisServer() as server:
         app = create_app(server.url)
-        worker = WorkerProcess(
-            "benchmarks.celery_apps",
-            pool="prefork",
-            concurrency=args.concurrency,
-            redis_url=server.url,
-            env={WORKER_ENV: "1"},
-            extra_args=["-Q", IDLE_QUEUE],
-        )
+        worker = bench_worker("benchmarks.celery_apps", server.url, args.concurrency)
         worker.start()
         try:
             for case in CASES:  # warm: pool children's connections, script caches

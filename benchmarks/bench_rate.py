@@ -54,13 +54,12 @@ from benchmarks.bench_celery import Case, cpu_seconds, send
 from benchmarks.bench_redis_cost import NetworkMeter, ServerMeter
 from benchmarks.celery_apps import (
     DONE_KEY,
-    IDLE_QUEUE,
     LOCK_URL_ENV,
     NEVER_DEFERS,
     RATE,
     STARTS_KEY,
-    WORKER_ENV,
     add_rate_tasks,
+    bench_worker,
     counter,
     create_app,
 )
@@ -277,14 +276,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with RedisServer() as broker, RedisServer() as locks:
         app = add_rate_tasks(create_app(broker.url), locks.url)
         workers = [
-            WorkerProcess(
+            bench_worker(
                 "benchmarks.celery_apps:rate_app",
+                broker.url,
+                args.concurrency,
                 name=unique_nodename(f"rate{i}"),
-                pool="prefork",
-                concurrency=args.concurrency,
-                redis_url=broker.url,
-                env={WORKER_ENV: "1", LOCK_URL_ENV: locks.url},
-                extra_args=["-Q", IDLE_QUEUE],
+                env={LOCK_URL_ENV: locks.url},
             )
             for i in range(WORKERS)
         ]

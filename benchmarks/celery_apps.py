@@ -25,7 +25,7 @@ from celery_once import QueueOnce
 from celery_singleton import Singleton
 
 from celery_redlock import LockedTask
-from tests.harness.celery_workers import make_app, redis_url_with_db
+from tests.harness.celery_workers import WorkerProcess, make_app, redis_url_with_db
 
 REDIS_URL = os.environ.get("REDLOCK_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 LOCK_DB, COUNTER_DB = 0, 3
@@ -41,6 +41,30 @@ WORKER_ENV = "BENCH_CELERY_WORKER"
 QUIET_LOGGERS = ("celery.app.trace", "celery.worker.strategy", "celery_redlock")
 
 _counters: dict[str, redis.Redis] = {}
+
+
+def bench_worker(
+    app: str,
+    redis_url: str,
+    concurrency: int,
+    *,
+    name: str | None = None,
+    env: dict[str, str] | None = None,
+) -> WorkerProcess:
+    """A ``celery worker -P prefork`` subprocess running the benchmark app ``app``.
+
+    Celery's default options otherwise; it consumes :data:`IDLE_QUEUE` only, until a
+    run adds its own queue, and its per-task log lines are quiet (:data:`WORKER_ENV`).
+    """
+    return WorkerProcess(
+        app,
+        name=name,
+        pool="prefork",
+        concurrency=concurrency,
+        redis_url=redis_url,
+        env={WORKER_ENV: "1", **(env or {})},
+        extra_args=["-Q", IDLE_QUEUE],
+    )
 
 
 def counter(url: str) -> redis.Redis:
