@@ -47,14 +47,10 @@ if not limit then
 end
 -- As rate.lua judges it: a start stays a window and its guard (window.lua), starts
 -- reserved ahead count, and the next slot is max(latest, N-th latest + that span).
-local span = span_us(window, limit) / 1000
-local since = string.format('(%.3f', now - span)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local span = span_us(window, limit)
+local since = string.format('(%.3f', (now_us - span) / 1000)
 local used = redis.call('ZCOUNT', KEYS[1], since, '+inf')
-local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-local slot = math.max(now, last[2] and tonumber(last[2]) or now)
-if used >= limit then
-    local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], since, '+inf', 'WITHSCORES', 'LIMIT', used - limit, 1)
-    slot = math.max(slot, tonumber(oldest[2]) + span)
-end
-local wait = slot > now and math.max(1, math.ceil(slot - now)) or 0
+local slot = slot_us(KEYS[1], since, used, limit, span, now_us, 0)
+local wait = slot > now_us and math.max(1, math.ceil((slot - now_us) / 1000)) or 0
 return {budget, used, wait, queued, waiting}

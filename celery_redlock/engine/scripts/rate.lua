@@ -106,28 +106,13 @@ local window_us = span_us(window, limit)
 local function ms_text(us)
     return string.format('%.3f', us / 1000)
 end
-local function score_us(score)
-    return math.floor(tonumber(score) * 1000 + 0.5)
-end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms_text(now_us - window_us))
 local used = redis.call('ZCARD', KEYS[1])
-local function latest_us()
-    -- The latest start logged (reserved ones included), or now.
-    local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-    return last[2] and math.max(now_us, score_us(last[2])) or now_us
-end
-local function slot_us(k)
-    -- The slot of the k-th start after the log's end (k = 0: the next), appended as
-    -- starts are: the ((k mod N)+1)-th of the last N starts' slot (a free one, of
-    -- fewer than N, at the latest start), floor(k/N) windows later.
-    local latest = latest_us()
-    local i = used - limit + k % limit
-    local frees = latest
-    if i >= 0 then
-        local entry = redis.call('ZRANGE', KEYS[1], i, i, 'WITHSCORES')
-        frees = math.max(latest, score_us(entry[2]) + window_us)
-    end
-    return frees + math.floor(k / limit) * window_us
+-- The window's beginning: every start the trim left is after it.
+local since = '(' .. ms_text(now_us - window_us)
+local function slot(k)
+    -- The slot of the k-th start after the log's end (window.lua).
+    return slot_us(KEYS[1], since, used, limit, window_us, now_us, k)
 end
 local function wait_ms(k)
     -- Served after k waiting runs. Each window ahead, the runs before this one start a
@@ -136,7 +121,7 @@ local function wait_ms(k)
     -- more (measured: 34 deferrals for 20 early runs of 25 at 5/s without).
     local windows = math.floor(k / limit)
     local lag = windows * math.min(30, window / limit / 5)
-    return math.max(1, math.ceil((slot_us(k) - now_us) / 1000 + lag))
+    return math.max(1, math.ceil((slot(k) - now_us) / 1000 + lag))
 end
 local function waiting_ahead()
     -- The runs that wait for the key and are served before this one.
@@ -155,7 +140,7 @@ local function log(start_us)
     -- Log the start; keep the log (and the budget beside it) one window past its
     -- latest start, never shortening it.
     redis.call('ZADD', KEYS[1], ms_text(start_us), member)
-    local keep = math.ceil((latest_us() - now_us + window_us) / 1000)
+    local keep = math.ceil((latest_us(KEYS[1], now_us) - now_us + window_us) / 1000)
     if redis.call('PTTL', KEYS[1]) < keep then
         redis.call('PEXPIRE', KEYS[1], keep)
     end
@@ -168,7 +153,7 @@ local function log(start_us)
     end
 end
 if PEEK then
-    if slot_us(0) <= now_us then
+    if slot(0) <= now_us then
         return {2, used, 0}
     end
     return {2, used, wait_ms(0)}
@@ -191,14 +176,14 @@ if logged then
     redis.call('ZREM', KEYS[1], member)
     used = used - 1
 end
-local slot = slot_us(0)
-if slot > now_us + ahead * 1000 then
+local next_slot = slot(0)
+if next_slot > now_us + ahead * 1000 then
     local wait = wait_ms(waiting_ahead())
     if task_id then
         queue_run(KEYS[3], task_id, now + wait + jitter, now, grace)
     end
     return {0, used, wait}
 end
-local start = math.max(slot, now_us + at * 1000)
+local start = math.max(next_slot, now_us + at * 1000)
 log(start)
 return {1, used + 1, math.ceil((start - now_us) / 1000)}
