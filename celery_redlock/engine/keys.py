@@ -64,6 +64,11 @@ Beside a lock's keys, one place per prefix holds the runs that wait their turn
                               than once whose copy started -> when (ms); kept a
                               horizon (the broker's redelivery time) for the other
                               copies to find
+    redlock:{NAME}:log        list: the lock's event log, newest first (JSON
+                              events; the newest EVENTS_PER_KEY, expiring
+                              ``redlock_events_ttl`` after the last one)
+    redlock:log               list: the event feed of every lock under the prefix
+                              (the newest EVENTS_IN_FEED), which ``why`` searches
     redlock:{NAME}:handed     string, short-lived: a run waiting for NAME's release
                               was just published (one at a time per key)
 
@@ -105,6 +110,7 @@ __all__ = [
     "LockKeys",
     "ParkedKeys",
     "claim_key",
+    "feed_key",
     "handed_key",
     "is_lock_key",
     "keys_of",
@@ -168,6 +174,7 @@ class LockKeys(NamedTuple):
     budget: str
     queued: str
     wake: str
+    log: str
 
     @property
     def resource(self) -> tuple[str, str, str, str]:
@@ -273,6 +280,11 @@ def parked_keys(prefix: str = DEFAULT_PREFIX) -> ParkedKeys:
     """
     base = f"{validate_prefix(prefix)}parked"
     return ParkedKeys(base, f"{base}:runs", f"{base}:taken", f"{base}:started")
+
+
+def feed_key(prefix: str = DEFAULT_PREFIX) -> str:
+    """The event feed of every lock under ``prefix`` (:mod:`celery_redlock.integration.events`)."""
+    return f"{validate_prefix(prefix)}log"
 
 
 def handed_key(keys: LockKeys) -> str:

@@ -76,7 +76,7 @@ from ..engine.lock import Redlock
 from ..engine.scripts import BEAT_CLAIM, BeatClaimStatus
 from ..exceptions import ConfigurationError, LockBusy, LockLost, NodeUnavailable
 from ..nodes import Call
-from . import config_only
+from . import config_only, events
 from .settings import Settings
 from .task import LockedTask, app_settings, lock_options
 
@@ -243,6 +243,13 @@ class LeaderMixin:
 
     def _on_leader_lost(self, exc: LockLost) -> None:
         logger.error("beat: lost leadership (%s); not sending until re-elected", exc.reason)
+        self._record_leader("lost")
+
+    def _record_leader(self, then: str) -> None:
+        """Log that this beat became (``won``) or stopped being (``lost``) the leader."""
+        lock = self.leader_lock
+        keys = [resource.lock for resource in lock.resources]
+        events.record(self.app, lock.nodeset, "leader", keys, lock.task_name, None, then=then)
 
     def _still_leading(self) -> bool:
         if not self.leading:
@@ -252,6 +259,7 @@ class LeaderMixin:
         except LockLost as exc:
             self.leading = False
             logger.warning("beat: stepping down (%s); competing again", exc.reason)
+            self._record_leader("lost")
             self._next_try = 0.0
             return False
         return True
@@ -277,6 +285,7 @@ class LeaderMixin:
         self.leading = True
         self._adopt_schedule_state()
         logger.info("beat: elected leader (fence %s)", self.leader_lock.fence)
+        self._record_leader("won")
         return None
 
     def _name_leader(self) -> None:

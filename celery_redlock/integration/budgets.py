@@ -133,7 +133,7 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
             # broker's visibility timeout) if no node takes it.
             spot = parking.spot(nodeset, "rate", lock.key, options, budget=budget)
             countdown = min(wait + jitter, longest_hold(task.app))
-            defer(task, task.request.id, countdown, why, spot=spot)
+            defer(task, task.request.id, countdown, why, reason="rate", spot=spot)
         time.sleep(wait + jitter)
 
 

@@ -54,7 +54,7 @@ from ..engine.keys import keys_of
 from ..engine.lock import Redlock
 from ..exceptions import LockBusy, LockLost
 from ..nodes import NodeSet
-from . import abort, parking, reaper
+from . import abort, events, parking, reaper
 from .queued import note_queued
 from .settings import TaskLockOptions
 
@@ -120,11 +120,19 @@ def apply_on_busy(
 
     ``nodeset``: the busy lock's nodes, where a run put back is recorded as waiting.
     """
+    follows = options.unique == "until_started" or options.debounce or options.throttle
+    follows = follows or (options.unique == "until_finished" and bool(busy.holder))
+    if nodeset is not None and busy.key:
+        then = "redelivered" if busy.holder == task_id else options.on_busy
+        then = "follows" if follows and then != "redelivered" else then
+        if then == "requeue" and getattr(task.request, "is_eager", False):
+            then = "raise"
+        events.record(task.app, nodeset, "busy", (busy.key,), task.name, task_id,
+                      holder=busy.holder, then=then)  # fmt: skip
     if busy.holder == task_id:
         why = "is held by an earlier delivery of itself"
         requeue_duplicate(task, task_id, busy, why, nodeset, options)
-    follows = options.unique == "until_started" or options.debounce or options.throttle
-    if follows or (options.unique == "until_finished" and busy.holder):
+    if follows:
         # The follow-up of a running copy (queued while it ran; or, until_finished, a
         # second copy whose claim a lock node lost in a restart, or a copy of another
         # task on the resource): it must run after that task, so it waits on the queue,
@@ -149,7 +157,8 @@ def apply_on_busy(
             # for its key and again for its slot.
             kind = "busy" if options.rate is None else "rate"
             spot = parking.spot(nodeset, kind, busy.key, options, budget=options.rate)
-        defer(task, task_id, countdown, why, wake=busy.key, nodeset=nodeset, spot=spot)
+        defer(task, task_id, countdown, why, reason="busy", wake=busy.key, nodeset=nodeset,
+              spot=spot)  # fmt: skip
     if policy == "retry":
         logger.info(
             "Task %s[%s] retries in %ss: %s", task.name, task_id, options.retry_countdown, busy
@@ -217,7 +226,7 @@ def requeue_duplicate(
     countdown = min(busy.ttl or 1.0, 0.25 * 2 ** min(count, 8))
     if nodeset is not None and options is not None and busy.key:
         spot = parking.spot(nodeset, "busy", busy.key, options)
-        defer(task, task_id, countdown, why, wake=busy.key, spot=spot,
+        defer(task, task_id, countdown, why, reason="follows", wake=busy.key, spot=spot,
               headers={REQUEUES_HEADER: count})  # fmt: skip
     put_back(task, countdown, headers={REQUEUES_HEADER: count, WAKE_HEADER: busy.key})
     logger.info(
@@ -237,6 +246,7 @@ def defer(
     countdown: float,
     why: str,
     *,
+    reason: str,
     wake: str | None = None,
     nodeset: NodeSet | None = None,
     spot: parking.Spot | None = None,
@@ -264,6 +274,9 @@ def defer(
     one call, before it is published: its start, which removes the entry, cannot come
     first. (A copy refused by its rate budget was recorded by its admission.)
 
+    ``reason``: why it waits, as its ``deferred`` event says
+    (:mod:`~celery_redlock.integration.events`).
+
     Raises:
         Requeued: always; the body must not run.
     """
@@ -285,7 +298,13 @@ def defer(
             token = parking.park(task, delay, added, spot, args=args, kwargs=kwargs)
         except Exception:  # the queue still takes it
             logger.exception("Task %s[%s]: parking failed", task.name, task_id)
-    if token is not None and token.parked:
+    parked = token is not None and token.parked
+    where = spot.nodeset if spot is not None else nodeset
+    lock = spot.lock if spot is not None else wake
+    if where is not None and lock is not None:
+        events.record(task.app, where, "deferred", (lock,), task.name, task_id,
+                      reason=reason, in_ms=round(countdown * 1000), parked=parked)  # fmt: skip
+    if parked:
         logger.info("Task %s[%s] %s; parked, due in %.3fs", task.name, task_id, why, countdown)
         raise Requeued(why)
     if request_header(task.request, parking.PARKED_HEADER):
@@ -330,7 +349,8 @@ def defer_unavailable(
     if metrics.enabled:
         metrics.deferred(task.name, "unavailable")
     why = f"found its lock nodes unavailable ({exc})"
-    defer(task, task_id, countdown, why, spot=spot, headers={UNAVAILABLE_HEADER: since})
+    defer(task, task_id, countdown, why, reason="unavailable", spot=spot,
+          headers={UNAVAILABLE_HEADER: since})  # fmt: skip
 
 
 def put_back(
@@ -407,6 +427,9 @@ def already_done(task: Task, task_id: str) -> bool:
 
 def apply_on_lost(task: Task, task_id: str, policy: str, lock: Redlock, exc: LockLost) -> None:
     """Apply ``lock_on_lost``: called by the renewer when a running task's lease is lost."""
+    then = "abort" if policy == "revoke" and not reaper.in_pool_child() else policy
+    nodeset = getattr(lock, "nodeset", None)
+    events.record(task.app, nodeset, "lost", (exc.key,), task.name, task_id, then=then)
     if policy == "ignore":
         logger.error("Task %s[%s] lost its lock (%s); it keeps running", task.name, task_id, exc)
         return

@@ -54,6 +54,8 @@ from ..engine.keys import keys_of
 from ..engine.scripts import RELEASE_IF, ReleaseIfStatus
 from ..engine.waiting import named_reserve_ms
 from ..nodes import NodeSet
+from . import events
+from .settings import Settings
 
 __all__ = ["DRAIN_INTERVAL", "Reaper", "announce", "encode", "flush", "forget", "in_pool_child"]
 
@@ -151,8 +153,10 @@ def _read_lines(fd: int, pending: bytes) -> tuple[list[bytes], bytes]:
 class Reaper:
     """The main process side: tracks what each child holds, releases it when it dies."""
 
-    def __init__(self, nodeset: NodeSet) -> None:
+    def __init__(self, nodeset: NodeSet, settings: Settings | None = None) -> None:
         self.nodeset = nodeset
+        #: The app's settings, for the event log (None: no events).
+        self.settings = settings
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
@@ -288,6 +292,9 @@ class Reaper:
         codes = [r.values[0] for r in replies if r is not None and r.ok]
         if ReleaseIfStatus.RELEASED in codes:
             self.released += 1
+            if self.settings is not None:
+                events.record(self.settings, self.nodeset, "reaped", (key,), None, task_id,
+                              child=pid)  # fmt: skip
             logger.warning(
                 "Pool process %d died while task %s held %s: lock released", pid, task_id, key
             )

@@ -20,6 +20,7 @@ change together.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -393,6 +394,20 @@ _ROWS = (
         _optional_port,
         doc="Serve the metrics on this port from the worker's main process.",
     ),
+    Option(
+        "events",
+        True,
+        _bool,
+        doc="Keep the event log of locked runs on the first lock node (what `celery "
+        "redlock why` and `log` read): written off the task's path, in batches.",
+    ),
+    Option(
+        "events_ttl",
+        3600.0,
+        lease_seconds,
+        doc="Seconds a lock's event log is kept after its last event (0.01 s to 30 "
+        "days); each keeps its newest 100 events, the feed every lock's newest 10,000.",
+    ),
 )
 #: The per-task options, in the order error messages list them.
 TASK_OPTIONS: dict[str, Option] = {o.name: o for o in _ROWS if o.task_doc is not None}
@@ -439,6 +454,8 @@ class Settings:
     fail_open: bool = False
     metrics: bool = False
     metrics_port: int | None = None
+    events: bool = True
+    events_ttl: float = 3600.0
     beat_name: str | None = None
     beat_ttl: float = 10.0
     tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -477,6 +494,22 @@ class Settings:
         raise ConfigurationError(
             "no Redis for locks: set redlock_url (or redlock_nodes), or use a redis:// broker_url"
         )
+
+
+_settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
+
+
+def app_settings(app: Any) -> Settings:
+    """The validated ``redlock_*`` settings of the Celery ``app`` (read once per app)."""
+    settings = _settings.get(app)
+    if settings is None:
+        settings = _settings[app] = from_conf(app.conf)
+    return settings
+
+
+def forget_app_settings(app: Any) -> None:
+    """Read ``app``'s settings again at their next use (:func:`app_settings`)."""
+    _settings.pop(app, None)
 
 
 def from_conf(conf: Mapping[str, Any]) -> Settings:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-import weakref
+import time
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -49,7 +49,7 @@ from celery.result import EagerResult
 from ..engine.keys import handed_key
 from ..engine.lock import Redlock
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
-from . import abort, budgets, policies, reaper, unique
+from . import abort, budgets, events, policies, reaper, unique
 from .names import call_lock_name, signature
 from .parking import MAYBE_HEADER, PARKED_HEADER, Spot, can_park, claim_start
 from .policies import (
@@ -67,7 +67,8 @@ from .settings import (
     TASK_OPTIONS,
     Settings,
     TaskLockOptions,
-    from_conf,
+    app_settings,
+    forget_app_settings,
     parse_entry,
     resolve_task_options,
 )
@@ -108,11 +109,12 @@ _running = threading.local()
 class _Execution:
     """One locked execution in this thread: its task id, its lock, whether its body runs."""
 
-    __slots__ = ("in_body", "lock", "task_id")
+    __slots__ = ("in_body", "lock", "since", "task_id")
 
     def __init__(self, task_id: str, lock: Redlock) -> None:
         self.task_id = task_id
         self.lock = lock
+        self.since = time.monotonic()  # taken (about): the released event's held_ms
         # Set by the traced call of the body (LockedTask.__call__): a call of the task
         # from inside its own body (``self(...)``) sees it, and neither checks nor
         # releases the lock, which belongs to the outer run.
@@ -196,17 +198,14 @@ def release_lock(task: Task, task_id: str | None) -> None:
         logger.exception("Task %s[%s]: releasing %s failed", task.name, task_id, lock.key)
     pop_lock(task_id)
     announce_lock(reaper.forget, lock, task_id or "")
+    held_ms = round((time.monotonic() - execution.since) * 1000)
+    record(task, lock, "released", task_id, held_ms=held_ms)
 
 
-_settings: weakref.WeakKeyDictionary[Celery, Settings] = weakref.WeakKeyDictionary()
-
-
-def app_settings(app: Celery) -> Settings:
-    """The validated ``redlock_*`` settings of ``app`` (read once per app)."""
-    settings = _settings.get(app)
-    if settings is None:
-        settings = _settings[app] = from_conf(app.conf)
-    return settings
+def record(task: Task, lock: Redlock, event: str, task_id: str | None, **fields: Any) -> None:
+    """Log ``event`` of this run of ``task`` on each key of ``lock`` (the event log)."""
+    keys = [resource.lock for resource in lock.resources]
+    events.record(task.app, lock.nodeset, event, keys, task.name, task_id, **fields)
 
 
 def forget_settings(app: Celery) -> None:
@@ -214,7 +213,7 @@ def forget_settings(app: Celery) -> None:
 
     The lock options of its tasks, which the settings' defaults fill in, too.
     """
-    _settings.pop(app, None)
+    forget_app_settings(app)
     for task in list(getattr(app, "_tasks", {}).values()):  # app.tasks would finalize it
         if isinstance(task, LockedTask):
             forget_options(task)
@@ -398,6 +397,7 @@ class LockedTask(Task):
             logger.info(
                 "Task %s[%s] already started from another copy; not again", self.name, task_id
             )
+            record(self, lock, "not_again", task_id, why="another copy")
             raise Ignore("another copy started")
         unique.started(self, options, settings, task_id, args, kwargs)
 
@@ -530,6 +530,7 @@ def acquire_for(
         return None
     lock.on_lost = partial(apply_on_lost, task, task_id, options.on_lost, lock)
     announce_lock(reaper.announce, lock, task_id)
+    began = time.monotonic()
     try:
         waited = _take(lock, options, task_id)
     except NodeUnavailable as exc:
@@ -569,6 +570,7 @@ def acquire_for(
         _first_copy(task, lock, app_settings(task.app), task_id)
         lock.release()
         announce_lock(reaper.forget, lock, task_id)
+        record(task, lock, "not_again", task_id, why="finished")
         logger.info(
             "Task %s[%s] already finished in an earlier delivery; not running it again",
             task.name,
@@ -577,6 +579,8 @@ def acquire_for(
         raise Ignore("already finished")
     push_lock(task_id, lock)
     abort.track(lock.lease, task_id)
+    waited_ms = round((time.monotonic() - began) * 1000) if waited else 0
+    record(task, lock, "acquired", task_id, fence=lock.fence, waited_ms=waited_ms)
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
     return lock
 

@@ -92,7 +92,7 @@ from ..engine.scripts import UnclaimStatus
 from ..engine.timing import MAX_SECONDS
 from ..exceptions import LockBusy, LockKeyError, NodeUnavailable
 from ..nodes import NodeSet
-from . import budgets, parking
+from . import budgets, events, parking
 from .claims import admit, claim, start, unclaim
 from .names import call_lock_name
 from .parking import PARKED_HEADER
@@ -191,10 +191,12 @@ def send(
             # holds a claim: see carry.
             send_options["headers"] = {**(send_options.get("headers") or {}), CLAIMED_HEADER: 1}
             try:
-                return publish(send_options)
+                result = publish(send_options)
             except BaseException:
                 unclaim(nodeset, keys, task_id, task.name)
                 raise
+            events.record(task.app, nodeset, "claimed", (keys.lock,), task.name, task_id)
+            return result
         assert found.holder is not None
         # A throttle window outlives its run: only its time ends it.
         if replace or options.throttle is not None or not _ended(task, found.holder):
@@ -205,7 +207,9 @@ def send(
     logger.debug("Task %s: a copy is queued already (%s)", task.name, holder)
     if metrics.enabled:
         metrics.duplicate(task.name)
-    if options.on_duplicate == "raise" and debounce is None:
+    then = "raise" if options.on_duplicate == "raise" and debounce is None else "return"
+    events.record(task.app, nodeset, "duplicate", (keys.lock,), task.name, holder, then=then)
+    if then == "raise":
         raise LockBusy(keys.lock, holder, found.ttl)
     return task.AsyncResult(holder)
 
@@ -277,7 +281,7 @@ def started(
         wait = admit(nodeset, keys, task_id, options.throttle + options.timing.node_timeout)
         if wait is not None:
             why, spot = "waits for its throttle window", parking.Spot(nodeset, "later", keys.lock)
-            _requeue(task, task_id, wait, args, kwargs, why, spot)
+            _requeue(task, task_id, wait, args, kwargs, why, spot, "throttle")
         return
     if options.debounce is not None:
         verdict = start(nodeset, keys, task_id, task.name, _payload(task, args, kwargs))
@@ -285,7 +289,8 @@ def started(
             wait, payload = verdict
             last_args, last_kwargs = json.loads(payload)
             spot = parking.Spot(nodeset, "later", keys.lock)
-            _requeue(task, task_id, wait, tuple(last_args), last_kwargs, "was called again", spot)
+            last = tuple(last_args)
+            _requeue(task, task_id, wait, last, last_kwargs, "was called again", spot, "debounce")
     else:
         _free(task, options, settings, keys, task_id)
     _handed().add(task_id)
@@ -384,8 +389,10 @@ def _free(
     except Exception:  # the claim ends with its TTL
         logger.exception("Task %s[%s]: freeing its send-time claim failed", task.name, task_id)
         return
-    if expected and status == UnclaimStatus.GONE and metrics.enabled:
-        metrics.claim_expired(task.name)
+    if expected and status == UnclaimStatus.GONE:
+        if metrics.enabled:
+            metrics.claim_expired(task.name)
+        events.record(task.app, nodeset, "claim_expired", (keys.lock,), task.name, task_id)
 
 
 def _requeue(
@@ -396,13 +403,14 @@ def _requeue(
     kwargs: dict[str, Any],
     why: str,
     spot: parking.Spot,
+    reason: str,
 ) -> NoReturn:
     """Park this copy until due (same task id, keeping its claim) and end this delivery.
 
     Where no node takes it, it goes back on the queue with the countdown
     (:func:`~celery_redlock.integration.policies.defer`).
     """
-    defer(task, task_id, countdown, why, spot=spot, args=args, kwargs=kwargs)
+    defer(task, task_id, countdown, why, reason=reason, spot=spot, args=args, kwargs=kwargs)
 
 
 def _payload(task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

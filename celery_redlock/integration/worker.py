@@ -53,7 +53,7 @@ from ..engine.renewal import get_renewer
 from ..engine.threads import start_daemon
 from ..exceptions import ConfigurationError
 from ..nodes import NodeSet, safe_url
-from . import config_only, declared, parking, reaper, unique, wakeups
+from . import config_only, declared, events, parking, reaper, unique, wakeups
 from .beat import check_configuration
 from .reaper import Reaper
 from .settings import TASK_OPTIONS
@@ -104,7 +104,7 @@ class RedlockStep(bootsteps.StartStopStep):
         if locked:
             self.nodeset = NodeSet.get(settings.node_urls(), timeout=settings.timing.node_timeout)
         if self.nodeset is not None and self.prefork:
-            self.reaper = _reaper = Reaper(self.nodeset)
+            self.reaper = _reaper = Reaper(self.nodeset, settings)
         self.app, self.prefix = app, settings.key_prefix
         logger.info(
             "celery_redlock: %d locked task(s) on %s",
@@ -130,6 +130,7 @@ class RedlockStep(bootsteps.StartStopStep):
             self.reaper.stop()
         parking.stop_publisher(self.app)
         wakeups.stop()
+        events.flush(2.0)
 
     shutdown = stop
 
@@ -204,6 +205,7 @@ def _exit_when_orphaned(parent: int) -> None:
 @signals.worker_process_shutdown.connect(dispatch_uid="celery_redlock.worker_process_shutdown")
 def _on_worker_process_shutdown(**kwargs: Any) -> None:
     reaper.flush()  # the releases not announced yet: the main process need not check them
+    events.flush(1.0)
 
 
 @signals.task_postrun.connect(dispatch_uid="celery_redlock.task_postrun")

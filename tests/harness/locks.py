@@ -8,8 +8,9 @@ from celery_redlock.engine.keys import parse_key
 
 #: Keys beside a lock that are not a hold: fence counters, the send-time claims and
 #: throttle windows of ``lock_unique`` tasks (a claim is a queued copy, not a lock), and
-#: the logs of starts of rate budgets (``lock_rate``).
-NOT_HOLDS = (":fence", ":claim", ":throttle", ":rate")
+#: the logs of starts of rate budgets (``lock_rate``), the event logs (a lock's, and the
+#: feed ``redlock:log``).
+NOT_HOLDS = (":fence", ":claim", ":throttle", ":rate", ":log")
 
 
 def lock_keys(server: Any) -> list[str]:

@@ -6,6 +6,11 @@ seconds), however many distinct keys were used; and a key taken again after its 
 expired gets a fence larger than every fence it was ever given. Each test uses a 1 s
 lease, so the horizon is 5 s (at most 10 leases, as documented), and waits for the keys
 to go with a deadline a little past it.
+
+The event log (``redlock_events``, on by default) keeps a key's events
+``redlock_events_ttl`` after its last one (an hour by default), and at most 100 of
+them: the Celery paths here set it to the horizon, so what they leave is bounded by the
+same deadline.
 """
 
 from __future__ import annotations
@@ -143,14 +148,14 @@ def test_redlock_fences_keep_growing_across_an_expiry_on_every_node(redis_factor
 
 @pytest.fixture
 def locked_app(celery_redis):
-    app = create_app(celery_redis.url, redlock_ttl=TTL)
+    app = create_app(celery_redis.url, redlock_ttl=TTL, redlock_events_ttl=HORIZON)
     yield app
     close_app(app)
 
 
 @pytest.fixture
 def unique_app(celery_redis):
-    app = make_unique_app(celery_redis.url, redlock_ttl=TTL)
+    app = make_unique_app(celery_redis.url, redlock_ttl=TTL, redlock_events_ttl=HORIZON)
     yield app
     close_app(app)
 
@@ -201,6 +206,7 @@ def test_a_stopped_leader_beat_leaves_nothing(celery_redis, tmp_path):
         redlock_url=redis_url_with_db(celery_redis.url, 0),
         redlock_ttl=TTL,
         redlock_beat_ttl=TTL,
+        redlock_events_ttl=HORIZON,
         beat_schedule={"every": {"task": "membeat.noop", "schedule": 1.0}},
     )
     try:
@@ -226,7 +232,10 @@ def test_rated_and_requeued_tasks_leave_nothing(celery_redis, inprocess_worker_f
     horizon (the budget with its log, one window after the last start; a queue as its
     last run starts)."""
     app = make_app(
-        celery_redis.url, name="memrated", redlock_url=redis_url_with_db(celery_redis.url, 0)
+        celery_redis.url,
+        name="memrated",
+        redlock_url=redis_url_with_db(celery_redis.url, 0),
+        redlock_events_ttl=HORIZON,
     )
     try:
         common = {"base": LockedTask, "shared": False, "lock_ttl": TTL}

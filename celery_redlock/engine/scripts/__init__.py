@@ -52,6 +52,7 @@ __all__ = [
     "FENCE_SYNC",
     "FENCE_SYNC_SHARED",
     "INSPECT",
+    "LOG",
     "NOTE_QUEUED",
     "NOTE_STARTED",
     "PARK",
@@ -396,6 +397,8 @@ FENCE_SYNC_SHARED = Script(
     status=FenceSyncStatus,
     libraries=("fence",),
 )
+#: Appends events to capped lists with the node's time (the event log).
+LOG = Script("log", keys=("logs*",), argv=("entries*",), per_key_args=4)
 RENEW_MANY = Script(
     "renew_many", keys=("holds*",), argv=("leases*",), status=RenewStatus, per_key_args=3
 )

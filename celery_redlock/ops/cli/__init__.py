@@ -8,6 +8,8 @@ Flower registers ``celery flower``)::
     celery -A proj redlock release KEY [--yes] [--force] [--json]
     celery -A proj redlock release --stale [--task GLOB] [--yes] [--json]
     celery -A proj redlock doctor [--json]
+    celery -A proj redlock why TASK_ID [--json]
+    celery -A proj redlock log KEY [--count N] [--follow] [--json]
 
 The lock nodes are the app's: ``redlock_nodes``, else ``redlock_url``, else a
 ``redis://`` broker. Keys are found with ``SCAN ... TYPE hash`` (never ``KEYS``, which
@@ -53,7 +55,7 @@ import click
 from celery.bin.base import handle_preload_options
 from click_didyoumean import DYMGroup
 
-from . import doctor, inspect, ls, release
+from . import doctor, inspect, log, ls, release, why
 
 __all__ = ["redlock"]
 
@@ -75,3 +77,5 @@ redlock.add_command(ls.ls)
 redlock.add_command(inspect.inspect)
 redlock.add_command(release.release)
 redlock.add_command(doctor.doctor)
+redlock.add_command(why.why)
+redlock.add_command(log.log)

@@ -25,6 +25,7 @@ from .output import warn
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",
     "Session",
+    "check_any",
     "check_quorum",
     "common_options",
     "lock_key",
@@ -85,6 +86,17 @@ def check_quorum(ctx: click.Context, nodeset: NodeSet, errors: dict[str, str]) -
         ctx.obj.error(quorum_error(nodeset, errors), fg="red")
         return int(EX_UNAVAILABLE)
     return 0
+
+
+def check_any(ctx: click.Context, nodeset: NodeSet, errors: dict[str, str]) -> int:
+    """Warn about failed nodes; EX_UNAVAILABLE when none answered.
+
+    For what one node may hold alone (an event log's batch, a parked run): any node
+    that answers tells its part, which is not all of it while another is silent.
+    """
+    for node, error in errors.items():
+        warn(ctx, f"node {node} did not answer: {error}")
+    return int(EX_UNAVAILABLE) if len(errors) == len(nodeset) else 0
 
 
 def quorum_error(nodeset: NodeSet, errors: dict[str, str]) -> str:

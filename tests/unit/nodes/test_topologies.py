@@ -12,6 +12,9 @@ import redis
 from celery_redlock import NodeUnavailable, Redlock
 from celery_redlock.engine.keys import lock_keys, release_keys
 from celery_redlock.engine.scripts import ACQUIRE_WAKE, RELEASE_WAKE
+from celery_redlock.integration import events
+from celery_redlock.integration.settings import Settings
+from celery_redlock.nodes import NodeSet
 from tests.harness import free_port
 from tests.harness.fences import assert_clock_fence
 
@@ -48,6 +51,8 @@ MINIMAL_ACL = (
     "+zremrangebyscore",
     "+zcard",
     "+zcount",
+    "+lpush",
+    "+ltrim",
 )
 
 
@@ -113,7 +118,14 @@ def acl_user(server, commands) -> str:
 def test_acl_user_with_the_documented_command_set_works(redis_factory):
     """A user allowed only the documented commands, keys and channels can do everything."""
     (server,) = redis_factory(1)
-    exercise(acl_user(server, MINIMAL_ACL))
+    url = acl_user(server, MINIMAL_ACL)
+    exercise(url)
+    # The event log of a locked task's run, written as the worker writes it.
+    nodeset = NodeSet([url], timeout=1.0)
+    events.record(Settings(url=url), nodeset, "released", ("redlock:{topology}",), "t", "id")
+    assert events.flush()
+    nodeset.close()
+    assert server.client().llen("redlock:{topology}:log") == 1
     stats = server.commandstats()
     assert "keys" not in stats, "the KEYS command is never used"
 
