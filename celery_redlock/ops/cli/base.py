@@ -19,7 +19,7 @@ from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 from ...exceptions import ConfigurationError
 from ...integration.settings import Settings, from_conf
 from ...nodes import NodeSet
-from ..inventory import resolve_key
+from ..inventory import has_quorum, quorum_error, resolve_key
 from .output import warn
 
 __all__ = [
@@ -81,19 +81,10 @@ def check_quorum(ctx: click.Context, nodeset: NodeSet, errors: dict[str, str]) -
     """Warn about failed nodes; EX_UNAVAILABLE when fewer than a quorum answered."""
     for node, error in errors.items():
         warn(ctx, f"node {node} did not answer: {error}")
-    if len(nodeset) - len(errors) < nodeset.quorum:
+    if not has_quorum(nodeset, errors):
         ctx.obj.error(quorum_error(nodeset, errors), fg="red")
         return int(EX_UNAVAILABLE)
     return 0
-
-
-def quorum_error(nodeset: NodeSet, errors: dict[str, str]) -> str:
-    """Why nothing can be told when the nodes in ``errors`` did not answer."""
-    answered = len(nodeset) - len(errors)
-    return (
-        f"only {answered} of {len(nodeset)} lock node(s) answered, fewer than the "
-        f"{nodeset.quorum} needed to tell who holds a lock"
-    )
 
 
 def no_worker_error(timeout: float) -> str:
