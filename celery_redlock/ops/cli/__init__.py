@@ -8,6 +8,8 @@ Flower registers ``celery flower``)::
     celery -A proj redlock release KEY [--yes] [--force] [--json]
     celery -A proj redlock release --stale [--task GLOB] [--yes] [--json]
     celery -A proj redlock doctor [--json]
+    celery -A proj redlock web [--port 5557] [--address 127.0.0.1]
+                               [--allow-release --basic-auth USER:PASSWORD]
 
 The lock nodes are the app's: ``redlock_nodes``, else ``redlock_url``, else a
 ``redis://`` broker. Keys are found with ``SCAN ... TYPE hash`` (never ``KEYS``, which
@@ -34,7 +36,7 @@ releases nothing (``"error"``), all with exit status 69.
 
 Exit status:
 
-* 0: done (for ``doctor``: no error-level finding).
+* 0: done (for ``doctor``: no error-level finding; for ``web``: stopped with Ctrl-C).
 * 1: ``release`` refused (the holder runs, or whether it runs is unknown; for
   ``--stale``: some lock could not be classified) or was not confirmed; ``doctor``
   found an error; the ``redlock_*`` settings do not validate.
@@ -53,7 +55,7 @@ import click
 from celery.bin.base import handle_preload_options
 from click_didyoumean import DYMGroup
 
-from . import doctor, inspect, ls, release
+from . import doctor, inspect, ls, release, web
 
 __all__ = ["redlock"]
 
@@ -62,7 +64,7 @@ __all__ = ["redlock"]
 @click.pass_context
 @handle_preload_options
 def redlock(ctx: click.Context, **kwargs: Any) -> None:
-    """Inspect, release and check celery_redlock locks.
+    """Inspect, release, check and watch celery_redlock locks.
 
     The lock nodes are the app's (redlock_nodes, redlock_url, or a redis:// broker).
     """
@@ -75,3 +77,4 @@ redlock.add_command(ls.ls)
 redlock.add_command(inspect.inspect)
 redlock.add_command(release.release)
 redlock.add_command(doctor.doctor)
+redlock.add_command(web.web)

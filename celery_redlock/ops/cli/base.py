@@ -96,19 +96,25 @@ def no_worker_error(timeout: float) -> str:
     )
 
 
-def common_options(*, workers: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The options every sub-command takes (and ``--timeout`` where workers are asked)."""
+def common_options(
+    *, workers: bool = False, as_json: bool = True
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options every sub-command takes (and ``--timeout`` where workers are asked).
+
+    ``as_json=False`` leaves out ``--json``, for a command that prints no result (``web``).
+    """
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
-        f = click.option(
-            "-j",
-            "--json",
-            "as_json",
-            cls=CeleryOption,
-            is_flag=True,
-            help_group="Output Options",
-            help="Print JSON with stable keys instead of text.",
-        )(f)
+        if as_json:
+            f = click.option(
+                "-j",
+                "--json",
+                "as_json",
+                cls=CeleryOption,
+                is_flag=True,
+                help_group="Output Options",
+                help="Print JSON with stable keys instead of text.",
+            )(f)
         f = click.option(
             "--node-timeout",
             cls=CeleryOption,
