@@ -105,7 +105,7 @@ const PANELS = {
       const parts = [];
       const columns = [
         ["Key", (l) => l.key, "mono key"],
-        ["Task", (l) => l.task_name || "-"],
+        ["Task", (l) => l.task_name || "-", "wrap"],
         ["Task id", (l) => taskLink(l.task_id)],
         ["Worker host", (l) => l.host || "?"],
         ["Pid", (l) => (l.pid === null ? "?" : String(l.pid)), "num"],

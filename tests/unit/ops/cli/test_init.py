@@ -1,4 +1,4 @@
-"""The ``redlock`` group: registered as Celery's own sub-command, with its four commands."""
+"""The ``redlock`` group: registered as Celery's own sub-command, with its five commands."""
 
 from __future__ import annotations
 
@@ -14,4 +14,4 @@ def test_redlock_is_a_celery_subcommand_through_the_entry_point():
     assert celery_cli.commands.get("redlock") is redlock, (
         "celery_redlock.ops.cli:redlock is not registered; run `pip install -e .`"
     )
-    assert set(redlock.commands) == {"ls", "inspect", "release", "doctor"}
+    assert set(redlock.commands) == {"ls", "inspect", "release", "doctor", "web"}

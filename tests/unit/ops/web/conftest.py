@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import threading
 import urllib.error
 import urllib.request
@@ -26,18 +25,7 @@ import pytest
 from celery_redlock.integration.settings import from_conf
 from celery_redlock.nodes import NodeSet
 from celery_redlock.ops.web import Dashboard, make_server
-
-#: Where Debian's packages put them (``apt-get install chromium chromium-driver``).
-CHROMIUM = os.environ.get("CHROMIUM_BIN") or shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = (
-    os.environ.get("CHROMEDRIVER_BIN") or shutil.which("chromedriver") or "/usr/bin/chromedriver"
-)
-MISSING_HINT = (
-    "install Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
-)
-
-#: The browser's window: a laptop screen's.
-WINDOW = (1280, 800)
+from tests.harness.browser import missing, start_chromium
 
 
 def basic(credentials: str) -> str:
@@ -119,53 +107,22 @@ def dashboard() -> Iterator[Callable[..., Served]]:
         board.close()
 
 
-def _missing() -> str | None:
-    """Why the browser tests cannot run here, or None."""
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "the selenium package is missing (pip install -e '.[test]')"
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not (Path(path).is_file() and os.access(path, os.X_OK)):
-            return f"{path} not found: {MISSING_HINT}"
-    return None
-
-
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Any]:
     """A headless Chromium (Selenium WebDriver) with a fresh profile, 1280x800.
+
+    Started by :func:`tests.harness.browser.start_chromium`.
 
     Skips when chromium, chromium-driver or selenium is missing, naming what to
     install; fails instead when ``CI=true`` (CI installs them, so a skip would hide
     that the browser tests stopped running).
     """
-    why = _missing()
+    why = missing()
     if why is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"browser tests cannot run in CI: {why}")
         pytest.skip(f"browser tests need a headless Chromium: {why}")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    # Headless, and nothing that would reach out of the machine (it has no network).
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-        f"--window-size={WINDOW[0]},{WINDOW[1]}",
-    ):
-        options.add_argument(flag)
-    service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
-    driver = webdriver.Chrome(options=options, service=service)
+    driver = start_chromium(tmp_path / "chromium-profile", tmp_path / "chromedriver.log")
     try:
         yield driver
     finally:
