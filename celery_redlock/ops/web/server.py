@@ -25,6 +25,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
+from urllib.parse import unquote
 
 from celery.exceptions import CeleryCommandException
 
@@ -339,8 +340,6 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.NOT_FOUND, {"error": f"no such page: {path}"})
 
     def _run(self, route: Route, match: re.Match[str]) -> None:
-        from urllib.parse import unquote  # noqa: PLC0415 (cheap; only here)
-
         args: dict[str, Any] = {name: unquote(value) for name, value in match.groupdict().items()}
         try:
             if route.body:
@@ -367,8 +366,9 @@ class _Handler(BaseHTTPRequestHandler):
         content_type = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             return Reply(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, {"error": "send application/json"})
-        origin = self.headers.get("Origin")
-        if origin is not None and origin != f"http://{self.headers.get('Host', '')}":
+        origin, host = self.headers.get("Origin"), self.headers.get("Host", "")
+        # https too: the page may be reached through a TLS-terminating proxy.
+        if origin is not None and origin not in (f"http://{host}", f"https://{host}"):
             return Reply(HTTPStatus.FORBIDDEN, {"error": f"origin {origin} not allowed"})
         try:
             length = int(self.headers.get("Content-Length", "0"))
