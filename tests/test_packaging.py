@@ -1,6 +1,7 @@
 """What we would upload: the wheel and the sdist, built as a release builds them.
 
-* the wheel carries everything the package loads at run time (Lua scripts, py.typed);
+* the wheel carries everything the package loads at run time (Lua scripts, py.typed,
+  the web dashboard's page), and so does the sdist;
 * its metadata is what PyPI shows: SPDX license, project URLs, classifiers that match
   the tested matrix (tox.ini), a long description without relative links;
 * the sdist carries a test suite that runs (conftest, harness, apps, benchmarks);
@@ -93,6 +94,19 @@ def test_wheel_ships_lua_scripts_and_py_typed(dist, tmp_path):
         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
     )
     assert out.stdout.strip() == "6"
+
+
+def test_wheel_and_sdist_ship_the_web_dashboards_page(dist):
+    """`celery redlock web` serves its HTML, JS and CSS from the installed package."""
+    static = ROOT / "celery_redlock" / "ops" / "web" / "static"
+    shipped = sorted(p.name for p in static.iterdir() if p.is_file())
+    assert {"index.html", "app.js", "app.css"} <= set(shipped)
+    wheel = zipfile.ZipFile(dist["wheel"]).namelist()
+    assert sorted(Path(n).name for n in wheel if "celery_redlock/ops/web/static/" in n) == shipped
+    with tarfile.open(dist["sdist"]) as sdist:
+        names = sdist.getnames()
+    in_sdist = sorted(Path(n).name for n in names if "/celery_redlock/ops/web/static/" in n)
+    assert in_sdist == shipped
 
 
 def test_metadata_is_what_pypi_should_show(dist):

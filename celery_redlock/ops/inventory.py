@@ -32,7 +32,10 @@ __all__ = [
     "HeldOnNodes",
     "LockView",
     "NodeView",
+    "has_quorum",
     "held_locks",
+    "nodes_status",
+    "quorum_error",
     "read_locks",
     "release_lock",
     "reply_error",
@@ -407,6 +410,28 @@ def held_locks(
     if task is not None:
         locks = [lock for lock in locks if fnmatch.fnmatchcase(lock.task_name or "", task)]
     return locks, errors
+
+
+def has_quorum(nodeset: NodeSet, errors: dict[str, str]) -> bool:
+    """Whether enough nodes answered (all but those in ``errors``) to tell who holds a lock."""
+    return len(nodeset) - len(errors) >= nodeset.quorum
+
+
+def quorum_error(nodeset: NodeSet, errors: dict[str, str]) -> str:
+    """Why nothing can be told when the nodes in ``errors`` did not answer."""
+    answered = len(nodeset) - len(errors)
+    return (
+        f"only {answered} of {len(nodeset)} lock node(s) answered, fewer than the "
+        f"{nodeset.quorum} needed to tell who holds a lock"
+    )
+
+
+def nodes_status(nodeset: NodeSet, errors: dict[str, str]) -> list[dict[str, Any]]:
+    """Each node as ``ls --json`` lists it: ``{"node", "ok", "error"}`` (URLs without secrets)."""
+    return [
+        {"node": n.safe_url, "ok": n.safe_url not in errors, "error": errors.get(n.safe_url)}
+        for n in nodeset.nodes
+    ]
 
 
 def to_int(value: Any) -> int | None:

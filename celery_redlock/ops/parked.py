@@ -38,11 +38,12 @@ class ParkedView:
     node: str  #: the node it is parked on
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON of ``ls --json``'s ``parked`` list."""
+        """The JSON of ``ls --json``'s ``parked`` list (``waits_for``: ``kind`` in words)."""
         return {
             "task_id": self.task_id,
             "task_name": self.task_name,
             "kind": self.kind,
+            "waits_for": WAITS_FOR.get(self.kind, self.kind),
             "key": self.key,
             "name": self.name,
             "due_in": round(self.due_in, 3),

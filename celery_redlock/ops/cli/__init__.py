@@ -10,6 +10,8 @@ Flower registers ``celery flower``)::
     celery -A proj redlock doctor [--json]
     celery -A proj redlock why TASK_ID [--json]
     celery -A proj redlock log KEY [--count N] [--follow] [--json]
+    celery -A proj redlock web [--port 5557] [--address 127.0.0.1]
+                               [--allow-release --basic-auth USER:PASSWORD]
 
 The lock nodes are the app's: ``redlock_nodes``, else ``redlock_url``, else a
 ``redis://`` broker. Keys are found with ``SCAN ... TYPE hash`` (never ``KEYS``, which
@@ -36,7 +38,7 @@ releases nothing (``"error"``), all with exit status 69.
 
 Exit status:
 
-* 0: done (for ``doctor``: no error-level finding).
+* 0: done (for ``doctor``: no error-level finding; for ``web``: stopped with Ctrl-C).
 * 1: ``release`` refused (the holder runs, or whether it runs is unknown; for
   ``--stale``: some lock could not be classified) or was not confirmed; ``doctor``
   found an error; the ``redlock_*`` settings do not validate.
@@ -55,7 +57,7 @@ import click
 from celery.bin.base import handle_preload_options
 from click_didyoumean import DYMGroup
 
-from . import doctor, inspect, log, ls, release, why
+from . import doctor, inspect, log, ls, release, web, why
 
 __all__ = ["redlock"]
 
@@ -64,7 +66,7 @@ __all__ = ["redlock"]
 @click.pass_context
 @handle_preload_options
 def redlock(ctx: click.Context, **kwargs: Any) -> None:
-    """Inspect, release and check celery_redlock locks.
+    """Inspect, release, check and watch celery_redlock locks.
 
     The lock nodes are the app's (redlock_nodes, redlock_url, or a redis:// broker).
     """
@@ -79,3 +81,4 @@ redlock.add_command(release.release)
 redlock.add_command(doctor.doctor)
 redlock.add_command(why.why)
 redlock.add_command(log.log)
+redlock.add_command(web.web)

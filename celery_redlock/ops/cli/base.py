@@ -19,7 +19,7 @@ from celery.platforms import EX_FAILURE, EX_UNAVAILABLE
 from ...exceptions import ConfigurationError
 from ...integration.settings import Settings, from_conf
 from ...nodes import NodeSet
-from ..inventory import resolve_key
+from ..inventory import has_quorum, quorum_error, resolve_key
 from .output import warn
 
 __all__ = [
@@ -82,7 +82,7 @@ def check_quorum(ctx: click.Context, nodeset: NodeSet, errors: dict[str, str]) -
     """Warn about failed nodes; EX_UNAVAILABLE when fewer than a quorum answered."""
     for node, error in errors.items():
         warn(ctx, f"node {node} did not answer: {error}")
-    if len(nodeset) - len(errors) < nodeset.quorum:
+    if not has_quorum(nodeset, errors):
         ctx.obj.error(quorum_error(nodeset, errors), fg="red")
         return int(EX_UNAVAILABLE)
     return 0
@@ -99,15 +99,6 @@ def check_any(ctx: click.Context, nodeset: NodeSet, errors: dict[str, str]) -> i
     return int(EX_UNAVAILABLE) if len(errors) == len(nodeset) else 0
 
 
-def quorum_error(nodeset: NodeSet, errors: dict[str, str]) -> str:
-    """Why nothing can be told when the nodes in ``errors`` did not answer."""
-    answered = len(nodeset) - len(errors)
-    return (
-        f"only {answered} of {len(nodeset)} lock node(s) answered, fewer than the "
-        f"{nodeset.quorum} needed to tell who holds a lock"
-    )
-
-
 def no_worker_error(timeout: float) -> str:
     """Why only locks whose holder's process is gone can be stale: no worker answered."""
     return (
@@ -117,19 +108,25 @@ def no_worker_error(timeout: float) -> str:
     )
 
 
-def common_options(*, workers: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The options every sub-command takes (and ``--timeout`` where workers are asked)."""
+def common_options(
+    *, workers: bool = False, as_json: bool = True
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options every sub-command takes (and ``--timeout`` where workers are asked).
+
+    ``as_json=False`` leaves out ``--json``, for a command that prints no result (``web``).
+    """
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
-        f = click.option(
-            "-j",
-            "--json",
-            "as_json",
-            cls=CeleryOption,
-            is_flag=True,
-            help_group="Output Options",
-            help="Print JSON with stable keys instead of text.",
-        )(f)
+        if as_json:
+            f = click.option(
+                "-j",
+                "--json",
+                "as_json",
+                cls=CeleryOption,
+                is_flag=True,
+                help_group="Output Options",
+                help="Print JSON with stable keys instead of text.",
+            )(f)
         f = click.option(
             "--node-timeout",
             cls=CeleryOption,

@@ -7,17 +7,16 @@ lock names its queued copy claims, and its run parked until its turn.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand
 
 from ..budgets import read_budgets
-from ..claims import held_claims
-from ..inventory import held_locks, read_locks
-from ..parked import WAITS_FOR, parked_runs
-from .base import Session, check_quorum, common_options, lock_key, open_session
+from ..inventory import read_locks
+from ..parked import WAITS_FOR
+from ..tasks import is_task_id, task_story
+from .base import check_quorum, common_options, lock_key, open_session
 from .output import budget_used, duration, echo_json, holder
 
 __all__ = ["inspect"]
@@ -41,7 +40,11 @@ def inspect(
     """
     session = open_session(ctx, node_timeout)
     try:
-        story = _task_story(session, key, node_timeout) if _is_task_id(key) else None
+        story = None
+        if is_task_id(key):
+            found = task_story(session.nodeset, session.prefix, key, timeout=node_timeout)
+            # A UUID that names no task on the nodes is read as a lock name.
+            story = found.as_dict() if found.found else None
         if story is None:
             key = lock_key(session, key)
             (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
@@ -120,35 +123,8 @@ def inspect(
     ctx.exit(code)
 
 
-def _is_task_id(key: str) -> bool:
-    """Whether ``key`` reads as a Celery task id (a UUID in its usual 36-character form)."""
-    try:
-        return len(key) == 36 and str(uuid.UUID(key)) == key.lower()
-    except ValueError:
-        return False
-
-
-def _task_story(session: Session, task_id: str, timeout: float) -> dict[str, Any] | None:
-    """The locks ``task_id`` holds, the names it claims, its parked run; None if none."""
-    now = time.time()
-    nodeset, prefix = session.nodeset, session.prefix
-    locks, errors = held_locks(nodeset, prefix, None, timeout=timeout)
-    claims, claim_errors = held_claims(nodeset, prefix, timeout=timeout)
-    parked, parked_errors = parked_runs(nodeset, prefix, timeout=timeout)
-    story = {
-        "task_id": task_id,
-        "holds": [lock.as_dict(now) for lock in locks if lock.task_id == task_id],
-        "claims": [claim.as_dict(now) for claim in claims if claim.task_id == task_id],
-        "parked": [run.as_dict() for run in parked if run.task_id == task_id],
-        "errors": {**errors, **claim_errors, **parked_errors},
-    }
-    if not (story["holds"] or story["claims"] or story["parked"]):
-        return None
-    return story
-
-
 def _echo_task(ctx: click.Context, task_id: str, story: dict[str, Any], as_json: bool) -> None:
-    """Print a task id's story (:func:`_task_story`) as lines, or as JSON."""
+    """Print a task id's story (:func:`~celery_redlock.ops.tasks.task_story`) as lines or JSON."""
     if as_json:
         echo_json(ctx, story)
         ctx.exit(0)

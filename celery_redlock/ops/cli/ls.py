@@ -10,10 +10,9 @@ import click
 from celery.bin.base import CeleryCommand, CeleryOption
 from celery.platforms import EX_UNAVAILABLE
 
-from ...nodes import NodeSet
 from ..budgets import BudgetView, held_budgets
 from ..claims import ClaimView, held_claims
-from ..inventory import LockView, held_locks
+from ..inventory import LockView, held_locks, nodes_status
 from ..parked import WAITS_FOR, ParkedView, parked_runs
 from ..shares import ShareView, held_shares
 from ..workers import STALE, UNKNOWN, Workers, ask_workers, classify
@@ -134,7 +133,7 @@ def ls(
         echo_json(
             ctx,
             {
-                "nodes": _nodes_status(session.nodeset, errors),
+                "nodes": nodes_status(session.nodeset, errors),
                 "quorum": session.nodeset.quorum,
                 "complete": complete,
                 "locks": _lock_items(locks, now, states) if complete else None,
@@ -188,13 +187,6 @@ def _report_unknown(
     warn(ctx, f"{len(unknown)} lock(s) could not be classified (not released by --stale):")
     for lock in unknown:
         warn(ctx, f"  {lock.key}: {states[lock.key][1]}")
-
-
-def _nodes_status(nodeset: NodeSet, errors: dict[str, str]) -> list[dict[str, Any]]:
-    return [
-        {"node": n.safe_url, "ok": n.safe_url not in errors, "error": errors.get(n.safe_url)}
-        for n in nodeset.nodes
-    ]
 
 
 def _share_rows(shares: Sequence[ShareView], now: float) -> list[list[str]]:

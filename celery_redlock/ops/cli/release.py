@@ -8,16 +8,16 @@ no worker heard) otherwise holds the name until its TTL.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption
 from celery.platforms import EX_UNAVAILABLE
 
-from ..claims import ClaimView, clear_claim, held_claims
-from ..inventory import LockView, held_locks, read_locks, release_lock
-from ..workers import ACTIVE, STALE, UNKNOWN, ask_workers, classify
+from ..claims import ClaimView
+from ..inventory import LockView, held_locks
+from ..releasing import carry_out, plan_release, release_locks
+from ..workers import STALE, UNKNOWN, ask_workers, classify
 from .base import (
     Session,
     check_quorum,
@@ -113,13 +113,19 @@ def _release_key(
     timeout: float,
 ) -> None:
     key = lock_key(session, key)
-    (lock,) = read_locks(session.nodeset, [key], session.prefix, timeout=node_timeout)
-    claims, errors = held_claims(session.nodeset, session.prefix, timeout=node_timeout, lock=key)
-    errors.update((v.node, v.error) for v in lock.views if v.error is not None)
-    code = check_quorum(ctx, session.nodeset, errors)
+    plan = plan_release(
+        session.nodeset,
+        session.prefix,
+        key,
+        force=force,
+        ask_workers=lambda: ask_workers(ctx.obj.app, timeout),
+        timeout=node_timeout,
+    )
+    lock, claims = plan.lock, plan.claims
+    code = check_quorum(ctx, session.nodeset, plan.errors)
     if code:
-        _report_release(ctx, as_json, [], [], code, quorum_error(session.nodeset, errors))
-    if not lock.held and not claims:
+        _report_release(ctx, as_json, [], [], code, quorum_error(session.nodeset, plan.errors))
+    if not plan.found:
         ctx.obj.error(f"{key} is not held on any node that answered: nothing to release")
         _report_release(ctx, as_json, [], [], 0)
     now = time.time()
@@ -129,29 +135,21 @@ def _release_key(
         say(_describe(lock, now))
     for claim in claims:
         say(_describe_claim(claim, now))
-    # Without --force a claim stays: the command cannot see the broker's queues, and its
-    # copy may be waiting there (its run would free it).
-    kept = [] if force else [_claim_refusal(claim) for claim in claims]
-    if not force and lock.held and lock.task_id is not None:
-        workers = ask_workers(ctx.obj.app, timeout)
-        state, reason = classify(lock, workers)
-        if state in (ACTIVE, UNKNOWN):
-            refusal = {"key": key, "task_id": lock.task_id, "state": state, "reason": reason}
-            hint = " (use --force to release it anyway)"
-            refusal["reason"] += hint
-            code = EX_UNAVAILABLE if workers is None else 1
-            _report_release(ctx, as_json, [], [refusal, *kept], code)
-    if not lock.held and not force:
-        _report_release(ctx, as_json, [], kept, 1)
+    if plan.refusal is not None:
+        refusal = dict(plan.refusal)
+        refusal["reason"] += " (use --force to release it anyway)"
+        code = 1 if plan.workers_answered else EX_UNAVAILABLE
+        _report_release(ctx, as_json, [], [refusal, *plan.kept], code)
+    if not plan.allowed:  # claims alone, without --force
+        _report_release(ctx, as_json, [], plan.kept, 1)
     if not yes:
         prompt = f"Release {key}" if lock.held else ""
         if force and claims:
             also = " and clear" if lock.held else "Clear"
             prompt += f"{also} {len(claims)} send-time claim(s) of {key}"
         click.confirm(prompt + "?", err=True, abort=True)
-    released = _release_many(ctx, session, [lock], node_timeout) if lock.held else []
-    cleared = [] if not force else _clear_many(session, claims, node_timeout)
-    _report_release(ctx, as_json, released, kept, 1 if kept else 0, cleared=cleared)
+    released, cleared = carry_out(session.nodeset, plan, timeout=node_timeout)
+    _report_release(ctx, as_json, released, plan.kept, 1 if plan.kept else 0, cleared=cleared)
 
 
 def _release_stale(
@@ -194,60 +192,8 @@ def _release_stale(
         say(_describe(lock, now))
     if not yes:
         click.confirm(f"Release these {len(stale)} stale lock(s)?", err=True, abort=True)
-    released = _release_many(ctx, session, stale, node_timeout)
+    released = release_locks(session.nodeset, stale, timeout=node_timeout)
     _report_release(ctx, as_json, released, refused, code, error)
-
-
-def _release_many(
-    ctx: click.Context, session: Session, locks: Sequence[LockView], timeout: float
-) -> list[dict[str, Any]]:
-    done = []
-    for lock in locks:
-        results = release_lock(session.nodeset, lock, timeout=timeout)
-        released_on = sum(r["result"] == "released" for r in results)
-        done.append(
-            {
-                "key": lock.key,
-                "task_id": lock.task_id,
-                "fence": lock.fence,
-                "released_on": released_on,
-                "nodes": results,
-            }
-        )
-    return done
-
-
-def _clear_many(
-    session: Session, claims: Sequence[ClaimView], timeout: float
-) -> list[dict[str, Any]]:
-    done = []
-    for claim in claims:
-        results = clear_claim(session.nodeset, claim, timeout=timeout)
-        done.append(
-            {
-                "key": claim.claim_key,
-                "lock": claim.key,
-                "task_id": claim.task_id,
-                "task_name": claim.task_name,
-                "cleared_on": sum(r["result"] == "cleared" for r in results),
-                "nodes": results,
-            }
-        )
-    return done
-
-
-def _claim_refusal(claim: ClaimView) -> dict[str, Any]:
-    return {
-        "key": claim.claim_key,
-        "task_id": claim.task_id,
-        "state": "claimed",
-        "reason": (
-            f"a send-time claim of task {claim.task_name or '-'} (lock_unique) holds the "
-            "name: its copy may still be queued, and sends of that task get it instead of "
-            "publishing. If the copy is gone (a purged queue, a revoke no worker heard), "
-            "use --force to clear the claim"
-        ),
-    }
 
 
 def _report_release(

@@ -36,7 +36,8 @@ def test_cli_loads_and_reports_a_dead_broker_without_celery_5_6():
         from celery_redlock.ops.cli import redlock
         from celery_redlock.ops.workers import ask_workers
 
-        assert set(redlock.commands) == {{"ls", "inspect", "release", "doctor", "why", "log"}}
+        commands = {{"ls", "inspect", "release", "doctor", "why", "log", "web"}}
+        assert set(redlock.commands) == commands
         app = Celery("compat", broker="redis://127.0.0.1:{port}/1", set_as_current=False)
         app.conf.broker_connection_retry = False
         app.conf.broker_connection_max_retries = 0

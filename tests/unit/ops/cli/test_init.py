@@ -14,4 +14,4 @@ def test_redlock_is_a_celery_subcommand_through_the_entry_point():
     assert celery_cli.commands.get("redlock") is redlock, (
         "celery_redlock.ops.cli:redlock is not registered; run `pip install -e .`"
     )
-    assert set(redlock.commands) == {"ls", "inspect", "release", "doctor", "why", "log"}
+    assert set(redlock.commands) == {"ls", "inspect", "release", "doctor", "why", "log", "web"}
