@@ -17,6 +17,8 @@ from .servers import RedisServer, wait_for
 
 #: The claim keys of a lock name, as tests/integration/test_unique.py reads them.
 CLAIM = "redlock:{%s}:claim"
+#: The key of a lock name (``lock_key="hold:{key}"`` is the lock name ``hold:KEY``).
+LOCK = "redlock:{%s}"
 #: Deadline of one step (a prefork worker on a loaded 2-core machine).
 STEP_TIMEOUT = 30.0
 
@@ -72,8 +74,9 @@ def make_every_event(
     ``locks`` its lock node, make each kind of event happen once more: a copy started
     after its send-time claim expired, an acquisition held and renewed, a busy refusal, a
     run deferred because its key is busy and one because of its rate, a duplicate send,
-    renewal failures and a lost lease (``locks`` paused while a lock is held). ``tag``
-    makes this round's keys and queue its own; ``gate`` is a path that does not exist."""
+    renewal failures (``locks`` paused while a lock is held) and a lost lease (its key
+    deleted). ``tag`` makes this round's keys and queue its own; ``gate`` is a path that
+    does not exist yet."""
     tasks = app.tasks
     queue = f"metered-{tag}"
     with Counted(port, "redlock_claims_expired_total", task="metered.short_claim"):
@@ -105,14 +108,20 @@ def make_every_event(
         tasks["metered.fanout"].delay(tag)  # sends metered.later twice from the worker
     with Counted(port, "redlock_renew_tick_seconds_count"):
         pass
-    locks.pause()  # the held lock's renewals time out, are retried, and it is lost
+    locks.pause()  # the held lock's renewals time out and are retried
     try:
-        with (
-            Counted(port, "redlock_lost_total", task="metered.hold"),
-            Counted(port, "redlock_renew_failures_total", task="metered.hold"),
-        ):
+        with Counted(port, "redlock_renew_failures_total", task="metered.hold"):
             pass
     finally:
-        locks.resume()
+        locks.resume()  # a retry renews it
+    try:
+        with Counted(port, "redlock_lost_total", task="metered.hold"):
+            # Taken from under its holder: the next renewal finds the key gone.
+            client = locks.client(db=0)
+            try:
+                client.delete(LOCK % f"hold:{key}")
+            finally:
+                client.close()
+    finally:
         with contextlib.suppress(OSError):
             gate.touch()

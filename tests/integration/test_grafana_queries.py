@@ -35,12 +35,6 @@ from tests.harness.servers import free_port, wait_for
 QUERY_DEADLINE = 30.0
 
 
-@pytest.fixture
-def prometheus_binary() -> str:
-    """The prometheus binary; skip without it, but fail under CI=true (CI installs it)."""
-    return require_prometheus()
-
-
 def empty_queries(prometheus, queries):
     """``{query: why}`` for each query that returns nothing now (or an error)."""
     empty = {}
@@ -83,12 +77,13 @@ def wait_for_queries(prometheus, queries, check, what):
 
 
 def test_every_query_of_the_grafana_board_returns_data_from_a_prefork_worker(
-    prometheus_binary, redis_factory, worker_process_factory, tmp_path
+    redis_factory, worker_process_factory, tmp_path
 ):
     """Every panel's PromQL, and each variable's label_values, finds series once the
     worker acquired, renewed, was busy, deferred (busy and rate), sent a duplicate,
     started a copy after its claim expired, failed renewals and lost a lease; and each
     panel shows the second round of these events (a value above zero)."""
+    binary = require_prometheus()  # a skip naming the package; under CI=true, a failure
     board = load_board()
     queries = board_queries(board)
     assert len(queries) >= 10, queries
@@ -97,9 +92,7 @@ def test_every_query_of_the_grafana_board_returns_data_from_a_prefork_worker(
     multiproc = tmp_path / "prometheus-multiproc"
     multiproc.mkdir()
     app = make_metered_app(broker.url, locks.url)
-    prometheus = PrometheusServer(
-        [f"127.0.0.1:{port}"], tmp_path / "prometheus", binary=prometheus_binary
-    )
+    prometheus = PrometheusServer([f"127.0.0.1:{port}"], tmp_path / "prometheus", binary=binary)
     try:
         prometheus.start()
         began = time.time()
