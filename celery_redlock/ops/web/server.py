@@ -29,11 +29,13 @@ from urllib.parse import unquote
 
 from celery.exceptions import CeleryCommandException
 
+from ...engine.keys import lock_keys
 from ...exceptions import ConfigurationError
 from ...integration.settings import Settings
 from ...nodes import NodeSet
 from ..budgets import held_budgets
 from ..claims import held_claims
+from ..events import Event, clock, describe, feed, key_log, story, summary
 from ..inventory import has_quorum, held_locks, nodes_status, quorum_error, resolve_key
 from ..leader import read_leader
 from ..parked import parked_runs
@@ -70,6 +72,10 @@ SECURITY_HEADERS = {
 
 #: The largest request body read (a release names one key).
 MAX_BODY = 64 * 1024
+
+
+#: Events the recent-events view shows (the feed's newest).
+RECENT_EVENTS = 50
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,55 @@ class Dashboard:
         story = task_story(self.nodeset, self.prefix, task_id)
         return self._view(story.errors, task={**story.as_dict(), "found": story.found})
 
+    def _events(self, events: list[Event], errors: dict[str, str], **more: Any) -> Reply:
+        """A view of events, each with its time and words (as ``why`` and ``log`` print).
+
+        The log is not voted on (a batch of events went to one node): what the nodes
+        that answered keep is shown, ``complete`` says whether every node answered,
+        and the events are null only when none did.
+        """
+        answered = len(errors) < len(self.nodeset)
+        body: dict[str, Any] = {
+            "now": time.time(),
+            "complete": not errors,
+            "quorum": self.nodeset.quorum,
+            "nodes": nodes_status(self.nodeset, errors),
+            "events": [
+                {**e, "key": self._lock_key(e), "time": clock(e), "text": describe(e)}
+                for e in events
+            ]
+            if answered
+            else None,
+        }
+        body.update(more)
+        return Reply(HTTPStatus.OK, body)
+
+    def _lock_key(self, event: Event) -> str | None:
+        """The lock key of the name an event gives (None: no name, or not a lock's)."""
+        try:
+            return lock_keys(str(event.get("k") or ""), self.prefix).lock
+        except ConfigurationError:
+            return None
+
+    def recent(self) -> Reply:
+        """The newest events of every lock (the feed), newest last."""
+        events, errors = feed(self.nodeset, self.prefix, RECENT_EVENTS)
+        return self._events(events, errors)
+
+    def log(self, key: str) -> Reply:
+        """One lock's history (``celery redlock log KEY``), newest last."""
+        try:
+            lock = resolve_key(key, self.prefix)
+        except ConfigurationError as exc:
+            return Reply(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
+        events, errors = key_log(self.nodeset, lock)
+        return self._events(events, errors, key=lock)
+
+    def why(self, task_id: str) -> Reply:
+        """A task id's story (``celery redlock why TASK_ID``): a summary and its events."""
+        events, errors = story(self.nodeset, self.prefix, task_id)
+        return self._events(events, errors, task_id=task_id, summary=summary(task_id, events))
+
     def release(self, request: dict[str, Any]) -> Reply:
         """Release ``request["key"]`` as ``celery redlock release KEY [--force]`` does.
 
@@ -283,6 +338,9 @@ ROUTES: list[Route] = [
     _get("/api/queued", Dashboard.queued),
     _get("/api/leader", Dashboard.leader),
     _get("/api/task/(?P<task_id>[^/]+)", Dashboard.task),
+    _get("/api/events", Dashboard.recent),
+    _get("/api/log/(?P<key>.+)", Dashboard.log),
+    _get("/api/why/(?P<task_id>[^/]+)", Dashboard.why),
 ]
 
 #: Added to :data:`ROUTES` only with ``--allow-release``: without it the path is unknown.

@@ -12,6 +12,8 @@ const REFRESH_MS = 1000;
 let meta = { allow_release: false, nodes: [] };
 /** The task id the search box shows, if any (read again at every refresh). */
 let searched = null;
+/** The lock key whose history is shown, if any (read again at every refresh). */
+let historyKey = null;
 
 // ------------------------------------------------------------------ small helpers
 
@@ -60,6 +62,30 @@ function taskLink(taskId) {
   });
 }
 
+/** A lock key that shows its history (the event log) when clicked. */
+function keyLink(key) {
+  return el("a", {
+    href: "#", class: "key-link mono", "data-history-key": key, text: key,
+    onclick: (event) => { event.preventDefault(); showHistory(key); },
+  });
+}
+
+/** Events (the log's view) as a table: time (UTC, node clock), task id, what happened. */
+function eventsTable(events, withKey) {
+  const columns = [["Time (UTC)", (e) => e.time, "mono num"]];
+  if (withKey) columns.push(["Key", (e) => (e.key ? keyLink(e.key) : e.k || "-"), "mono key"]);
+  columns.push(["Task id", (e) => taskLink(e.id)], ["What happened", (e) => e.text, "wrap"]);
+  return table(columns, events, (e) => ({ "data-event": e.e, "data-key": e.key || "",
+    "data-task-id": e.id || "" }));
+}
+
+/** An events view: unknown when no node answered, a line when empty, else a table. */
+function drawEvents(data, emptyText, withKey) {
+  if (!data.events) return [incomplete(data)];
+  if (!data.events.length) return [empty(emptyText)];
+  return [eventsTable([...data.events].reverse(), withKey)];
+}
+
 /**
  * A table. `columns` are [title, cell(row) -> string | Node, class?]; `rowAttrs(row)`
  * gives each <tr>'s attributes (data-key, data-task-id: what tests and users select).
@@ -104,7 +130,7 @@ const PANELS = {
       if (!data.locks) return [incomplete(data)];
       const parts = [];
       const columns = [
-        ["Key", (l) => l.key, "mono key"],
+        ["Key", (l) => keyLink(l.key), "mono key"],
         ["Task", (l) => l.task_name || "-", "wrap"],
         ["Task id", (l) => taskLink(l.task_id)],
         ["Worker host", (l) => l.host || "?"],
@@ -205,7 +231,36 @@ const PANELS = {
         el("dt", { text: "Fence" }), el("dd", { class: "mono", text: String(holder.fence) }))];
     },
   },
+  events: {
+    url: "/api/events",
+    draw(data) {
+      return drawEvents(data, "No event logged yet (redlock_events, the last hour).", true);
+    },
+  },
 };
+
+// ------------------------------------------------------------------ a key's history
+
+function showHistory(key) {
+  historyKey = key || null;
+  const section = document.getElementById("key-history");
+  section.hidden = !historyKey;
+  if (historyKey) {
+    document.getElementById("key-history-key").textContent = historyKey;
+    section.querySelector(".body").replaceChildren(empty("Reading…"));
+    refreshHistory();
+  }
+}
+
+async function refreshHistory() {
+  const key = historyKey;
+  if (!key) return;
+  const data = await getJSON(`/api/log/${encodeURIComponent(key)}`);
+  if (key === historyKey) {
+    document.querySelector("#key-history .body").replaceChildren(
+      ...drawEvents(data, "No event of this key is kept.", false));
+  }
+}
 
 // ------------------------------------------------------------------ the task search
 
@@ -250,12 +305,22 @@ function search(taskId) {
   }
 }
 
+/** A task id's story from the event log (`why`): its summary, then its events. */
+function drawStory(data) {
+  if (!data.events) return [incomplete(data)];
+  const parts = [el("p", { class: "summary", text: data.summary })];
+  if (data.events.length) parts.push(eventsTable(data.events, true));
+  return [el("h3", { text: "Story (event log)" }), ...parts];
+}
+
 async function refreshTask() {
   const taskId = searched;
   if (!taskId) return;
-  const data = await getJSON(`/api/task/${encodeURIComponent(taskId)}`);
+  const id = encodeURIComponent(taskId);
+  const [data, story] = await Promise.all([getJSON(`/api/task/${id}`), getJSON(`/api/why/${id}`)]);
   if (taskId === searched) {
-    document.querySelector("#task-result .body").replaceChildren(...drawTask(data));
+    document.querySelector("#task-result .body").replaceChildren(
+      el("h3", { text: "Now" }), ...drawTask(data), ...drawStory(story));
   }
 }
 
@@ -319,7 +384,8 @@ async function refresh() {
   const status = document.getElementById("status");
   const sections = [...document.querySelectorAll("section[data-panel]")];
   try {
-    const views = await Promise.all([...sections.map(refreshPanel), refreshTask()]);
+    const views = await Promise.all([...sections.map(refreshPanel), refreshTask(),
+      refreshHistory()]);
     const nodes = views[0].nodes;
     document.getElementById("nodes").textContent = nodes
       .map((n) => `${n.node} ${n.ok ? "ok" : "DOWN"}`).join(", ");
@@ -344,6 +410,7 @@ async function start() {
     search(document.getElementById("task-search").value);
   });
   document.getElementById("task-close").addEventListener("click", () => search(""));
+  document.getElementById("history-close").addEventListener("click", () => showHistory(""));
   loop();
 }
 

@@ -256,3 +256,30 @@ def test_the_command_serves_the_apps_locks(redis_node, tmp_path):
         process.terminate()
         process.wait(timeout=10)
         process.stdout.close()  # type: ignore[union-attr]
+
+
+def test_event_views_tell_a_keys_history_and_a_task_ids_story(redis_node, app, dashboard):
+    """/api/events (the feed), /api/log/<key> and /api/why/<task id>: the events as
+    ``log`` and ``why`` read them, each with its lock key, time and words."""
+    from celery_redlock.integration import events
+
+    nodeset = NodeSet([redis_node.url], timeout=1.0)
+    for event, fields in (("acquired", {"fence": 3, "waited_ms": 0}), ("released", {"held_ms": 9})):
+        events.record(app, nodeset, event, ("redlock:{api:acme}",), "proj.t", "t-1", **fields)
+    events.record(app, nodeset, "busy", ("redlock:{other}",), "proj.t", "t-2", then="skip")
+    assert events.flush()
+    nodeset.close()
+    served = dashboard(app)
+
+    recent = served.get("/api/events")["events"]
+    assert [(e["e"], e["key"]) for e in recent] == [
+        ("acquired", "redlock:{api:acme}"), ("released", "redlock:{api:acme}"),
+        ("busy", "redlock:{other}"),
+    ]  # fmt: skip
+    log = served.get("/api/log/" + urllib.request.quote("redlock:{api:acme}", safe=""))
+    assert log["key"] == "redlock:{api:acme}" and [e["id"] for e in log["events"]] == ["t-1"] * 2
+    assert log["events"][1]["text"].startswith("released api:acme after 0.009s")
+    assert served.get("/api/log/api:acme")["events"] == log["events"], "a name works too"
+    why = served.get("/api/why/t-2")
+    assert why["summary"].startswith("t-2: skipped at ") and why["complete"] is True
+    assert [e["e"] for e in why["events"]] == ["busy"]

@@ -53,9 +53,9 @@ def app(celery_redis, gate):
     close_app(app)
 
 
-def rows(browser, key):
-    """The page's rows of lock ``key`` (in any panel)."""
-    return browser.find_elements(CSS, f'tr[data-key="{key}"]')
+def rows(browser, key, panel="locks"):
+    """The page's rows of lock ``key`` in ``panel`` (locks: the locks held)."""
+    return browser.find_elements(CSS, f'[data-panel="{panel}"] tr[data-key="{key}"]')
 
 
 def running_lock(app, celery_redis):
@@ -75,7 +75,9 @@ def test_a_running_tasks_lock_shows_with_its_holder_and_goes_when_it_ends(
 ):
     """A lock a running task holds appears within 2 s with its task, task id, worker host
     and pid; searching its task id shows what the task holds; the page has no release
-    control; when the task ends, the lock disappears within 2 s."""
+    control; when the task ends, the lock disappears within 2 s, the task id's story
+    says it started and ended, and the key's history (recent events, and the history
+    its link opens) shows its acquisition and release."""
     inprocess_worker_factory(app, pool="threads", concurrency=2)
     served = dashboard(app)
     browser.get(served.url)
@@ -103,6 +105,19 @@ def test_a_running_tasks_lock_shows_with_its_holder_and_goes_when_it_ends(
     wait_for(lambda: not rows(browser, key), timeout=SHOWN_WITHIN, interval=0.05)
     wait_for(lambda: "Not on the lock nodes" in story.text, timeout=SHOWN_WITHIN, interval=0.05)
     assert "No locks held." in browser.find_element(CSS, "[data-panel=locks]").text
+    # The event log: the task id's story (why), the key's history after its release.
+    wait_for(lambda: "ended" in story.text, timeout=SHOWN_WITHIN, interval=0.05)
+    assert f"{result.id}: started " in story.text and f"released {key[9:-1]}" in story.text
+    events = wait_for(
+        lambda: len(rows(browser, key, "events")) == 2 and rows(browser, key, "events"),
+        timeout=SHOWN_WITHIN,
+        interval=0.05,
+    )
+    assert [row.get_attribute("data-event") for row in events] == ["released", "acquired"]
+    events[0].find_element(CSS, "a.key-link").click()
+    history = browser.find_element(ID, "key-history")
+    wait_for(lambda: "released" in history.text, timeout=SHOWN_WITHIN, interval=0.05)
+    assert key in history.text and "acquired" in history.text and result.id in history.text
 
 
 def test_release_with_basic_auth_frees_a_running_tasks_lock_and_the_page_shows_it(
