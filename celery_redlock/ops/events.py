@@ -118,7 +118,7 @@ def describe(event: Event) -> str:
     if kind == "acquired":
         waited = event.get("waited_ms") or 0
         after = f" after waiting {waited} ms" if waited else ""
-        return f"acquired {key} (fence {event.get('fence')}){after}; the body ran {where}"
+        return f"acquired {key} (fence {event.get('fence')}){after}; its body started {where}"
     if kind == "busy":
         then = event.get("then")
         holder = _short(event.get("holder"))
