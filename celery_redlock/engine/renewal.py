@@ -40,6 +40,7 @@ import operator
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..base import forksafe, metrics
@@ -53,6 +54,12 @@ if TYPE_CHECKING:
 __all__ = ["CHUNK_BUDGET", "COALESCE", "Renewer", "get_renewer"]
 
 logger = logging.getLogger("celery_redlock.renewal")
+
+#: Called after a tick that started more than a quarter of its renewal interval late,
+#: with its leases and how late (seconds): the Celery layer logs ``renewed_late`` events
+#: (:mod:`celery_redlock.integration.events`). On the renewer's thread, after the
+#: renewal: a hook must be quick and must not raise.
+LATE_HOOKS: list[Callable[[Sequence[Lease], float], None]] = []
 
 _nodeset = operator.attrgetter("nodeset")
 
@@ -287,6 +294,9 @@ class Renewer:
             self.ticks += 1
         if metrics.enabled:
             metrics.tick(clock() - started, 0.0 if due is None else started - due)
+        if due is not None and LATE_HOOKS and started - due > leases[0].timing.renew_interval / 4:
+            for hook in LATE_HOOKS:
+                hook(leases, started - due)
 
     def _renew_group(self, leases: list[Lease]) -> None:
         nodeset = leases[0].nodeset

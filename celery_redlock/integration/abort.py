@@ -79,6 +79,15 @@ def track(lease: Any, task_id: str | None) -> None:
         ensure_signal_handler()
 
 
+def task_of(lease: Any) -> str | None:
+    """The task id of the body running under ``lease`` in this process, if one does."""
+    for entries in list(_running.values()):
+        for entry in entries:
+            if entry.lease is lease:
+                return entry.task_id
+    return None
+
+
 def untrack(lease: Any) -> None:
     """The calling thread's body under ``lease`` has ended: later aborts for it are stale."""
     thread = threading.get_ident()

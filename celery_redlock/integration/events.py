@@ -39,9 +39,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..base import forksafe
+from ..engine import renewal
 from ..engine.keys import feed_key, keys_of, lock_name_of
+from ..engine.lease import Lease
 from ..engine.scripts import LOG
 from ..nodes import NodeSet
+from . import abort
 from .settings import Settings, app_settings
 
 __all__ = [
@@ -74,6 +77,8 @@ EVENTS: dict[str, str] = {
     "unavailable, debounce, throttle; ``in_ms``: its countdown; ``parked``: parked on a "
     "lock node, else on the queue)",
     "released": "the run released its lock (``held_ms``)",
+    "renewed_late": "the watchdog renewed the run's lease late (``lag_ms``: more than a "
+    "quarter of the renewal interval after it was due: a starved process or a slow node)",
     "lost": "the run's lease was lost while it ran (``then``: abort, revoke, ignore)",
     "reaped": "the worker's main process released the lock of its dead pool process "
     "(``child``: that process's pid)",
@@ -224,6 +229,27 @@ def flush(timeout: float = 5.0) -> bool:
             return False
         writer.write_pending()
     return True
+
+
+def _renewed_late(leases: Sequence[Lease], lag: float) -> None:
+    """Log ``renewed_late`` for each lease of a late tick whose body runs in this process.
+
+    Only where a run of this process logged an event on the lease's nodes already (so
+    the log is on, and its writer is there): the renewer does not read settings.
+    """
+    for lease in leases:
+        if lag <= lease.timing.renew_interval / 4:
+            continue
+        key = lease.keys.lock
+        writer = _writers.get((id(lease.nodeset), key[: key.index("{")]))
+        if writer is None:
+            continue
+        fields = {"task": lease.task_name, "id": abort.task_of(lease), "host": _HOST,
+                  "pid": forksafe.pid(), "lag_ms": round(lag * 1000)}  # fmt: skip
+        writer.add("renewed_late", (key,), fields)
+
+
+renewal.LATE_HOOKS.append(_renewed_late)
 
 
 @forksafe.at_fork_in_child

@@ -144,6 +144,9 @@ def describe(event: Event) -> str:
         }.get(str(event.get("reason")), str(event.get("reason")))
         seconds = (event.get("in_ms") or 0) / 1000
         return f"deferred on {key}: {reason}; {place}, due in {seconds:.3f}s {where}"
+    if kind == "renewed_late":
+        lag = (event.get("lag_ms") or 0) / 1000
+        return f"its lease on {key} was renewed {lag:.3f}s late (a starved process?) {where}"
     if kind == "released":
         return f"released {key} after {(event.get('held_ms') or 0) / 1000:.3f}s {where}"
     if kind == "lost":

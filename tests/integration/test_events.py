@@ -248,3 +248,31 @@ def test_the_log_off_writes_nothing(celery_redis, nodes):
     finally:
         close_app(app)
     assert key_log(nodes, "redlock:{off}")[0] == []
+
+
+def test_a_tick_that_ran_late_logs_renewed_late_for_the_running_task(celery_redis, nodes):
+    """The watchdog's tick starts a second after it was due (a starved process): the
+    lease of the task body running under it gets a ``renewed_late`` event with the lag."""
+    from celery_redlock import Redlock
+    from celery_redlock.engine.lease import clock
+    from celery_redlock.engine.renewal import get_renewer
+    from celery_redlock.integration import abort
+
+    app = create_app(celery_redis.url)
+    lock = Redlock("late:1", nodes=[nodes.nodes[0].url], ttl=3, task_name="proj.late")
+    try:
+        assert lock.acquire(blocking=False)
+        events.record(app, lock.nodeset, "acquired", (lock.key,), "proj.late", "t-late", fence=1)
+        abort.track(lock.lease, "t-late")
+        try:
+            get_renewer().renew([lock.lease], due=clock() - 1.0)
+        finally:
+            abort.untrack(lock.lease)
+        assert events.flush()
+    finally:
+        lock.release()
+        close_app(app)
+    found = told(nodes, "t-late", "acquired", "renewed_late")
+    late = found[-1]
+    assert late["lag_ms"] >= 1000 and late["task"] == "proj.late"
+    assert "renewed 1." in describe(late)
