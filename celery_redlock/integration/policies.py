@@ -91,8 +91,8 @@ DEFERRALS_HEADER = "redlock_deferrals"
 #: its retries and copies put back keep it (:mod:`celery_redlock.integration.unique`).
 CLAIMED_HEADER = "redlock_claimed"
 
-#: Called with the running delivery and its countdown before its run is parked (the
-#: Celery layer registers what it must keep over the wait: a send-time claim).
+#: Called with the running delivery and how long its run may wait parked, before it is
+#: parked (the Celery layer registers what it must keep over the wait: a send-time claim).
 PARK_HOOKS: list[Callable[[Task, float], None]] = []
 
 #: Header of a copy put back because its key was busy: the lock key whose release may
@@ -265,9 +265,10 @@ def defer(
     with its arguments and options (headers, links, ``retries`` as they were: it is not
     a retry), counted in :data:`DEFERRALS_HEADER`, with ``headers`` added
     (``args``/``kwargs``: other arguments, as :func:`put_back` takes them). Before a run
-    is parked, :data:`PARK_HOOKS` are called (a copy holding a send-time claim keeps it
-    over its countdown, as one published again does); such a copy waiting for a key's
-    release goes back on the queue, where each put-back renews its claim.
+    is parked, :data:`PARK_HOOKS` are called with how long it may wait parked (a copy
+    holding a send-time claim keeps it that long: its countdown, or, waiting for a key's
+    release, as long as a parked run is kept; its publication takes the claim again for
+    ``lock_unique_ttl``).
     ``wake``: the lock key whose release may start the copy before its countdown
     (:data:`WAKE_HEADER`, read by :mod:`celery_redlock.integration.wakeups` in the worker); the
     copy is recorded on ``nodeset`` among the runs waiting for it (``ls``: QUEUED), with
@@ -286,14 +287,13 @@ def defer(
     if wake is not None and nodeset is not None:
         note_queued(nodeset, keys_of(wake), task_id, countdown)
     token = None
-    # A copy holding a send-time claim keeps it while it waits for as long as its claim
-    # is carried: over a known countdown (its slot, a debounce, a throttle window), not
-    # over a wait for a key's release, which only a copy published again renews.
-    claimed = request_header(task.request, CLAIMED_HEADER)
-    if spot is not None and not (claimed and spot.kind == "busy"):
+    if spot is not None:
         try:
+            # A run waiting for a key's release waits as long as the key is held: its
+            # claim (a follow-up's) must outlive that, up to the parked run's lifetime.
+            waits = parking.LIFETIME if spot.kind == "busy" else countdown
             for hook in PARK_HOOKS:
-                hook(task, countdown)
+                hook(task, waits)
             delay = 0.0 if spot.kind == "busy" else countdown
             token = parking.park(task, delay, added, spot, args=args, kwargs=kwargs)
         except Exception:  # the queue still takes it

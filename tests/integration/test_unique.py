@@ -26,6 +26,7 @@ from celery_redlock import (
     Redlock,
     lock_configured_tasks,
 )
+from celery_redlock.integration.parking import LIFETIME
 from tests.apps.unique import make_unique_app
 from tests.harness import close_app, holder_pid, wait_for
 from tests.harness.celery_workers import BROKER_DB, make_app, redis_url_with_db
@@ -588,8 +589,10 @@ def test_until_finished_a_retry_keeps_its_claim_over_a_countdown_longer_than_the
 def test_until_started_the_waiting_follow_up_keeps_its_claim_while_it_waits(
     app, celery_redis, inprocess_worker_factory, tmp_path, caplog
 ):
-    """A 1 s claim; the follow-up of a running copy waits on the queue for seconds: it
-    stays the one follow-up (no second one published), and runs after the running one."""
+    """A 1 s claim; the follow-up of a running copy waits, parked, for the running one
+    to end: its claim is carried for as long as a parked run is kept (not the claim's
+    1 s), so it stays the one follow-up (no second one published), and it runs after
+    the running one, published once, when the key is free."""
     inprocess_worker_factory(app, pool="threads", concurrency=2)
     gate, out = tmp_path / "gate", tmp_path / "runs"
     task = app.tasks["unique.brief.until_started"]
@@ -597,14 +600,15 @@ def test_until_started_the_waiting_follow_up_keeps_its_claim_while_it_waits(
     wait_for(out.exists, timeout=10)
     with caplog.at_level(logging.INFO, logger="celery_redlock.task"):
         follow_up = task.delay("a", str(gate), str(out))
-        wait_for(lambda: any("follows the running copy" in r.message for r in caplog.records))
-        wait_for(lambda: caplog.text.count("follows the running copy") >= 3, timeout=20)
-    # The follow-up has waited well past its claim's 1 s; it still holds it.
+        wait_for(lambda: "follows the running copy; parked" in caplog.text, timeout=20)
     assert claim_holder(celery_redis, "a", name="brief") == follow_up.id
+    (claim,) = claim_keys(celery_redis, "brief:a")
+    assert celery_redis.client(db=0).pttl(claim) > 0.9 * LIFETIME * 1000, "outlives 1 s"
     assert task.delay("a", str(gate), str(out)).id == follow_up.id
     gate.touch()
     assert get(running) == "a" and get(follow_up) == "a"
     assert out.read_text().split() == [running.id, follow_up.id]
+    assert caplog.text.count("follows the running copy") == 1, "parked once, not put back"
 
 
 def test_two_tasks_naming_one_resource_are_not_duplicates_of_each_other(
