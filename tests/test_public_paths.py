@@ -25,7 +25,8 @@ import celery_redlock
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A dotted path of the package in prose or code, with an optional ``:attribute``.
-DOTTED = re.compile(r"celery_redlock(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_]\w*)?")
+#: A dotted path of the package; not a file name in a path (``grafana/celery_redlock.json``).
+DOTTED = re.compile(r"(?<![\w/.-])celery_redlock(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_]\w*)?")
 
 #: The documented names of each public module (docs/reference/*.md).
 PUBLIC = {

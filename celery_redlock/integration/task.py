@@ -51,7 +51,15 @@ from ..engine.lock import Redlock
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from . import abort, budgets, events, policies, reaper, unique
 from .names import call_lock_name, signature
-from .parking import MAYBE_HEADER, PARKED_HEADER, Spot, can_park, claim_start
+from .parking import (
+    IN_PLACE_HEADER,
+    MAYBE_HEADER,
+    PARKED_HEADER,
+    Spot,
+    can_park,
+    claim_start,
+    mark_slow,
+)
 from .policies import (
     Skipped,
     already_done,
@@ -532,7 +540,7 @@ def acquire_for(
     announce_lock(reaper.announce, lock, task_id)
     began = time.monotonic()
     try:
-        waited = _take(lock, options, task_id)
+        waited = _take(lock, options, task_id, _in_place(task))
     except NodeUnavailable as exc:
         announce_lock(reaper.forget, lock, task_id)
         if settings.fail_open:
@@ -676,8 +684,20 @@ def _first_copy(task: Task, lock: Redlock, settings: Settings, task_id: str) -> 
     return claim_start(lock.nodeset, settings.key_prefix, task_id, str(token or ""), gate, horizon)
 
 
-def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> bool:
-    """Acquire, waiting only with ``on_busy="wait"`` and never for our own task id.
+def _in_place(task: Task) -> float:
+    """Seconds this copy may wait in place for a busy key (:data:`parking.IN_PLACE_HEADER`)."""
+    try:
+        return max(0.0, float(request_header(task.request, IN_PLACE_HEADER) or 0.0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _take(lock: Redlock, options: TaskLockOptions, task_id: str, in_place: float = 0.0) -> bool:
+    """Acquire, waiting with ``on_busy="wait"`` or ``in_place`` seconds, not for its own id.
+
+    ``in_place``: a parked run's copy published as the previous holder started waits
+    that long for its release; if it does not come, the key is marked slow
+    (:func:`parking.mark_slow`) and the busy policy applies.
 
     Returns whether it had to wait (another delivery of this task id may have run
     meanwhile).
@@ -685,9 +705,12 @@ def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> bool:
     try:
         lock.try_acquire()
     except LockBusy as busy:
-        if options.on_busy != "wait" or busy.holder == task_id:
+        if busy.holder == task_id or (options.on_busy != "wait" and not in_place):
             raise
-        if not lock.acquire(timeout=options.wait_timeout):
+        timeout = options.wait_timeout if options.on_busy == "wait" else in_place
+        if not lock.acquire(timeout=timeout):
+            if options.on_busy != "wait":
+                mark_slow(lock.nodeset, lock.key)
             lock.try_acquire()
         return True
     return False

@@ -91,7 +91,7 @@ def leader_key(server, app: str = "beatapp") -> str | None:
     keys = [
         k
         for k in server.client().scan_iter(f"redlock:{{beat:{app}@*")
-        if not k.endswith((":fence", ":state"))
+        if not k.endswith((":fence", ":state", ":log"))
     ]
     assert len(keys) <= 1, f"one leader lock per project: {keys}"
     return keys[0] if keys else None
@@ -286,7 +286,7 @@ def test_two_projects_with_one_app_name_and_their_own_brokers_both_dispatch(
     leaders = [
         k
         for k in locks.client().scan_iter("redlock:{beat:*")
-        if not k.endswith((":fence", ":state"))
+        if not k.endswith((":fence", ":state", ":log"))
     ]
     assert len(leaders) == 0, "both leaders handed over on a clean stop"
     for beat in beats:
