@@ -188,14 +188,15 @@ def summary(task_id: str, events: Iterable[Event]) -> str:
         key = next(e.get("k") for e in events if e.get("reason") == reason)
         parts.append(f"deferred {times} time(s) ({reason}) on {key}")
     busy = [event for event in events if event.get("e") == "busy"]
+    retried = sum(1 for event in busy if event.get("then") == "retry")
+    if retried:
+        parts.append(f"retried {retried} time(s): {busy[0].get('k')} was busy")
     if busy and busy[-1] is events[-1]:
         then = busy[-1].get("then")
         if then == "skip":
             parts.append(f"skipped at {clock(busy[-1])}: {busy[-1].get('k')} was busy")
         elif then == "raise":
             parts.append(f"failed with LockBusy at {clock(busy[-1])}")
-        elif then == "retry":
-            parts.append(f"retried: {busy[-1].get('k')} was busy at {clock(busy[-1])}")
     if kinds["claim_expired"]:
         parts.append("its send-time claim had expired when it started")
     acquired = [event for event in events if event.get("e") == "acquired"]

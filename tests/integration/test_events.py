@@ -124,6 +124,9 @@ def test_a_retried_run_says_busy_retry_then_acquired(app, nodes, inprocess_worke
     found = told(nodes, result.id, "busy", "acquired", "released")
     assert found[0]["then"] == "retry"
     assert "retried" in describe(found[0])
+    text = summary(result.id, found)
+    retries = sum(1 for e in found if e["e"] == "busy")
+    assert f"retried {retries} time(s): res:acct-3 was busy" in text and "started" in text, text
 
 
 def test_a_rated_run_says_how_often_its_budget_deferred_it(app, nodes, inprocess_worker_factory):
