@@ -23,10 +23,15 @@ What makes a parked run due:
   such as a :class:`~celery_redlock.RateLimit` drawing on the budget, is placed after
   the reserved starts). A run whose slot is gone (its budget is full past
   :data:`AHEAD`) is parked again, without going through the broker.
-* put back because its key was busy: its key's release. It is taken only while the
-  lock is free (no holder; fewer holders than ``lock_limit``) and no other run waiting
-  for the key was just handed it (a short hand-off mark), so one run per release goes
-  through the broker, not every waiting one.
+* put back because its key was busy: its key's release. It is taken only while no
+  other run waiting for the key was just handed it (a short hand-off mark, cleared as
+  that run's copy starts), so one run per release goes through the broker, not every
+  waiting one; and while the lock is free (no holder; fewer holders than
+  ``lock_limit``), but for an exclusive lock: there it is taken as the previous run
+  starts, and its copy waits in place for the release (:data:`IN_PLACE`), granted the
+  lock as it is released instead of crossing the broker after it. A copy that waited
+  in vain marks the key slow (:data:`SLOW`): its runs are then taken only once it is
+  free, so a key held long costs one wait in place per period, not one per run.
 * its nodes did not answer: a backoff
   (:data:`~celery_redlock.integration.policies.UNAVAILABLE_BUDGET` bounds how long a run
   is put back so).

@@ -279,3 +279,30 @@ def test_a_tick_that_ran_late_logs_renewed_late_for_the_running_task(celery_redi
     late = found[-1]
     assert late["lag_ms"] >= 1000 and late["task"] == "proj.late"
     assert "renewed 1." in describe(late)
+
+
+def test_a_redlock_outside_a_task_writes_no_event(redis_node, monkeypatch):
+    """The engine's acquire, renew and release never log: the event log is the Celery
+    layer's (so the engine benchmarks carry none of its cost)."""
+    from celery_redlock import Redlock
+
+    import threading
+
+    sent = []
+    call = NodeSet.call
+    me = threading.get_ident()
+
+    def spy(self, calls, **kwargs):
+        # This thread's calls only: another test's writer may still be flushing.
+        flat = [c for group in calls for c in (group if isinstance(group, list) else [group])]
+        if threading.get_ident() == me:
+            sent.extend(c.script.name for c in flat if c is not None and c.script is not None)
+        return call(self, calls, **kwargs)
+
+    monkeypatch.setattr(NodeSet, "call", spy)
+    lock = Redlock("engine:only", nodes=[redis_node.url], ttl=1)
+    for _ in range(3):
+        assert lock.acquire(blocking=False)
+        lock.extend()
+        lock.release()
+    assert sent and "log" not in sent, sent
