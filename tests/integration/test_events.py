@@ -284,9 +284,9 @@ def test_a_tick_that_ran_late_logs_renewed_late_for_the_running_task(celery_redi
 def test_a_redlock_outside_a_task_writes_no_event(redis_node, monkeypatch):
     """The engine's acquire, renew and release never log: the event log is the Celery
     layer's (so the engine benchmarks carry none of its cost)."""
-    from celery_redlock import Redlock
-
     import threading
+
+    from celery_redlock import Redlock
 
     sent = []
     call = NodeSet.call
