@@ -36,6 +36,7 @@ retries with ``lock_on_busy="retry"``; runs without its budget with
 from __future__ import annotations
 
 import logging
+import math
 import random
 import secrets
 import time
@@ -133,7 +134,9 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
             # broker's visibility timeout) if no node takes it.
             spot = parking.spot(nodeset, "rate", lock.key, options, budget=budget)
             countdown = min(wait + jitter, longest_hold(task.app))
-            defer(task, task.request.id, countdown, why, reason="rate", spot=spot)
+            place = max(1, math.ceil(wait * budget.limit / budget.window))
+            defer(task, task.request.id, countdown, why, reason="rate", spot=spot,
+                  detail={"rate": str(budget), "place": place})  # fmt: skip
         time.sleep(wait + jitter)
 
 

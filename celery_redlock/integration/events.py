@@ -54,6 +54,7 @@ __all__ = [
     "EVENTS_IN_FEED",
     "EVENTS_PER_KEY",
     "FLUSH",
+    "STARTED_LATE",
     "flush",
     "record",
 ]
@@ -69,13 +70,18 @@ EVENTS: dict[str, str] = {
     "(``id``: that copy; ``then``: return or raise)",
     "claim_expired": "a copy started after its send-time claim had expired",
     "acquired": "the run took its lock (``fence``; ``waited_ms``: how long it waited)",
+    "started_late": "a run given a start time (a countdown or eta: a rate slot, a "
+    "debounce) took its lock more than STARTED_LATE after it (``late_ms``)",
     "busy": "the run found its key held (``holder``: the holder's task id; ``then``: "
     "skip, retry, raise, wait, requeue; follows: a follow-up (lock_unique, debounce, "
     "throttle) waits for the holder; redelivered: a second delivery of the holder's "
     "own task id waits for it)",
     "deferred": "the run will start later (``reason``: rate, busy, follows, "
     "unavailable, debounce, throttle; ``in_ms``: its countdown; ``parked``: parked on a "
-    "lock node, else on the queue)",
+    "lock node, else on the queue; for rate: ``rate`` and ``place``, how many slots of "
+    "the budget from now its start is)",
+    "claim_freed": "the copy's send-time claim was handed back (it started, until_started; "
+    "it ended, until_finished; it was revoked)",
     "released": "the run released its lock (``held_ms``)",
     "renewed_late": "the watchdog renewed the run's lease late (``lag_ms``: more than a "
     "quarter of the renewal interval after it was due: a starved process or a slow node)",
@@ -85,6 +91,9 @@ EVENTS: dict[str, str] = {
     "not_again": "the run did not start: another delivery of its task id ran or runs",
     "leader": "a beat became (``then``: won) or stopped being (lost) the leader",
 }
+
+#: Seconds after its eta (countdown) a run may take its lock before ``started_late``.
+STARTED_LATE = 1.0
 
 #: Events kept per lock (its ``log`` list).
 EVENTS_PER_KEY = 100

@@ -253,6 +253,7 @@ def defer(
     headers: dict[str, Any] | None = None,
     args: Any = None,
     kwargs: Any = None,
+    detail: dict[str, Any] | None = None,
 ) -> NoReturn:
     """Park this run (``spot``) or put it back on the queue, and end this delivery.
 
@@ -276,7 +277,7 @@ def defer(
     first. (A copy refused by its rate budget was recorded by its admission.)
 
     ``reason``: why it waits, as its ``deferred`` event says
-    (:mod:`~celery_redlock.integration.events`).
+    (:mod:`~celery_redlock.integration.events`), with ``detail``'s fields.
 
     Raises:
         Requeued: always; the body must not run.
@@ -303,7 +304,8 @@ def defer(
     lock = spot.lock if spot is not None else wake
     if where is not None and lock is not None:
         events.record(task.app, where, "deferred", (lock,), task.name, task_id,
-                      reason=reason, in_ms=round(countdown * 1000), parked=parked)  # fmt: skip
+                      reason=reason, in_ms=round(countdown * 1000), parked=parked,
+                      **(detail or {}))  # fmt: skip
     if parked:
         logger.info("Task %s[%s] %s; parked, due in %.3fs", task.name, task_id, why, countdown)
         raise Requeued(why)

@@ -39,12 +39,14 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from functools import partial
 from typing import Any
 
 from celery import Celery, Task, states
 from celery.exceptions import Ignore
 from celery.result import EagerResult
+from celery.utils.time import maybe_iso8601
 
 from ..engine.keys import handed_key
 from ..engine.lock import Redlock
@@ -589,6 +591,9 @@ def acquire_for(
     abort.track(lock.lease, task_id)
     waited_ms = round((time.monotonic() - began) * 1000) if waited else 0
     record(task, lock, "acquired", task_id, fence=lock.fence, waited_ms=waited_ms)
+    late = _late(task.request)
+    if late > events.STARTED_LATE:
+        record(task, lock, "started_late", task_id, late_ms=round(late * 1000))
     logger.debug("Task %s[%s] holds %s, fence %s", task.name, task_id, lock.key, lock.fence)
     return lock
 
@@ -682,6 +687,20 @@ def _first_copy(task: Task, lock: Redlock, settings: Settings, task_id: str) -> 
     horizon = (visibility[1] if visibility else budgets.MAX_HOLD) + 60.0
     gate = handed_key(lock.resources[0])
     return claim_start(lock.nodeset, settings.key_prefix, task_id, str(token or ""), gate, horizon)
+
+
+def _late(request: Any) -> float:
+    """Seconds since the delivery's eta (a countdown's end); 0.0 without one."""
+    eta = getattr(request, "eta", None)
+    if not eta:
+        return 0.0
+    try:
+        moment: datetime = maybe_iso8601(eta)
+    except (TypeError, ValueError):
+        return 0.0
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - moment).total_seconds()
 
 
 def _in_place(task: Task) -> float:

@@ -393,6 +393,8 @@ def _free(
         if metrics.enabled:
             metrics.claim_expired(task.name)
         events.record(task.app, nodeset, "claim_expired", (keys.lock,), task.name, task_id)
+    elif status != UnclaimStatus.GONE:
+        events.record(task.app, nodeset, "claim_freed", (keys.lock,), task.name, task_id)
 
 
 def _requeue(

@@ -113,6 +113,11 @@ def describe(event: Event) -> str:
     if kind == "duplicate":
         how = "raised LockBusy" if event.get("then") == "raise" else "was given its result"
         return f"a second send for {key} found this copy queued or running and {how} {where}"
+    if kind == "claim_freed":
+        return f"handed back its send-time claim on {key} {where}"
+    if kind == "started_late":
+        late = (event.get("late_ms") or 0) / 1000
+        return f"took {key} {late:.3f}s after its start time (eta) {where}"
     if kind == "claim_expired":
         return f"started after its send-time claim on {key} had expired {where}"
     if kind == "acquired":
@@ -143,7 +148,8 @@ def describe(event: Event) -> str:
             "throttle": "its throttle window is not over (lock_throttle)",
         }.get(str(event.get("reason")), str(event.get("reason")))
         seconds = (event.get("in_ms") or 0) / 1000
-        return f"deferred on {key}: {reason}; {place}, due in {seconds:.3f}s {where}"
+        slot = f" ({event['rate']}: slot {event['place']} from now)" if event.get("place") else ""
+        return f"deferred on {key}: {reason}{slot}; {place}, due in {seconds:.3f}s {where}"
     if kind == "renewed_late":
         lag = (event.get("lag_ms") or 0) / 1000
         return f"its lease on {key} was renewed {lag:.3f}s late (a starved process?) {where}"

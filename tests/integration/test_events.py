@@ -142,6 +142,8 @@ def test_a_rated_run_says_how_often_its_budget_deferred_it(app, nodes, inprocess
     assert sum(1 for d in deferred.values() if d) >= 2, "5 runs at 2/s: some waited"
     task_id, mine = max(deferred.items(), key=lambda item: len(item[1]))
     assert {e["reason"] for e in mine} == {"rate"} and all(e["parked"] for e in mine)
+    assert all(e["rate"] == "2/s" and e["place"] >= 1 for e in mine), mine
+    assert "(2/s: slot " in describe(mine[0])
     text = summary(task_id, stories[task_id])
     assert f"deferred {len(mine)} time(s) (rate) on api:acme" in text, text
 
@@ -172,6 +174,7 @@ def test_a_duplicate_send_is_in_the_story_of_the_copy_it_returned(
     assert get(first) == first.id
     found = told(nodes, first.id, "claimed", "duplicate", "acquired", "released")
     assert found[1]["then"] == "return"
+    assert "claim_freed" in [e["e"] for e in found], "until_started: handed back at start"
     text = summary(first.id, found)
     assert text.startswith(f"{first.id}: sent ") and "returned to 1 duplicate send(s)" in text
 
@@ -306,3 +309,20 @@ def test_a_redlock_outside_a_task_writes_no_event(redis_node, monkeypatch):
         lock.extend()
         lock.release()
     assert sent and "log" not in sent, sent
+
+
+def test_a_run_that_takes_its_lock_long_after_its_eta_logs_started_late(
+    app, nodes, inprocess_worker_factory
+):
+    """A run whose eta was 5 s ago (a slot, a countdown, a worker that was down) takes
+    its lock: ``started_late`` says by how much."""
+    from datetime import datetime, timedelta, timezone
+
+    inprocess_worker_factory(app, pool="threads", concurrency=2)
+    eta = datetime.now(timezone.utc) - timedelta(seconds=5)
+    result = app.tasks["tests.apps.locked.hold"].apply_async(("acct-late",), eta=eta)
+    get(result)
+    found = told(nodes, result.id, "acquired", "started_late")
+    late = next(e for e in found if e["e"] == "started_late")
+    assert late["late_ms"] >= 5000
+    assert f"took {late['k']} 5." in describe(late)
