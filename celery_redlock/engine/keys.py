@@ -71,9 +71,6 @@ Beside a lock's keys, one place per prefix holds the runs that wait their turn
                               (the newest EVENTS_IN_FEED), which ``why`` searches
     redlock:{NAME}:handed     string, short-lived: a run waiting for NAME's release
                               was just published (one at a time per key)
-    redlock:{NAME}:slow       string, short-lived: a run published while NAME was
-                              held found it still held after waiting in place; runs
-                              waiting for NAME are published only once it is free
 
 The braces are a Redis Cluster hash tag, so a lock's keys always share one slot
 and one script can touch them all. Redis hashes a key by the text between its first
@@ -123,7 +120,6 @@ __all__ = [
     "parse_key",
     "process_channel",
     "release_keys",
-    "slow_key",
     "validate_prefix",
 ]
 
@@ -294,11 +290,6 @@ def feed_key(prefix: str = DEFAULT_PREFIX) -> str:
 def handed_key(keys: LockKeys) -> str:
     """The hand-off mark of the lock ``keys``: a run waiting for it was just published."""
     return f"{keys.lock}:handed"
-
-
-def slow_key(keys: LockKeys) -> str:
-    """The mark of a lock whose holds outlast an in-place wait (``take_due.lua``)."""
-    return f"{keys.lock}:slow"
 
 
 def parse_key(key: str, prefix: str = DEFAULT_PREFIX) -> tuple[LockKeys, str] | None:

@@ -23,15 +23,10 @@ What makes a parked run due:
   such as a :class:`~celery_redlock.RateLimit` drawing on the budget, is placed after
   the reserved starts). A run whose slot is gone (its budget is full past
   :data:`AHEAD`) is parked again, without going through the broker.
-* put back because its key was busy: its key's release. It is taken only while no
-  other run waiting for the key was just handed it (a short hand-off mark, cleared as
-  that run's copy starts), so one run per release goes through the broker, not every
-  waiting one; and while the lock is free (no holder; fewer holders than
-  ``lock_limit``), but for an exclusive lock: there it is taken as the previous run
-  starts, and its copy waits in place for the release (:data:`IN_PLACE`), granted the
-  lock as it is released instead of crossing the broker after it. A copy that waited
-  in vain marks the key slow (:data:`SLOW`): its runs are then taken only once it is
-  free, so a key held long costs one wait in place per period, not one per run.
+* put back because its key was busy: its key's release. It is taken only while the
+  lock is free (no holder; fewer holders than ``lock_limit``) and no other run waiting
+  for the key was just handed it (a short hand-off mark), so one run per release goes
+  through the broker, not every waiting one.
 * its nodes did not answer: a backoff
   (:data:`~celery_redlock.integration.policies.UNAVAILABLE_BUDGET` bounds how long a run
   is put back so).
@@ -69,15 +64,13 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 from redis.exceptions import ResponseError
 
 from ..base import forksafe
-from ..engine.keys import handed_key, keys_of, parked_keys, slow_key
+from ..engine.keys import handed_key, keys_of, parked_keys
 from ..engine.rate import Budget, judge, rate_calls, return_calls
 from ..engine.scripts import PARK, TAKE_DUE, UNPARK, UnparkStatus
 from ..nodes import Call, NodeSet, Reply
 
 __all__ = [
     "AHEAD",
-    "IN_PLACE",
-    "IN_PLACE_HEADER",
     "LEASE",
     "MAYBE_HEADER",
     "MEMBER_HEADER",
@@ -87,7 +80,6 @@ __all__ = [
     "Spot",
     "can_park",
     "claim_start",
-    "mark_slow",
     "park",
     "spot",
     "start_publisher",
@@ -128,20 +120,6 @@ HOLD = 10.0
 #: is due again and any worker publishes it. The bound on how late a dead worker makes
 #: a parked run: its slot (or release) + LEASE + a tick.
 LEASE = 10.0
-
-#: Header of a copy published while its key was held, by a holder that had just
-#: started: seconds the copy waits in place for the key's release before it is parked
-#: again (then the key is marked slow: :data:`SLOW`).
-IN_PLACE_HEADER = "redlock_in_place"
-
-#: Seconds such a copy waits in place: the key's release grants it the lock directly
-#: (no second trip through the broker while a short body runs).
-IN_PLACE = 0.25
-
-#: Seconds a key whose holds outlasted an in-place wait is marked slow: runs waiting
-#: for it are published only once it is free, so a key held long costs one wait in
-#: place per this period, not one per run.
-SLOW = 30.0
 
 #: Seconds a parked run nobody takes is kept after it was due (no worker ran at all).
 LIFETIME = 86400.0
@@ -202,7 +180,7 @@ class Spot:
             if self.shared is not None:
                 record.update(shared=self.shared, limit=self.limit or 1)
             elif self.check is not None:
-                record.update(check=self.check, slow=slow_key(keys_of(self.lock)))
+                record["check"] = self.check
         return record
 
     @property
@@ -331,15 +309,6 @@ def _call_on(nodeset: NodeSet, index: int, call: Call) -> Reply | None:
     return nodeset.call(requests, per_node=True)[index]
 
 
-def mark_slow(nodeset: NodeSet, lock: str) -> None:
-    """Mark ``lock`` slow (:data:`SLOW`): a copy that waited in place did not get it."""
-    call = Call.command("SET", slow_key(keys_of(lock)), "1", "PX", _ms(SLOW))
-    try:
-        nodeset.call([call])
-    except Exception:  # the mark is an optimisation: without it the next copy waits too
-        logger.debug("Marking %s slow failed", lock, exc_info=True)
-
-
 def claim_start(
     nodeset: NodeSet, prefix: str, task_id: str, token: str, gate: str | None, horizon: float
 ) -> bool:
@@ -422,41 +391,25 @@ class Publisher:
                 continue
             next_ms, rest = int(value[0]), value[1:]
             depths: dict[str, int] = {}
-            for at in range(0, len(rest) - 4, 5):
-                task_id, text, taken, due_ms, held = rest[at : at + 5]
+            for at in range(0, len(rest) - 3, 4):
+                task_id, text, taken, due_ms = rest[at : at + 4]
                 self._publish(
-                    index,
-                    str(task_id),
-                    str(text),
-                    int(taken),
-                    int(due_ms) / 1000,
-                    depths,
-                    held=bool(int(held)),
+                    index, str(task_id), str(text), int(taken), int(due_ms) / 1000, depths
                 )
-            if len(rest) // 5 >= BATCH:
+            if len(rest) // 4 >= BATCH:
                 pause = 0.0  # more are due
             elif next_ms >= 0:
                 pause = min(pause, max(TICK, next_ms / 1000))
         return pause
 
     def _publish(
-        self,
-        index: int,
-        task_id: str,
-        text: str,
-        taken: int,
-        due_in: float,
-        depths: dict[str, int],
-        *,
-        held: bool = False,
+        self, index: int, task_id: str, text: str, taken: int, due_in: float, depths: dict[str, int]
     ) -> None:
         """Publish one taken run, due in ``due_in`` seconds; or park it again.
 
         A rate run's start is reserved in its budget first, and its copy published with
         a countdown to it; unless its queue is deep (``depths``: messages per queue,
-        filled as asked), and it was held so less than :data:`HOLD`. A run taken while
-        its key is ``held`` (its holder had just started) waits in place for the
-        release, :data:`IN_PLACE` at most (:data:`IN_PLACE_HEADER`).
+        filled as asked), and it was held so less than :data:`HOLD`.
         """
         try:
             record = json.loads(text)
@@ -482,9 +435,6 @@ class Publisher:
                 signature.set(headers=headers)
                 if countdown > 0:
                     signature.set(countdown=countdown)
-            # Always set: a copy parked again after waiting in place must not keep it.
-            headers = signature.options.get("headers") or {}
-            signature.set(headers={**headers, IN_PLACE_HEADER: IN_PLACE if held else None})
             # Nobody here waits for its result: without this, a prefork worker's main
             # process (where joins are allowed) would subscribe its result backend to
             # every copy it publishes, for ever, and a pool child forked while this

@@ -53,15 +53,7 @@ from ..engine.lock import Redlock
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from . import abort, budgets, events, policies, reaper, unique
 from .names import call_lock_name, signature
-from .parking import (
-    IN_PLACE_HEADER,
-    MAYBE_HEADER,
-    PARKED_HEADER,
-    Spot,
-    can_park,
-    claim_start,
-    mark_slow,
-)
+from .parking import MAYBE_HEADER, PARKED_HEADER, Spot, can_park, claim_start
 from .policies import (
     Skipped,
     already_done,
@@ -542,7 +534,7 @@ def acquire_for(
     announce_lock(reaper.announce, lock, task_id)
     began = time.monotonic()
     try:
-        waited = _take(lock, options, task_id, _in_place(task))
+        waited = _take(lock, options, task_id)
     except NodeUnavailable as exc:
         announce_lock(reaper.forget, lock, task_id)
         if settings.fail_open:
@@ -703,20 +695,8 @@ def _late(request: Any) -> float:
     return (datetime.now(timezone.utc) - moment).total_seconds()
 
 
-def _in_place(task: Task) -> float:
-    """Seconds this copy may wait in place for a busy key (:data:`parking.IN_PLACE_HEADER`)."""
-    try:
-        return max(0.0, float(request_header(task.request, IN_PLACE_HEADER) or 0.0))
-    except (TypeError, ValueError):
-        return 0.0
-
-
-def _take(lock: Redlock, options: TaskLockOptions, task_id: str, in_place: float = 0.0) -> bool:
-    """Acquire, waiting with ``on_busy="wait"`` or ``in_place`` seconds, not for its own id.
-
-    ``in_place``: a parked run's copy published as the previous holder started waits
-    that long for its release; if it does not come, the key is marked slow
-    (:func:`parking.mark_slow`) and the busy policy applies.
+def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> bool:
+    """Acquire, waiting only with ``on_busy="wait"`` and never for our own task id.
 
     Returns whether it had to wait (another delivery of this task id may have run
     meanwhile).
@@ -724,12 +704,9 @@ def _take(lock: Redlock, options: TaskLockOptions, task_id: str, in_place: float
     try:
         lock.try_acquire()
     except LockBusy as busy:
-        if busy.holder == task_id or (options.on_busy != "wait" and not in_place):
+        if options.on_busy != "wait" or busy.holder == task_id:
             raise
-        timeout = options.wait_timeout if options.on_busy == "wait" else in_place
-        if not lock.acquire(timeout=timeout):
-            if options.on_busy != "wait":
-                mark_slow(lock.nodeset, lock.key)
+        if not lock.acquire(timeout=options.wait_timeout):
             lock.try_acquire()
         return True
     return False

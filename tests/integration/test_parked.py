@@ -14,7 +14,6 @@ trial per scenario, is in the default run).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import signal
@@ -27,7 +26,7 @@ import pytest
 from celery import _state as celery_state
 from celery.exceptions import WorkerLostError
 
-from celery_redlock import RateLimit, lock_for
+from celery_redlock import RateLimit
 from celery_redlock.engine.keys import DEFAULT_PREFIX, handed_key, lock_keys, parked_keys
 from celery_redlock.engine.rate import Budget
 from celery_redlock.engine.scripts import TAKE_DUE
@@ -36,7 +35,6 @@ from celery_redlock.integration import parking, policies
 from celery_redlock.nodes import NodeSet
 from tests.apps.rated import make_rated_app
 from tests.harness import close_app, wait_for
-from tests.harness.celery_workers import redis_url_with_db
 from tests.harness.lua import run
 from tests.integration.test_rate import busiest_window, parked_runs, runs_of
 
@@ -410,80 +408,3 @@ def test_a_run_waiting_for_a_held_key_is_looked_at_less_often_the_longer_it_is_h
     assert looked_at_again_in(10_000) == pytest.approx(5, abs=3), "just acquired"
     assert looked_at_again_in(9_600) == pytest.approx(100, abs=5), "held 400 ms"
     assert looked_at_again_in(2_000) == pytest.approx(250, abs=5), "held 8 s: at most IDLE"
-
-
-def test_a_run_waiting_for_an_exclusive_key_is_taken_as_its_holder_starts_unless_slow(
-    celery_redis,
-):
-    """A busy run of an exclusive lock is taken while the key is held (its copy waits in
-    place, granted the lock as it is released), once no other run was just handed the
-    key; not while the key is marked slow (a copy waited in place in vain), nor once
-    another run was handed it."""
-    c = celery_redis.client(db=0)
-    keys, parked = lock_keys("turn:inplace"), parked_keys(DEFAULT_PREFIX)
-    spot = parking.Spot(NodeSet([celery_redis.url], timeout=1.0), "busy", keys.lock,
-                        check=keys.lock)  # fmt: skip
-    record = spot.record()
-    assert record["slow"] == keys.lock + ":slow"
-    c.hset(keys.lock, mapping={"token": "t", "ttl": 10_000})
-    c.pexpire(keys.lock, 10_000)
-
-    def take():
-        return run(
-            c, TAKE_DUE, due=parked.due, runs=parked.runs, taken=parked.taken, most=10,
-            lease_ms=10_000, recheck_ms=5, handoff_ms=2000, ahead_ms=500, longest_ms=250,
-        )  # fmt: skip
-
-    c.hset(parked.runs, "w-1", json.dumps(record))
-    c.zadd(parked.due, {"w-1": 0})
-    c.set(record["slow"], "1", px=30_000)
-    assert take()[1:] == [], "slow: taken only once free"
-    c.delete(record["slow"])
-    c.zadd(parked.due, {"w-1": 0})
-    out = take()
-    assert out[1] == "w-1" and out[5] == 1, "taken while held: waits in place"
-    assert c.get(record["gate"]) == "w-1"
-    c.hset(parked.runs, "w-2", json.dumps(record))
-    c.zadd(parked.due, {"w-2": 0})
-    assert take()[1:] == [], "one run at a time per key"
-    c.delete(keys.lock, record["gate"])
-    c.zadd(parked.due, {"w-2": 0})
-    out = take()
-    assert out[1] == "w-2" and out[5] == 0, "free: taken, no wait"
-
-
-def test_a_requeued_run_waits_in_place_for_a_short_body_and_a_long_one_marks_the_key_slow(
-    app, celery_redis, inprocess_worker_factory, caplog, tmp_path, monkeypatch
-):
-    """lock_on_busy="requeue" behind a held key: the parked run is published as the key's
-    holder starts and waits in place; a holder that lets go within IN_PLACE hands it the
-    lock (published once); one that holds on past it marks the key slow and the run is
-    parked again, published once more when the key is free. (IN_PLACE is 2 s here, so
-    that the test's release comes within it on a loaded machine.)"""
-    monkeypatch.setattr(parking, "IN_PLACE", 2.0)
-    inprocess_worker_factory(app, pool="threads", concurrency=2)
-    task = app.tasks["backlog.requeue"]
-    nodeset = NodeSet([redis_url_with_db(celery_redis.url, 0)], timeout=1.0)
-    out = str(tmp_path / "runs")
-    lock = lock_for(task, "k", out)
-    slow = lock.key + ":slow"
-    locks = celery_redis.client(db=0)
-
-    def published(task_id):
-        return caplog.text.count(f"[{task_id}] published")
-
-    with caplog.at_level(logging.INFO, logger="celery_redlock.task"):
-        lock.acquire()
-        short = task.delay("k", out)
-        wait_for(lambda: published(short.id) == 1, timeout=20, message="published while held")
-        lock.release()  # within IN_PLACE of the copy's arrival: handed over in place
-        short.get(timeout=20, disable_sync_subtasks=False)
-        assert published(short.id) == 1 and not locks.exists(slow)
-
-        lock.acquire()
-        long = task.delay("k", out)
-        wait_for(lambda: locks.exists(slow), timeout=20, message="the copy waited in vain")
-        lock.release()
-        long.get(timeout=20, disable_sync_subtasks=False)
-    assert published(long.id) == 2, "parked again once, published when the key was free"
-    nodeset.close()

@@ -17,23 +17,17 @@
 --          countdown to the slot
 -- ARGV[6]  longest_ms  the longest wait before a run waiting for a held key is looked at again
 --
--- Returns  {next_ms, id, run, taken, in_ms, held, ...}: next_ms the ms until the next run
---          may be taken (-1: none parked); then each run taken, its record, how often it
---          was taken (2 or more: an earlier copy may exist), the ms until it is due
---          (0 but for a rate run taken ahead), and 1 if it was taken while its key is
---          held (its copy waits in place for the release), else 0
+-- Returns  {next_ms, id, run, taken, in_ms, ...}: next_ms the ms until the next run may
+--          be taken (-1: none parked); then each run taken, its record, how often it
+--          was taken (2 or more: an earlier copy may exist), and the ms until it is due
+--          (0 but for a rate run taken ahead)
 --
 -- A run that waits for a key's release (its record has a "gate": the hand-off mark's
 -- key, and "check", the lock key, or "shared" and "limit", the shared holders and how
--- many the lock allows) is taken only while no other run was just handed the key (the
--- mark is cleared as that run's copy starts): one run per release goes through the
--- broker, not every waiting one. And only while the key is free, but for an exclusive
--- lock not marked "slow" (its record names the mark): such a run is taken while the key
--- is held, as the previous run starts, so its copy is delivered while that body runs and
--- is granted the lock as it is released, instead of going through the broker after it.
--- A copy that waited in place in vain marks the key slow for a while. These keys are
--- named in the record, not in KEYS (they are the run's lock's): parking is for a single
--- Redis node or Redlock masters, not a Redis Cluster.
+-- many the lock allows) is taken only while the key is free and no other run was just
+-- handed it: one run per release goes through the broker, not every waiting one. These
+-- keys are named in the record, not in KEYS (they are the run's lock's): parking is for
+-- a single Redis node or Redlock masters, not a Redis Cluster.
 local most, lease, recheck, handoff = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local ahead, longest = tonumber(ARGV[5]), tonumber(ARGV[6])
 if not most or most < 1 or not lease or lease < 1 or not recheck or recheck < 1 or not handoff or handoff < 1 then
@@ -68,17 +62,13 @@ for i = 1, #due, 2 do
         -- not due yet: only a rate run that waits for nothing else is taken ahead (one
         -- that also waits for its key to be free is taken then, one at a time)
     else
-        local free, wait, held = true, recheck, 0
+        local free, wait = true, recheck
         if run.gate then
             if handed[run.gate] or redis.call('EXISTS', run.gate) == 1 then
                 free = false
             elseif run.check and redis.call('EXISTS', run.check) == 1 then
-                if run.slow and redis.call('EXISTS', run.slow) == 0 then
-                    held = 1
-                else
-                    free = false
-                    wait = held_wait(run.check)
-                end
+                free = false
+                wait = held_wait(run.check)
             elseif run.shared and redis.call('ZCOUNT', run.shared, now, '+inf') >= (run.limit or 1) then
                 free = false
             end
@@ -94,7 +84,6 @@ for i = 1, #due, 2 do
             out[#out + 1] = record
             out[#out + 1] = taken
             out[#out + 1] = math.max(0, at - now)
-            out[#out + 1] = held
         else
             redis.call('ZADD', KEYS[1], now + wait, id)
         end
