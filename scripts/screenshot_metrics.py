@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.apps.metered import make_metered_app  # noqa: E402
 from tests.harness import RedisServer, WorkerProcess, close_app  # noqa: E402
+from tests.harness.browser import FLAGS as CHROMIUM_FLAGS  # noqa: E402
 from tests.harness.metered import make_every_event  # noqa: E402
 from tests.harness.prometheus import (  # noqa: E402
     PrometheusServer,
@@ -53,17 +54,6 @@ PAGE_TOP, GRAPH_HEIGHT = 120, 760
 #: The page drawn at this scale, so that four graphs fit a picture 1280 pixels wide.
 SCALE = 0.6
 WIDTH = 1280
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--hide-scrollbars",
-)
 
 
 def graph_url(prometheus: PrometheusServer, exprs: list[str], seconds: int) -> str:

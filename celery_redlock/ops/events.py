@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine.keys import feed_key, keys_of
 from ..nodes import Call, NodeSet
-from .inventory import reply_error
+from .inventory import answers
 
 __all__ = ["Event", "describe", "feed", "key_log", "story", "summary"]
 
@@ -32,13 +32,9 @@ def _read(
     calls = [Call.command("LRANGE", name, 0, count - 1) for name in lists]
     seen: set[str] = set()
     found: list[Event] = []
-    errors: dict[str, str] = {}
-    for node, reply in zip(nodeset.nodes, nodeset.call(calls, timeout=timeout), strict=True):
-        error = reply_error(reply)
-        if error is not None:
-            errors[node.safe_url] = error
-            continue
-        for entries in reply.values:  # type: ignore[union-attr]
+    answered, errors = answers(nodeset, calls, timeout)
+    for _, values in answered:
+        for entries in values:
             # Newest first in Redis: reversed, so events of one millisecond keep their order.
             for text in reversed(entries or ()):
                 if text in seen:

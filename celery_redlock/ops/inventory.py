@@ -32,6 +32,7 @@ __all__ = [
     "HeldOnNodes",
     "LockView",
     "NodeView",
+    "answers",
     "has_quorum",
     "held_locks",
     "nodes_status",
@@ -325,6 +326,24 @@ def reply_error(reply: Any) -> str | None:
         if isinstance(value, ResponseError):
             return f"{type(value).__name__}: {value}"
     return None
+
+
+def answers(
+    nodeset: NodeSet, calls: Sequence[Call], timeout: float | None = None
+) -> tuple[list[tuple[str, list[Any]]], dict[str, str]]:
+    """Send ``calls`` to every node: each answering node's URL and values; errors per node.
+
+    For what each node holds alone (joined by the reader, not voted on).
+    """
+    answered: list[tuple[str, list[Any]]] = []
+    errors: dict[str, str] = {}
+    for node, reply in zip(nodeset.nodes, nodeset.call(calls, timeout=timeout), strict=True):
+        error = reply_error(reply)
+        if error is not None:
+            errors[node.safe_url] = error
+        else:
+            answered.append((node.safe_url, list(reply.values)))  # type: ignore[union-attr]
+    return answered, errors
 
 
 def read_locks(

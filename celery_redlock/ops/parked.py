@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine.keys import lock_name_of, parked_keys
 from ..nodes import Call, NodeSet
-from .inventory import reply_error
+from .inventory import answers
 
 __all__ = ["ParkedView", "parked_runs"]
 
@@ -69,22 +69,17 @@ def parked_runs(
         Call.command("HGETALL", keys.taken),
     ]
     runs: list[ParkedView] = []
-    errors: dict[str, str] = {}
-    for node, reply in zip(nodeset.nodes, nodeset.call(calls, timeout=timeout), strict=True):
-        error = reply_error(reply)
-        if error is not None:
-            errors[node.safe_url] = error
-            continue
-        clock, due, records, taken = reply.values  # type: ignore[union-attr]
+    answered, errors = answers(nodeset, calls, timeout)
+    for node, (clock, due, record_pairs, taken_pairs) in answered:
         now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
-        records = dict(zip(records[::2], records[1::2], strict=True))
-        taken = dict(zip(taken[::2], taken[1::2], strict=True))
+        records = dict(zip(record_pairs[::2], record_pairs[1::2], strict=True))
+        taken = dict(zip(taken_pairs[::2], taken_pairs[1::2], strict=True))
         for task_id, score in zip(due[::2], due[1::2], strict=True):
             text = records.get(task_id)
             if text is None:
                 continue  # its record is gone (a copy started): the next take drops it
             due_in = (float(score) - now_ms) / 1000
-            view = _view(task_id, text, due_in, taken, node.safe_url, prefix)
+            view = _view(task_id, text, due_in, taken, node, prefix)
             if task is None or fnmatch.fnmatchcase(view.task_name or "", task):
                 runs.append(view)
     runs.sort(key=lambda run: run.due_in)

@@ -25,6 +25,20 @@ MISSING_HINT = (
 #: The browser's viewport: a laptop screen's.
 WINDOW = (1280, 800)
 
+#: Headless, and nothing reaching out of the machine (no sync, no component updates,
+#: no QUIC): the flags every Chromium of the tests and the screenshot scripts gets.
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+)
+
 
 def missing() -> str | None:
     """Why a headless Chromium cannot be started here, or None."""
@@ -50,16 +64,8 @@ def start_chromium(profile: Path, log: Path | None = None) -> Any:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
+        *FLAGS,
         "--disable-dev-shm-usage",
-        "--hide-scrollbars",
         f"--user-data-dir={profile}",
         f"--window-size={WINDOW[0]},{WINDOW[1]}",
     ):
