@@ -105,8 +105,8 @@ def interleaved_latency(
 
 def write_report(name: str, report: dict[str, Any]) -> Path:
     """Write ``benchmarks/results/<name>.json``."""
-    RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
 

@@ -114,6 +114,7 @@ __all__ = [
     "handed_key",
     "is_lock_key",
     "keys_of",
+    "line_key",
     "lock_keys",
     "lock_name_of",
     "parked_keys",
@@ -269,6 +270,7 @@ class ParkedKeys(NamedTuple):
     runs: str
     taken: str
     started: str
+    lines: str
 
 
 def parked_keys(prefix: str = DEFAULT_PREFIX) -> ParkedKeys:
@@ -279,7 +281,7 @@ def parked_keys(prefix: str = DEFAULT_PREFIX) -> ParkedKeys:
     there falls back to the broker, :mod:`celery_redlock.integration.parking`.)
     """
     base = f"{validate_prefix(prefix)}parked"
-    return ParkedKeys(base, f"{base}:runs", f"{base}:taken", f"{base}:started")
+    return ParkedKeys(base, f"{base}:runs", f"{base}:taken", f"{base}:started", f"{base}:lines")
 
 
 def feed_key(prefix: str = DEFAULT_PREFIX) -> str:
@@ -290,6 +292,11 @@ def feed_key(prefix: str = DEFAULT_PREFIX) -> str:
 def handed_key(keys: LockKeys) -> str:
     """The hand-off mark of the lock ``keys``: a run waiting for it was just published."""
     return f"{keys.lock}:handed"
+
+
+def line_key(keys: LockKeys) -> str:
+    """The line of the runs parked for the release of the lock ``keys`` (sorted set)."""
+    return f"{keys.lock}:line"
 
 
 def parse_key(key: str, prefix: str = DEFAULT_PREFIX) -> tuple[LockKeys, str] | None:

@@ -23,10 +23,13 @@ What makes a parked run due:
   such as a :class:`~celery_redlock.RateLimit` drawing on the budget, is placed after
   the reserved starts). A run whose slot is gone (its budget is full past
   :data:`AHEAD`) is parked again, without going through the broker.
-* put back because its key was busy: its key's release. It is taken only while the
-  lock is free (no holder; fewer holders than ``lock_limit``) and no other run waiting
-  for the key was just handed it (a short hand-off mark), so one run per release goes
-  through the broker, not every waiting one.
+* put back because its key was busy: its key's release. It waits in its key's line
+  (a rate run of a lock whose key it must also find free too), in order of due time,
+  and a line's first run is taken only while the lock is free (no holder; fewer
+  holders than ``lock_limit``) and no other run of the line was just handed it (a
+  short hand-off mark), so one run per release goes through the broker, not every
+  waiting one. A take reads the first run of each line, not every run waiting: a
+  backlog of runs for one held key costs a take one look.
 * its nodes did not answer: a backoff
   (:data:`~celery_redlock.integration.policies.UNAVAILABLE_BUDGET` bounds how long a run
   is put back so).
@@ -60,11 +63,12 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.result import denied_join_result
+from kombu.exceptions import ChannelError
 from kombu.serialization import dumps, loads, prepare_accept_content
 from redis.exceptions import ResponseError
 
 from ..base import forksafe
-from ..engine.keys import handed_key, keys_of, parked_keys
+from ..engine.keys import handed_key, keys_of, line_key, parked_keys
 from ..engine.rate import Budget, judge, rate_calls, return_calls
 from ..engine.scripts import PARK, TAKE_DUE, UNPARK, UnparkStatus
 from ..nodes import Call, NodeSet, Reply
@@ -80,6 +84,7 @@ __all__ = [
     "Spot",
     "can_park",
     "claim_start",
+    "line_of",
     "park",
     "spot",
     "start_publisher",
@@ -173,9 +178,9 @@ class Spot:
         if self.kind == "rate" and self.budget is not None:
             record.update(rate=self.budget.limit, window=self.budget.window)
         if self.kind == "busy" or self.check is not None or self.shared is not None:
-            # Taken only while the key is free, one run at a time per key: runs published
-            # together would find each other holding it (a rate run of an exclusive lock
-            # too: N of them come due at one window's end).
+            # It waits in its key's line, taken only while the key is free, one run at a
+            # time: runs published together would find each other holding it (a rate
+            # run of an exclusive lock too: N of them come due at one window's end).
             record["gate"] = self.gate
             if self.shared is not None:
                 record.update(shared=self.shared, limit=self.limit or 1)
@@ -186,7 +191,18 @@ class Spot:
     @property
     def gate(self) -> str:
         """The hand-off mark of the run's lock."""
-        return handed_key(keys_of(self.lock))
+        return self.line[0]
+
+    @property
+    def line(self) -> tuple[str, str]:
+        """The hand-off mark and the line of the run's lock (``park.lua``'s ``line*``)."""
+        return line_of(self.lock)
+
+
+def line_of(lock: str) -> tuple[str, str]:
+    """The hand-off mark and the line of the lock ``lock``: where its runs wait for it."""
+    keys = keys_of(lock)
+    return handed_key(keys), line_key(keys)
 
 
 def spot(
@@ -276,7 +292,7 @@ def park(
     }
     keys = parked_keys(spot.prefix)
     call = PARK.call(
-        due=keys.due, runs=keys.runs, taken=keys.taken, gate=(spot.gate,),
+        due=keys.due, runs=keys.runs, taken=keys.taken, lines=keys.lines, line=spot.line,
         task_id=task.request.id, run=json.dumps(record), delay_ms=_ms(delay),
         lifetime_ms=_ms(LIFETIME),
     )  # fmt: skip
@@ -310,20 +326,21 @@ def _call_on(nodeset: NodeSet, index: int, call: Call) -> Reply | None:
 
 
 def claim_start(
-    nodeset: NodeSet, prefix: str, task_id: str, token: str, gate: str | None, horizon: float
+    nodeset: NodeSet, prefix: str, task_id: str, token: str, lock: str | None, horizon: float
 ) -> bool:
     """Whether this delivery may start its body: no other copy of its run started.
 
     ``token``: the copy's :data:`PARKED_HEADER` or :data:`MAYBE_HEADER` (``""`` for a
     message the broker gave again after its worker died: it may not run while its run
-    is parked). The run
+    is parked); ``lock``: its lock key (the run may wait in that lock's line). The run
     leaves the parked runs. A node that does not answer counts as no record: the run
     starts (at least once, rather than never).
     """
     keys = parked_keys(prefix)
     call = UNPARK.call(
         due=keys.due, runs=keys.runs, taken=keys.taken, started=keys.started,
-        gate=(gate,) if gate else (), task_id=task_id, token=token, horizon_ms=_ms(horizon),
+        lines=keys.lines, line=line_of(lock) if lock else (), task_id=task_id, token=token,
+        horizon_ms=_ms(horizon),
         member=f"{task_id}:{token}" if token else "",
     )  # fmt: skip
     for reply in nodeset.call([call]):
@@ -351,6 +368,13 @@ class Publisher:
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The thread's own broker connection, producer and channel for queue depths,
+        # kept: a producer from Celery's pool costs new broker connections per copy
+        # (its channel is closed at each release), about 20 ms on a busy machine: more
+        # than a run's turn at 50/s.
+        self._connection: Any = None
+        self._producer: Any = None
+        self._channel: Any = None
         #: Copies published (for tests and benchmarks: counts, never timing).
         self.published = 0
 
@@ -367,6 +391,28 @@ class Publisher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._disconnect()
+
+    def _broker(self) -> Any:
+        """The thread's producer, on its own broker connection (made on first use)."""
+        if self._producer is None:
+            self._connection = self.app.connection_for_write()
+            self._producer = self._connection.Producer()
+        return self._producer
+
+    def _disconnect(self) -> None:
+        """Drop the broker connection (after a failure: the next copy makes another)."""
+        connection, self._connection, self._producer, self._channel = (
+            self._connection,
+            None,
+            None,
+            None,
+        )
+        if connection is not None:
+            try:
+                connection.release()
+            except Exception:  # it is gone either way
+                logger.debug("celery_redlock: closing the publisher's connection", exc_info=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -380,7 +426,7 @@ class Publisher:
     def tick(self) -> float:
         """Take and publish the runs due on every node; seconds until the next look."""
         call = TAKE_DUE.call(
-            due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken,
+            due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken, lines=self.keys.lines,
             most=BATCH, lease_ms=_ms(LEASE), recheck_ms=_ms(RECHECK), handoff_ms=_ms(HANDOFF),
             ahead_ms=_ms(AHEAD), longest_ms=_ms(IDLE),
         )  # fmt: skip
@@ -440,12 +486,13 @@ class Publisher:
             # every copy it publishes, for ever, and a pool child forked while this
             # thread was subscribing inherited the subscription's lock held, and hung.
             with denied_join_result():
-                signature.apply_async(add_to_parent=False)
+                signature.apply_async(add_to_parent=False, producer=self._broker())
             self.published += 1
             logger.info("Task %s[%s] published: its turn came", record.get("task"), task_id)
         except Exception:
             # The broker or a node failed: its lease ends and a worker publishes it then.
             logger.exception("celery_redlock: publishing parked run %s failed", task_id)
+            self._disconnect()
 
     def _queue_of(self, signature: Any) -> str:
         """The queue a copy goes to: as the delivery it copies was routed."""
@@ -461,14 +508,19 @@ class Publisher:
         length of the queue's lists); a queue the broker does not know holds none.
         """
         try:
-            with self.app.pool.acquire(block=True) as connection:
-                channel = connection.channel()
-                try:
-                    declared = channel.queue_declare(queue=queue, passive=True)
-                    return int(declared.message_count)
-                finally:
-                    channel.close()
+            if self._channel is None:
+                self._channel = self._broker().connection.channel()
+            return int(self._channel.queue_declare(queue=queue, passive=True).message_count)
+        except ChannelError:
+            return 0  # no such queue (kombu's virtual transports: the channel stays open)
         except Exception:
+            # AMQP closes a channel whose passive declare failed; or the broker is gone.
+            channel, self._channel = self._channel, None
+            if channel is not None:
+                try:
+                    channel.close()
+                except Exception:
+                    logger.debug("celery_redlock: closing a channel", exc_info=True)
             return 0
 
     def _admit(
@@ -498,10 +550,9 @@ class Publisher:
 
         Its hand-off mark, if it holds it, is cleared: the next run may go.
         """
-        gate = record.get("gate")
         call = PARK.call(
-            due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken,
-            gate=(gate,) if gate else (), task_id=task_id, run="", delay_ms=_ms(delay),
+            due=self.keys.due, runs=self.keys.runs, taken=self.keys.taken, lines=self.keys.lines,
+            line=line_of(record["lock"]), task_id=task_id, run="", delay_ms=_ms(delay),
             lifetime_ms=_ms(LIFETIME),
         )  # fmt: skip
         _call_on(self.nodeset, index, call)

@@ -48,7 +48,6 @@ from celery.exceptions import Ignore
 from celery.result import EagerResult
 from celery.utils.time import maybe_iso8601
 
-from ..engine.keys import handed_key
 from ..engine.lock import Redlock
 from ..exceptions import ConfigurationError, LockBusy, LockLost, LockNotOwned, NodeUnavailable
 from . import abort, budgets, events, policies, reaper, unique
@@ -677,8 +676,8 @@ def _first_copy(task: Task, lock: Redlock, settings: Settings, task_id: str) -> 
     # The stranded copy of a dead worker comes back after the broker's visibility
     # timeout (Redis, SQS), or as its connection drops (AMQP): kept that long.
     horizon = (visibility[1] if visibility else budgets.MAX_HOLD) + 60.0
-    gate = handed_key(lock.resources[0])
-    return claim_start(lock.nodeset, settings.key_prefix, task_id, str(token or ""), gate, horizon)
+    first = lock.resources[0].lock
+    return claim_start(lock.nodeset, settings.key_prefix, task_id, str(token or ""), first, horizon)
 
 
 def _late(request: Any) -> float:

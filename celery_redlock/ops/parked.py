@@ -4,7 +4,8 @@ A run refused by its rate budget, put back because its key was busy, or whose no
 not answer when it started waits parked on one lock node until a worker's publisher
 takes it (:mod:`celery_redlock.integration.parking`): its task id, due time (node
 clock) and record (the task, why it waits, its key, the message) under
-``<prefix>parked``. Reading them takes no lock and changes nothing.
+``<prefix>parked``, or, for a run waiting for its key's release, in its key's line.
+Reading them takes no lock and changes nothing.
 """
 
 from __future__ import annotations
@@ -67,18 +68,30 @@ def parked_runs(
         Call.command("ZRANGE", keys.due, 0, -1, "WITHSCORES"),
         Call.command("HGETALL", keys.runs),
         Call.command("HGETALL", keys.taken),
+        Call.command("ZRANGE", keys.lines, 0, -1, "WITHSCORES"),
     ]
     runs: list[ParkedView] = []
     answered, errors = answers(nodeset, calls, timeout)
-    for node, (clock, due, record_pairs, taken_pairs) in answered:
+    names = sorted({line for _, values in answered for line in values[4][::2]})
+    members = [Call.command("ZRANGE", name, 0, -1, "WITHSCORES") for name in names]
+    in_lines = dict(answers(nodeset, members, timeout)[0]) if names else {}
+    for node, (clock, due, record_pairs, taken_pairs, lines) in answered:
         now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
         records = dict(zip(record_pairs[::2], record_pairs[1::2], strict=True))
         taken = dict(zip(taken_pairs[::2], taken_pairs[1::2], strict=True))
-        for task_id, score in zip(due[::2], due[1::2], strict=True):
+        # A run waiting in a line is looked at no earlier than its line is.
+        looks = dict(zip(lines[::2], map(float, lines[1::2]), strict=True))
+        scores = list(zip(due[::2], map(float, due[1::2]), strict=True))
+        for name, line in zip(names, in_lines.get(node, [[]] * len(names)), strict=True):
+            look = looks.get(name, 0.0)
+            scores += [
+                (i, max(float(at), look)) for i, at in zip(line[::2], line[1::2], strict=True)
+            ]
+        for task_id, score in scores:
             text = records.get(task_id)
             if text is None:
                 continue  # its record is gone (a copy started): the next take drops it
-            due_in = (float(score) - now_ms) / 1000
+            due_in = (score - now_ms) / 1000
             view = _view(task_id, text, due_in, taken, node, prefix)
             if task is None or fnmatch.fnmatchcase(view.task_name or "", task):
                 runs.append(view)

@@ -27,7 +27,13 @@ from celery import _state as celery_state
 from celery.exceptions import WorkerLostError
 
 from celery_redlock import RateLimit
-from celery_redlock.engine.keys import DEFAULT_PREFIX, handed_key, lock_keys, parked_keys
+from celery_redlock.engine.keys import (
+    DEFAULT_PREFIX,
+    handed_key,
+    line_key,
+    lock_keys,
+    parked_keys,
+)
 from celery_redlock.engine.rate import Budget
 from celery_redlock.engine.scripts import TAKE_DUE
 from celery_redlock.exceptions import NodeUnavailable
@@ -113,8 +119,18 @@ def test_a_backlog_goes_through_the_broker_about_once_per_run(
     republished = sum(d for *_, d in runs)
     assert RUNS // 2 <= republished <= 1.1 * RUNS, republished
     assert busiest_window([s for _, s, _, _ in runs]) <= RATE
-    assert not celery_redis.client(db=0).zcard("redlock:parked"), "nothing left parked"
+    assert nothing_parked(celery_redis), "nothing left parked"
     assert keys_without_ttl(celery_redis) == []
+
+
+def nothing_parked(server):
+    """Whether no run is parked (db 0): none due, none in a key's line, no record."""
+    locks = server.client(db=0)
+    return not (
+        locks.zcard("redlock:parked")
+        or locks.zcard("redlock:parked:lines")
+        or locks.hlen("redlock:parked:runs")
+    )
 
 
 def _settled(results, in_flight, after):
@@ -209,7 +225,7 @@ def test_a_worker_killed_mid_backlog_strands_loses_and_repeats_no_run(
         # A run whose pool child was killed after it parked the run has its parked copy
         # published still, which finds the WorkerLostError stored and does not run.
         wait_for(
-            lambda: not celery_redis.client(db=0).zcard("redlock:parked"),
+            lambda: nothing_parked(celery_redis),
             timeout=parking.LEASE + 10.0,
             message="nothing left parked",
         )
@@ -297,7 +313,7 @@ def test_the_parked_copy_of_a_run_that_already_ended_leaves_the_parked_runs(
         if result.id != ended:
             assert result.get(timeout=30) == "ended"
     wait_for(
-        lambda: not celery_redis.client(db=0).zcard("redlock:parked"),
+        lambda: nothing_parked(celery_redis),
         timeout=parking.LEASE - 2.0,  # before a take's lease could bring it back
         message="the ended run to leave the parked runs",
     )
@@ -394,16 +410,20 @@ def test_a_run_waiting_for_a_held_key_is_looked_at_less_often_the_longer_it_is_h
     record = {"kind": "busy", "lock": keys.lock, "gate": handed_key(keys), "check": keys.lock}
     c.hset(parked.runs, "held-1", json.dumps(record))
     c.hset(keys.lock, mapping={"token": "t", "ttl": 10_000})
+    line = line_key(keys)
+    c.zadd(line, {"held-1": 0})
 
     def looked_at_again_in(left_ms):
         c.pexpire(keys.lock, left_ms)
-        c.zadd(parked.due, {"held-1": 0})
+        c.zadd(parked.lines, {line: 0})
         out = run(
-            c, TAKE_DUE, due=parked.due, runs=parked.runs, taken=parked.taken, most=10,
-            lease_ms=10_000, recheck_ms=5, handoff_ms=2000, ahead_ms=500, longest_ms=250,
+            c, TAKE_DUE, due=parked.due, runs=parked.runs, taken=parked.taken,
+            lines=parked.lines, most=10, lease_ms=10_000, recheck_ms=5, handoff_ms=2000,
+            ahead_ms=500, longest_ms=250,
         )  # fmt: skip
         assert out[1:] == [], "not taken while its key is held"
-        return c.zscore(parked.due, "held-1") - c.time()[0] * 1000 - c.time()[1] // 1000
+        assert c.zscore(line, "held-1") == 0, "it keeps its place in its key's line"
+        return c.zscore(parked.lines, line) - c.time()[0] * 1000 - c.time()[1] // 1000
 
     assert looked_at_again_in(10_000) == pytest.approx(5, abs=3), "just acquired"
     assert looked_at_again_in(9_600) == pytest.approx(100, abs=5), "held 400 ms"

@@ -55,7 +55,10 @@ def parked_runs(server):
     """The runs parked in Redis (db 0): task id -> (due time, epoch s; the copy's headers)."""
     client = server.client(db=0)
     parked = {}
-    for task_id, due in client.zrange("redlock:parked", 0, -1, withscores=True):
+    due_times = client.zrange("redlock:parked", 0, -1, withscores=True)
+    for line in client.zrange("redlock:parked:lines", 0, -1):  # runs waiting for a key
+        due_times += client.zrange(line, 0, -1, withscores=True)
+    for task_id, due in due_times:
         text = client.hget("redlock:parked:runs", task_id)
         if text is None:
             continue  # its copy started since the zrange

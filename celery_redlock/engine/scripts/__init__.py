@@ -496,19 +496,19 @@ BUDGET_READ = Script(
 #: Parks a run that must wait (or puts a taken one back), on one node.
 PARK = Script(
     "park",
-    keys=("due", "runs", "taken", "gate*"),
+    keys=("due", "runs", "taken", "lines", "line*"),
     argv=("task_id", "run", "delay_ms", "lifetime_ms"),
 )
 #: Takes the parked runs that are due, each under a lease, to publish.
 TAKE_DUE = Script(
     "take_due",
-    keys=("due", "runs", "taken"),
+    keys=("due", "runs", "taken", "lines"),
     argv=("most", "lease_ms", "recheck_ms", "handoff_ms", "ahead_ms", "longest_ms"),
 )
 #: Whether a parked run's copy may start; it then leaves the parked runs.
 UNPARK = Script(
     "unpark",
-    keys=("due", "runs", "taken", "started", "gate*"),
+    keys=("due", "runs", "taken", "started", "lines", "line*"),
     argv=("task_id", "token", "horizon_ms", "member"),
     status=UnparkStatus,
 )

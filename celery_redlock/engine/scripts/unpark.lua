@@ -5,8 +5,10 @@
 -- KEYS[2]  runs     the parked runs (hash: task id -> the run, JSON with its "token")
 -- KEYS[3]  taken    how often each parked run was taken (hash: task id -> count)
 -- KEYS[4]  started  copies started of runs taken more than once (sorted set: 'id:token' -> ms)
--- KEYS[5]  gate*    the run's hand-off mark (cleared: the next run waiting for the key may be
---          published once this one releases it); optional
+-- KEYS[5]  lines    the lines of runs waiting for a key's release (park.lua)
+-- KEYS[6..7]  line*  optional, both or none: the run's hand-off mark (cleared: the next
+--          run waiting for the key may be published once this one releases it), and the
+--          line of its lock (the run leaves it; the line's next run is looked at from now)
 -- ARGV[1]  task_id  the run's task id
 -- ARGV[2]  token    the copy's token (from its message); '' for a delivery that is no parked
 --          copy but a message given again by the broker (its worker died)
@@ -42,13 +44,22 @@ if token == '' or cjson.decode(record).token ~= token then
 end
 local taken = tonumber(redis.call('HGET', KEYS[3], task_id) or '0')
 redis.call('ZREM', KEYS[1], task_id)
+local line = KEYS[7]
+if line and redis.call('ZREM', line, task_id) == 1 then
+    local first = redis.call('ZRANGE', line, 0, 0, 'WITHSCORES')
+    if first[2] then
+        redis.call('ZADD', KEYS[5], math.max(now, tonumber(first[2])), line)
+    else
+        redis.call('ZREM', KEYS[5], line)
+    end
+end
 redis.call('HDEL', KEYS[2], task_id)
 redis.call('HDEL', KEYS[3], task_id)
 if taken >= 2 then
     redis.call('ZADD', KEYS[4], now, member)
     redis.call('PEXPIRE', KEYS[4], horizon)
 end
-if KEYS[5] and redis.call('GET', KEYS[5]) == task_id then
-    redis.call('DEL', KEYS[5])
+if KEYS[6] and redis.call('GET', KEYS[6]) == task_id then
+    redis.call('DEL', KEYS[6])
 end
 return 1

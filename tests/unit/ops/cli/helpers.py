@@ -16,6 +16,7 @@ from celery_redlock import RateLimit, Redlock
 from celery_redlock.engine.keys import parked_keys
 from celery_redlock.engine.rate import judge, rate_calls
 from celery_redlock.engine.scripts import PARK
+from celery_redlock.integration.parking import line_of
 from celery_redlock.nodes import NodeSet
 
 HOST = socket.gethostname()
@@ -66,8 +67,11 @@ def park_run(node, task_id, task_name, spot_kind, lock, delay_ms):
     """A run parked as ``park()`` parks it (park.lua, the record's fields)."""
     keys = parked_keys()
     record = {"kind": spot_kind, "lock": lock, "token": "t", "task": task_name, "body": ""}
+    if spot_kind == "busy":  # it waits in its key's line
+        record.update(gate=line_of(lock)[0], check=lock)
     call = PARK.call(
-        due=keys.due, runs=keys.runs, taken=keys.taken, gate=(), task_id=task_id,
+        due=keys.due, runs=keys.runs, taken=keys.taken, lines=keys.lines, line=line_of(lock),
+        task_id=task_id,
         run=json.dumps(record), delay_ms=delay_ms, lifetime_ms=86_400_000,
     )  # fmt: skip
     nodeset = NodeSet([node.url], timeout=2)

@@ -12,6 +12,7 @@ from click.testing import Result
 
 from celery_redlock import Redlock
 from celery_redlock.engine.keys import parked_keys
+from celery_redlock.integration.parking import line_of
 from celery_redlock.ops.doctor import ERROR, diagnose
 from tests.apps.drift import ARGS_ENV, make_drift_app
 from tests.harness import wait_for
@@ -216,7 +217,9 @@ def test_doctor_warns_of_parked_runs_no_worker_took(redis_factory, doctor_cli):
 
     client = server.client()
     now_ms = int(client.time()[0]) * 1000
-    client.zadd(parked_keys().due, {"id-stuck": now_ms - 60_000})
+    line = line_of("redlock:{report:3}")[1]
+    client.zadd(line, {"id-stuck": now_ms - 60_000})  # in its key's line, not looked at since
+    client.zadd(parked_keys().lines, {line: now_ms - 60_000})
 
     result = doctor_cli(server.url, "--json")
 
