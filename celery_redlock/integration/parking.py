@@ -511,14 +511,15 @@ class Publisher:
             if self._channel is None:
                 self._channel = self._broker().connection.channel()
             return int(self._channel.queue_declare(queue=queue, passive=True).message_count)
-        except ChannelError:
-            return 0  # no such queue (kombu's virtual transports: the channel stays open)
-        except Exception:
-            # AMQP closes a channel whose passive declare failed; or the broker is gone.
-            channel, self._channel = self._channel, None
-            if channel is not None:
+        except Exception as exc:
+            # No such queue (kombu's Redis transport: its channel stays open; AMQP closes
+            # it), or the broker is gone: a closed channel is made again next time.
+            channel = self._channel
+            if not isinstance(exc, ChannelError) or not _is_open(channel):
+                self._channel = None
                 try:
-                    channel.close()
+                    if channel is not None:
+                        channel.close()
                 except Exception:
                     logger.debug("celery_redlock: closing a channel", exc_info=True)
             return 0
@@ -556,6 +557,13 @@ class Publisher:
             lifetime_ms=_ms(LIFETIME),
         )  # fmt: skip
         _call_on(self.nodeset, index, call)
+
+
+def _is_open(channel: Any) -> bool:
+    """Whether a kombu channel is still usable (py-amqp's ``is_open``, virtual ``closed``)."""
+    return channel is not None and bool(
+        getattr(channel, "is_open", not getattr(channel, "closed", False))
+    )
 
 
 _publishers: dict[int, Publisher] = {}
