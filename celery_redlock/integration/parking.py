@@ -24,7 +24,7 @@ What makes a parked run due:
   the reserved starts). A run whose slot is gone (its budget is full past
   :data:`AHEAD`) is parked again, without going through the broker.
 * put back because its key was busy: its key's release. It waits in its key's line
-  (a rate run of a lock whose key it must also find free too), in order of due time,
+  (so does a rate run that must also find its key free), in order of due time,
   and a line's first run is taken only while the lock is free (no holder; fewer
   holders than ``lock_limit``) and no other run of the line was just handed it (a
   short hand-off mark), so one run per release goes through the broker, not every
@@ -407,12 +407,8 @@ class Publisher:
 
     def _disconnect(self) -> None:
         """Drop the broker connection (after a failure: the next copy makes another)."""
-        connection, self._connection, self._producer, self._channel = (
-            self._connection,
-            None,
-            None,
-            None,
-        )
+        connection = self._connection
+        self._connection = self._producer = self._channel = None
         if connection is not None:
             try:
                 connection.release()

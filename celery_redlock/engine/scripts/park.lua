@@ -68,17 +68,19 @@ else
     redis.call('HDEL', KEYS[3], task_id)
 end
 local at = now + delay
-if line and cjson.decode(record).gate then
+local gated = line and cjson.decode(record).gate
+if gated then
     redis.call('ZREM', KEYS[1], task_id)
     redis.call('ZADD', line, at, task_id)
 else
     redis.call('ZADD', KEYS[1], at, task_id)
 end
-if gate and redis.call('GET', gate) == task_id then
+local freed = gate and redis.call('GET', gate) == task_id
+if freed then
     redis.call('DEL', gate)
 end
-if line then
-    look(now)
+if gated or freed then
+    look(now) -- its line has a new run, or may go on: looked at from now
 end
 -- Runs nobody took within their lifetime (no worker ran that long) are dropped, a
 -- bounded number per call; a line is looked at every take while workers run.
