@@ -160,8 +160,8 @@ def accuracy_run(
     states = drain(app, workers, queue, lambda s: s.get("SUCCESS", 0) >= calls, timeout)
     recorded = client.lrange(STARTS_KEY.format(key=f"{tag}:one"), 0, -1)
     entries = [entry.decode().split() for entry in recorded]
-    row = pace([float(start) for _, start in entries], opened, BUDGET)
-    row["ran_more_than_once"] = len(entries) - len({task_id for task_id, _ in entries})
+    row = pace([float(entry[1]) for entry in entries], opened, BUDGET)
+    row["ran_more_than_once"] = len(entries) - len({entry[0] for entry in entries})
     # An early run of ours goes back on the queue: its delivery ends IGNORED.
     row["deferrals"] = states.get("IGNORED", 0)
     row["other_states"] = {k: v for k, v in states.items() if k not in ("SUCCESS", "IGNORED")}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -25,6 +26,7 @@ from celery_once import QueueOnce
 from celery_singleton import Singleton
 
 from celery_redlock import LockedTask
+from celery_redlock.integration import budgets
 from tests.harness.celery_workers import WorkerProcess, make_app, redis_url_with_db
 
 REDIS_URL = os.environ.get("REDLOCK_TEST_REDIS_URL", "redis://127.0.0.1:6379")
@@ -169,10 +171,33 @@ NEVER_DEFERS = "100000/s"
 STARTS_KEY = "bench:rate:starts:{key}"
 
 
+#: When this thread's last rate admission returned (wall clock), for :func:`_started`.
+_admission = threading.local()
+
+
+def _timed_admit(*args: Any, **kwargs: Any) -> Any:
+    """:func:`budgets.admit`, noting when it returned (the gap to the body is ours too).
+
+    Also the admissions :func:`budgets.keep_on_time` makes again: the last one counts.
+    """
+    stamp = _REAL_ADMIT(*args, **kwargs)
+    _admission.at = time.time()
+    return stamp
+
+
+_REAL_ADMIT = budgets.admit
+
+
 def _started(self: Task, key: str) -> None:
-    """Record this body's start (the first thing it does) under ``key``."""
+    """Record this body's start (the first thing it does) under ``key``.
+
+    With the moment its rate admission returned in this process, when it had one (``0``
+    otherwise): a window over the limit on the bodies' clock but not on the admissions'
+    is time spent between the admission and the body.
+    """
     started = time.time()
-    entry = f"{self.request.id} {started:.6f}"
+    admitted, _admission.at = getattr(_admission, "at", 0.0), 0.0
+    entry = f"{self.request.id} {started:.6f} {admitted:.6f}"
     counter(self.app.conf.bench_redis_url).rpush(STARTS_KEY.format(key=key), entry)
 
 
@@ -203,6 +228,7 @@ def add_rate_tasks(app: Celery, lock_url: str | None = None) -> Celery:
         tasks.append(empty)
     for task in tasks:
         signals.task_postrun.connect(_count, sender=task, weak=False)
+    budgets.admit = _timed_admit  # type: ignore[assignment]
     return app
 
 
@@ -239,6 +265,7 @@ def add_backlog_tasks(app: Celery) -> Celery:
         ]
     for task in tasks:
         signals.task_postrun.connect(_count, sender=task, weak=False)
+    budgets.admit = _timed_admit  # type: ignore[assignment]
     return app
 
 

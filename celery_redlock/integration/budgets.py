@@ -40,6 +40,7 @@ import math
 import random
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
@@ -52,7 +53,7 @@ from . import parking
 from .policies import defer, defer_unavailable, request_header
 from .settings import Settings, TaskLockOptions
 
-__all__ = ["admit", "broker_visibility", "longest_hold"]
+__all__ = ["Stamp", "admit", "broker_visibility", "keep_on_time", "longest_hold"]
 
 #: Longest random margin after its slot a run is put back with, in seconds.
 MAX_MARGIN = 0.02
@@ -60,6 +61,10 @@ MAX_MARGIN = 0.02
 #: Longest wait in place (holding its lock) of a parked run's copy that came before the
 #: start reserved for it, in seconds; one earlier than that is parked again.
 IN_PLACE = 0.25
+
+#: Most times a run's start is logged again because its body would come late
+#: (:func:`keep_on_time`).
+RESTAMPS = 8
 
 #: Longest countdown of a run put back, for a broker without a visibility timeout
 #: (RabbitMQ closes a channel whose delivery stays unacknowledged past its
@@ -73,10 +78,31 @@ VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "s
 logger = logging.getLogger("celery_redlock.task")
 
 
-def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redlock) -> None:
+@dataclass(frozen=True)
+class Stamp:
+    """A start logged for this run: its member, and when the call that logged it left.
+
+    The node logged the start at some moment after ``sent`` (``time.monotonic()``): a
+    body that starts no later than the budget's guard after ``sent`` starts within
+    the guard of its logged start (:func:`keep_on_time`).
+    """
+
+    member: str
+    sent: float
+
+
+def admit(
+    task: Task,
+    options: TaskLockOptions,
+    settings: Settings,
+    lock: Redlock,
+    member: str | None = None,
+) -> Stamp | None:
     """Log this run's start in its key's budget, or put the run back on the queue.
 
-    ``lock`` is the run's lock (held): the budget is its name's.
+    ``lock`` is the run's lock (held): the budget is its name's. ``member``: a start
+    logged for this run earlier, moved to now (:func:`keep_on_time`). Returns the start
+    logged (None: the run goes without its budget, ``redlock_fail_open``).
 
     Raises:
         Requeued: the run came early; it waits on the queue for its slot.
@@ -92,7 +118,7 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
     # both recorded by the admission's own call; an eager run waits in its caller.
     waiting = None if eager else task.request.id
     # A parked run's copy: its publisher reserved its start (it owns its slot).
-    logged = None if eager else request_header(task.request, parking.MEMBER_HEADER)
+    logged = member or (None if eager else request_header(task.request, parking.MEMBER_HEADER))
     in_place = IN_PLACE
     while True:
         owned = isinstance(logged, str) and bool(logged)
@@ -101,8 +127,11 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
         # Arrive just after the slot frees, not a hair before it (clocks, rounding).
         jitter = random.uniform(0, min(MAX_MARGIN, budget.window / budget.limit / 10))
         call = rate_calls(keys, budget, member, task_id=waiting, jitter=jitter, owned=owned)
+        sent = time.monotonic()
         try:
-            verdict = judge(nodeset.call([call]), nodeset.quorum)
+            replies = nodeset.call([call])
+            round_trips.add(time.monotonic() - sent)
+            verdict = judge(replies, nodeset.quorum)
             if not verdict.admitted and any(verdict.undo):
                 nodeset.call(return_calls(keys, member, verdict.undo), per_node=True)
             wait = verdict.wait_or_raise(keys.rate)
@@ -114,13 +143,13 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
                     task.request.id,
                     exc,
                 )
-                return
+                return None
             if options.on_busy == "retry":
                 raise task.retry(exc=exc, countdown=options.retry_countdown) from exc
             defer_unavailable(task, task.request.id, exc, parking.Spot(nodeset, "later", lock.key))
             raise
         if not wait:
-            return
+            return Stamp(member, sent)
         if owned and wait <= in_place:
             # Early for the start reserved for it (clocks): still its own slot.
             logged, in_place = member, in_place - wait
@@ -138,6 +167,60 @@ def admit(task: Task, options: TaskLockOptions, settings: Settings, lock: Redloc
             defer(task, task.request.id, countdown, why, reason="rate", spot=spot,
                   detail={"rate": str(budget), "place": place})  # fmt: skip
         time.sleep(wait + jitter)
+
+
+def keep_on_time(
+    task: Task, options: TaskLockOptions, settings: Settings, lock: Redlock, stamp: Stamp | None
+) -> None:
+    """Just before the body: move its logged start to now if the body would come late.
+
+    A start is logged on the node, then the reply travels back and the run takes its
+    last steps (a parked copy's check that it is the one to run): a process descheduled
+    meanwhile (measured: replies 37-68 ms late for 150 ms on two cores with eight pool
+    processes) starts its body that much after its logged start, and N + 1 bodies could
+    start within one window although the node admitted N. A body about to start later
+    after the admitting call left than the budget's guard (which every logged start
+    keeps on top of the window) plus two of this process's usual round trips
+    (:class:`RoundTrips`: a path that is always slow delays every body alike) has its
+    start logged again at now (``owned``: when the windows after it have room; else the
+    run waits for its place like any refused run), at most :data:`RESTAMPS` times; then
+    the body goes.
+
+    Raises:
+        Requeued: no room at now; the run waits for its place (as in :func:`admit`).
+    """
+    assert options.rate is not None
+    for _ in range(RESTAMPS):
+        usual = options.rate.guard + 2 * round_trips.usual
+        if stamp is None or time.monotonic() - stamp.sent <= usual:
+            return
+        logger.debug("Task %s[%s] late for its start: logged again", task.name, task.request.id)
+        stamp = admit(task, options, settings, lock, member=stamp.member)
+
+
+class RoundTrips:
+    """The usual admission round trip of this process, in seconds: about its fastest recent.
+
+    Falls at once to a faster round trip and rises by a sixteenth of the difference
+    with each slower one, so a stall of a few calls barely moves it and a path that
+    stays slower is followed within some tens of calls. One float, written whole: the
+    threads of a pool share it without a lock.
+    """
+
+    def __init__(self) -> None:
+        self.usual = 0.0
+        self._seen = False
+
+    def add(self, seconds: float) -> None:
+        """One admission's round trip."""
+        if not self._seen or seconds < self.usual:
+            self.usual, self._seen = seconds, True
+        else:
+            self.usual += (seconds - self.usual) / 16
+
+
+#: The round trips of this process's admissions (:func:`keep_on_time`).
+round_trips = RoundTrips()
 
 
 def longest_hold(app: Any) -> float:

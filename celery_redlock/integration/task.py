@@ -383,9 +383,10 @@ class LockedTask(Task):
         super().before_start(task_id, args, kwargs)
         lock = acquire_for(self, task_id, args, kwargs)
         options, settings = lock_options(self), app_settings(self.app)
+        stamp = None
         if lock is not None and options.rate is not None:
             # Last before the body (and the claim's hand-over): the start logged is its.
-            budgets.admit(self, options, settings, lock)
+            stamp = budgets.admit(self, options, settings, lock)
         elif lock is not None and deferrals(self.request):
             # A run put back by lock_on_busy="requeue" starts: it waits no more (ls:
             # QUEUED). Only such runs pay this call; a rated run's admission does it.
@@ -401,6 +402,8 @@ class LockedTask(Task):
             record(self, lock, "not_again", task_id, why="another copy")
             raise Ignore("another copy started")
         unique.started(self, options, settings, task_id, args, kwargs)
+        if lock is not None and options.rate is not None:
+            budgets.keep_on_time(self, options, settings, lock, stamp)
 
     def apply_async(
         self,
