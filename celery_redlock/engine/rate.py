@@ -98,16 +98,6 @@ class Budget:
         """The window in milliseconds, as ``rate.lua`` takes it."""
         return round(self.window * 1000)
 
-    @property
-    def guard(self) -> float:
-        """Seconds a start stays logged past its window (``window.lua``'s ``span_us``).
-
-        10 ms at most, half a slot for faster budgets: a body may start up to this
-        much later than its admission (more than the next body) with every window of
-        bodies still holding at most N starts.
-        """
-        return min(0.010, self.window / self.limit / 2)
-
     def __str__(self) -> str:
         unit = next(u for u, s in UNITS.items() if s == self.window)
         return f"{self.limit}/{unit}"

@@ -62,6 +62,12 @@ MAX_MARGIN = 0.02
 #: start reserved for it, in seconds; one earlier than that is parked again.
 IN_PLACE = 0.25
 
+#: How late a body may start against its logged start, beyond its usual round trips,
+#: in seconds: the guard every logged start keeps past its window (``window.lua``; half
+#: a slot for budgets faster than 50/s, whose bodies are kept to N per window within
+#: this much).
+LATE = 0.010
+
 #: Most times a run's start is logged again because its body would come late
 #: (:func:`keep_on_time`).
 RESTAMPS = 8
@@ -83,8 +89,8 @@ class Stamp:
     """A start logged for this run: its member, and when the call that logged it left.
 
     The node logged the start at some moment after ``sent`` (``time.monotonic()``): a
-    body that starts no later than the budget's guard after ``sent`` starts within
-    the guard of its logged start (:func:`keep_on_time`).
+    body that starts no later than :data:`LATE` after ``sent`` starts within that of
+    its logged start (:func:`keep_on_time`).
     """
 
     member: str
@@ -178,21 +184,18 @@ def keep_on_time(
     last steps (a parked copy's check that it is the one to run): a process descheduled
     meanwhile (measured: replies 37-68 ms late for 150 ms on two cores with eight pool
     processes) starts its body that much after its logged start, and N + 1 bodies could
-    start within one window although the node admitted N. A body about to start later
-    after the admitting call left than the budget's guard (which every logged start
-    keeps on top of the window) plus two of this process's usual round trips
-    (:class:`RoundTrips`: a path that is always slow delays every body alike) has its
-    start logged again at now (``owned``: when the windows after it have room; else the
-    run waits for its place like any refused run), at most :data:`RESTAMPS` times; then
-    the body goes.
+    start within one window although the node admitted N. A body about to start more
+    than :data:`LATE` plus two of this process's usual round trips (:class:`RoundTrips`:
+    a path that is always slow delays every body alike) after its admission was sent
+    has its start logged again at now (``owned``: when the windows after it have room;
+    else the run waits for its place like any refused run), at most :data:`RESTAMPS`
+    times; then the body goes.
 
     Raises:
         Requeued: no room at now; the run waits for its place (as in :func:`admit`).
     """
-    assert options.rate is not None
     for _ in range(RESTAMPS):
-        usual = options.rate.guard + 2 * round_trips.usual
-        if stamp is None or time.monotonic() - stamp.sent <= usual:
+        if stamp is None or time.monotonic() - stamp.sent <= LATE + 2 * round_trips.usual:
             return
         logger.debug("Task %s[%s] late for its start: logged again", task.name, task.request.id)
         stamp = admit(task, options, settings, lock, member=stamp.member)

@@ -1,7 +1,7 @@
 """A rated run whose body would start late for its logged start logs it again at now.
 
 The node logs a start when the admission reaches it; the body starts after the reply
-came back and the run took its last steps. A body later than the budget's guard after
+came back and the run took its last steps. A body later than 10 ms (the guard) after
 the admitting call left (a process descheduled, a slow reply) could make N + 1 bodies
 start within one window although the node admitted N: its start is moved to now
 (``budgets.keep_on_time``). Real Redis, eager runs (``apply()``): the body itself reads
@@ -94,7 +94,7 @@ def test_a_late_body_without_room_at_now_waits_for_the_next_slot(app, celery_red
 def test_a_run_logs_its_start_again_only_when_its_reply_is_slower_than_usual(
     app, celery_redis, fault_proxy, monkeypatch, path
 ):
-    """A path that turns slow (every reply 60 ms late, six times a 50/s budget's guard):
+    """A path that turns slow (every reply 60 ms late, six times budgets.LATE):
     the run's start is logged again, at most RESTAMPS times. A fast path, or one that
     was always that slow (the process's usual round trip: every body is as late): one
     admission per run."""
