@@ -128,7 +128,8 @@ def test_two_until_finished_copies_whose_claims_a_restart_lost_run_one_after_the
     assert second.id != first.id, "without its claim, the key looks free at send time"
     with caplog.at_level(logging.INFO, logger="celery_redlock.task"):
         inprocess_worker_factory(app, pool="threads", concurrency=2)
-        wait_for(out.exists, timeout=10)
+        # The file exists from its open, before the body's task id is in it.
+        wait_for(lambda: out.exists() and out.read_text().split(), timeout=10)
         wait_for(lambda: "follows the running copy" in caplog.text, timeout=10)
     assert len(out.read_text().split()) == 1, "both bodies ran at once"
     gate.touch()
