@@ -84,8 +84,9 @@ def backlog_run(
     starts = [float(f[1]) for f in fields]
     # When each body's admission returned in its process (the bodies of Celery's own
     # rate_limit have none): the time from there to the body is spent in our prerun.
-    admitted = [float(f[2]) for f in fields if len(f) > 2 and float(f[2])]
-    gaps = sorted(float(f[1]) - float(f[2]) for f in fields if len(f) > 2 and float(f[2]))
+    pairs = [(float(f[1]), float(f[2])) for f in fields if len(f) > 2 and float(f[2])]
+    admitted = [a for _, a in pairs]
+    gaps = sorted(s - a for s, a in pairs)
     ideal = (size - 1) // n
     return {
         "runs": size,

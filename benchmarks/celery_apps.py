@@ -186,6 +186,7 @@ def _timed_admit(*args: Any, **kwargs: Any) -> Any:
 
 
 _REAL_ADMIT = budgets.admit
+budgets.admit = _timed_admit  # type: ignore[assignment]
 
 
 def _started(self: Task, key: str) -> None:
@@ -228,7 +229,6 @@ def add_rate_tasks(app: Celery, lock_url: str | None = None) -> Celery:
         tasks.append(empty)
     for task in tasks:
         signals.task_postrun.connect(_count, sender=task, weak=False)
-    budgets.admit = _timed_admit  # type: ignore[assignment]
     return app
 
 
@@ -265,7 +265,6 @@ def add_backlog_tasks(app: Celery) -> Celery:
         ]
     for task in tasks:
         signals.task_postrun.connect(_count, sender=task, weak=False)
-    budgets.admit = _timed_admit  # type: ignore[assignment]
     return app
 
 

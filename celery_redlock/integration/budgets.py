@@ -211,13 +211,13 @@ class RoundTrips:
     """
 
     def __init__(self) -> None:
-        self.usual = 0.0
-        self._seen = False
+        # Infinite until the first admission (which always comes before keep_on_time).
+        self.usual = math.inf
 
     def add(self, seconds: float) -> None:
         """One admission's round trip."""
-        if not self._seen or seconds < self.usual:
-            self.usual, self._seen = seconds, True
+        if seconds < self.usual:
+            self.usual = seconds
         else:
             self.usual += (seconds - self.usual) / 16
 

@@ -402,7 +402,7 @@ class LockedTask(Task):
             record(self, lock, "not_again", task_id, why="another copy")
             raise Ignore("another copy started")
         unique.started(self, options, settings, task_id, args, kwargs)
-        if lock is not None and options.rate is not None:
+        if lock is not None and stamp is not None:
             budgets.keep_on_time(self, options, settings, lock, stamp)
 
     def apply_async(
