@@ -48,7 +48,7 @@ from .vote import (
     vote_calls,
     vote_decided,
 )
-from .waiting import HOST
+from .waiting import HOST, NAMED_RESERVE, grant_ms
 
 __all__ = [
     "RETRY_DELAY",
@@ -148,6 +148,8 @@ class Core:
         self.task_id = task_id
         self.task_name = task_name
         self.auto_renew = auto_renew
+        #: The lease of a grant to a waiter of this lock by a release (ms).
+        self.grant_ms = grant_ms(timing)
         self._finalizer: weakref.finalize[..., object] | None = None
 
     @property
@@ -177,10 +179,12 @@ class Core:
         holder = Holder(
             self.task_id or "", HOST, forksafe.pid(), f"{time.time():.3f}", self.task_name or ""
         )
-        acquire = self.kind.acquire_call(waiter, self.timing.ttl_ms, holder, predecessor)
+        acquire = self.kind.acquire_call(
+            waiter, self.timing.ttl_ms, holder, predecessor, self.grant_ms
+        )
         wait_for = frozenset(range(self.nodes)) - fanout.lagging() if predecessor else frozenset()
         waiter.sent = True
-        sent_at = clock()
+        waiter.sent_at = sent_at = clock()
         replies = yield Send(
             vote_calls(acquire, self.min_replicas, self.timing.node_timeout),
             timeout=budget(self.timing.node_timeout, self.min_replicas),
@@ -229,6 +233,27 @@ class Core:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
 
+    def granted(self, waiter: Waiter, fences: Sequence[int]) -> Grant | None:
+        """The grant that releases made to ``waiter``'s last attempt, if it may be held.
+
+        ``fences``: each granting node's (:meth:`.waiting.Subscription.granted`). It may
+        be held without asking the nodes again when a quorum granted it with one fence
+        (a Redlock's nodes number their fences apart: the waiter asks, and its attempt
+        stores one fence on them) and no replica has to confirm it, and while the first
+        half of :data:`.waiting.NAMED_RESERVE` since the attempt was sent has not passed,
+        so that the renewer has the other half to extend its short lease. Else None:
+        the waiter asks the nodes, whose answer counts the grants held by its token.
+        """
+        if self.min_replicas or len(fences) < self.quorum or len(set(fences)) != 1:
+            return None
+        if clock() - waiter.sent_at > NAMED_RESERVE / 2:
+            return None
+        attempt = Attempt([], clock() - waiter.sent_at)
+        attempt.granted = list(range(len(fences)))
+        attempt.fences = [(fence,) for fence in fences]
+        attempt.number = waiter.attempt
+        return Grant(waiter.token, (fences[0],), waiter.sent_at, attempt)
+
     def release(self, token: str, fanout: Fanout) -> Send:
         """The fan-out that releases ``token``: done once a quorum confirmed it."""
         decided = release_decided(self.quorum, fanout.lagging())
@@ -239,10 +264,12 @@ class Core:
         grant: Grant,
         on_lost: Callable[[LockLost], object] | None,
         lock: object,
+        length: float | None = None,
     ) -> Lease | None:
         """Record a grant as the caller's hold: its lease; None if it ran out first.
 
-        ``lock``: the driver object, whose collection releases its holds.
+        ``lock``: the driver object, whose collection releases its holds. ``length``:
+        the lease the nodes granted, if not the ttl (a grant by a release).
         """
         lease = Lease(
             self.keys,
@@ -257,6 +284,7 @@ class Core:
             entries=self.kind.renew_entries(),
             fences=grant.fences,
             quorum=self.quorum,
+            length=length,
         )
         if clock() >= lease.give_up_at:
             # Paused (or slowed) between the vote and here, e.g. by the fence sync:

@@ -178,7 +178,10 @@ class AsyncRedlock:
                 # moment ago): register first, and a refusal waits at once.
                 subscription = await self._subscribe(waiter, wakeup)
             while True:
-                attempt = await self._attempt(waiter)
+                if subscription is not None and self._granted(waiter, subscription):
+                    attempt = None  # granted by a release of another process
+                else:
+                    attempt = await self._attempt(waiter)
                 if attempt is None:
                     acquired = settled = True
                     if metrics.enabled:
@@ -265,6 +268,20 @@ class AsyncRedlock:
         if self._core.record(outcome, self._loss_reporter(), self) is not None:
             return None
         return await self._drive(self._core.undo(outcome.token, outcome.attempt, self.nodeset))
+
+    def _granted(self, waiter: Waiter, subscription: Subscription) -> bool:
+        """Hold the lock if releases granted it to ``waiter``'s last attempt; True if held.
+
+        See :meth:`.acquisition.Core.granted`. Else the next attempt finds the grants
+        held by the waiter's token, and counts them.
+        """
+        if not subscription.grants:
+            return False
+        grant = self._core.granted(waiter, subscription.granted(waiter.token, waiter.attempt))
+        if grant is None:
+            return False
+        length = self._core.grant_ms / 1000
+        return self._core.record(grant, self._loss_reporter(), self, length) is not None
 
     async def _drive(self, steps: Steps[T]) -> T:
         """Run an acquisition's steps (:mod:`.acquisition`) with this loop's fan-outs."""

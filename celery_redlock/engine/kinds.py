@@ -69,7 +69,7 @@ class Holder(NamedTuple):
 class Waiter:
     """One acquire call's identity across its attempts (a fair waiter keeps its place)."""
 
-    __slots__ = ("arrival", "attempt", "blocking", "in_doubt", "sent", "token")
+    __slots__ = ("arrival", "attempt", "blocking", "in_doubt", "sent", "sent_at", "token")
 
     def __init__(self, blocking: bool, arrival: str = "") -> None:
         self.token = secrets.token_hex(16)
@@ -79,6 +79,9 @@ class Waiter:
         #: one acquisition share its token, and an attempt's undo names its number, so
         #: that it can remove only what that attempt (or an earlier one) wrote.
         self.attempt = 0
+        #: When the last attempt was sent (:data:`.lease.clock`): a grant to it by a
+        #: release came later, so a lease counted from then is never too long.
+        self.sent_at = 0.0
         #: A request with this token got no reply (a node failed or timed out): it may
         #: still be on its way, and may reach its node after any undo sent since.
         self.in_doubt = False
@@ -175,13 +178,14 @@ class Kind(abc.ABC):
 
     @abc.abstractmethod
     def acquire_call(
-        self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""
+        self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = "", grant_ms: int = 0
     ) -> Call:
         """A new attempt of ``waiter`` to take a ``ttl_ms`` lease (numbered by the waiter).
 
         ``predecessor``: the token of a holder handing the lock over (kinds that
         :attr:`hands_over` only), whose hold counts as free within its process's
-        turn (:data:`.timing.TURN`).
+        turn (:data:`.timing.TURN`). ``grant_ms``: the lease of a grant to this waiter
+        by a release (kinds that record waiters; :func:`.waiting.grant_ms`).
         """
 
     @abc.abstractmethod
@@ -259,7 +263,9 @@ class Exclusive(Kind):
             abandoned=self.keys.abandoned,
         )
         self._release_keys = self._release.build_keys(
-            locks=release_keys(self.resources), record=record
+            locks=release_keys(self.resources),
+            record=record,
+            fence=(self.keys.fence,) if self.records else (),
         )
 
     def new_waiter(self, blocking: bool, nodes: int) -> Waiter:
@@ -274,7 +280,7 @@ class Exclusive(Kind):
         return Waiter(blocking, arrival)
 
     def acquire_call(
-        self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""
+        self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = "", grant_ms: int = 0
     ) -> Call:
         """``acquire.lua`` on every resource at once."""
         if self.records:
@@ -288,7 +294,7 @@ class Exclusive(Kind):
             token=waiter.token, ttl_ms=ttl_ms, task_id=holder.task_id, host=holder.host,
             pid=holder.pid, acquired_at=holder.acquired_at, task_name=holder.task_name,
             blocking="1" if waiter.blocking else "", waiter_ms=waiter_ms, arrival=waiter.arrival,
-            channel=channel, attempt=waiter.next_attempt(),
+            channel=channel, attempt=waiter.next_attempt(), grant_ms=grant_ms or 1,
             handoff=(predecessor, *timing.TURN) if predecessor else (),
         )  # fmt: skip
         return self.encoded(self._acquire, self._acquire_keys, args)
@@ -413,7 +419,7 @@ class Shared(Kind):
         return self.limit * nodes // (self.limit + 1) + 1
 
     def acquire_call(
-        self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = ""
+        self, waiter: Waiter, ttl_ms: int, holder: Holder, predecessor: str = "", grant_ms: int = 0
     ) -> Call:
         """Take one share (``acquire_shared.lua``); a limit of 0 means none."""
         if predecessor:

@@ -126,6 +126,7 @@ class Lease:
         entries: tuple[tuple[str, str], ...] | None = None,
         fences: tuple[int, ...] | None = None,
         quorum: int | None = None,
+        length: float | None = None,
     ) -> None:
         self.keys = keys
         #: What each renewal extends: (key, kind) pairs as ``renew_many.lua`` takes
@@ -139,7 +140,9 @@ class Lease:
         self.nodeset = nodeset
         self.timing = timing
         self.sent_at = sent_at
-        self.deadline = sent_at + timing.ttl - timing.drift
+        # ``length``: a lease the nodes granted for less than the ttl (a grant by a
+        # release, .waiting.grant_ms) until its first renewal.
+        self.deadline = sent_at + (timing.ttl if length is None else length) - timing.drift
         self.owner = owner
         self.task_name = task_name
         self.on_lost = list(on_lost or ())

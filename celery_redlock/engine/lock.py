@@ -593,11 +593,32 @@ class _Acquiring:
             self.handed = self._take_offer()
         if isinstance(self.handed, Grant):
             return self.lock._record(self.handed)  # handed over by a releasing thread
+        if self._granted():
+            return None  # granted by a release of another process
         # Nobody handed it over, or a takeover lost (the lock held by a third party, or
         # the process's turn over): ask the nodes ourselves. The takeover's wake-up may
         # have merged with a release's announcement to this waiter, which waiting on
         # its busy answer would then wait out, up to the fallback.
         return self.lock._attempt(self.waiter)
+
+    def _granted(self) -> bool:
+        """Hold the lock if releases granted it to this waiter's last attempt; True if held.
+
+        See :meth:`.acquisition.Core.granted`. Else the attempt that follows finds the
+        grants held by this waiter's token, and counts them.
+        """
+        lock, subscription = self.lock, self.subscription
+        if subscription is None or not subscription.grants:
+            return False
+        waiter = self.waiter
+        grant = lock._core.granted(waiter, subscription.granted(waiter.token, waiter.attempt))
+        if grant is None:
+            return False
+        lease = lock._core.record(grant, lock.on_lost, lock, lock._core.grant_ms / 1000)
+        if lease is None:
+            return False
+        handoff.holding(lock, lease)
+        return True
 
     def _take_offer(self) -> Grant | Attempt | None:
         """Stop offering; what a releasing thread got for this waiter meanwhile, if any."""

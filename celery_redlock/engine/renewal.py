@@ -118,9 +118,15 @@ class Renewer:
         self._ticking = False
 
     def add(self, lease: Lease) -> None:
-        """Start renewing ``lease``; stop by setting ``released`` or on loss."""
+        """Start renewing ``lease``; stop by setting ``released`` or on loss.
+
+        First after its renewal interval, or halfway to when it would be given up if
+        that is sooner (a short lease: a grant by a release, :mod:`.waiting`).
+        """
         lease.renewing = True
-        self._schedule(lease, clock() + lease.timing.renew_interval)
+        now = clock()
+        first = min(lease.timing.renew_interval, (lease.give_up_at - now) / 2)
+        self._schedule(lease, now + max(0.0, first))
         self.start()
 
     def release_later(self, nodeset: NodeSet, call: Call) -> None:

@@ -60,11 +60,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import threading
 import time
 import weakref
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from redis.connection import AbstractConnection
 from redis.exceptions import RedisError
@@ -76,9 +77,13 @@ from ..nodes.pubsub import PubSubReader
 from . import keys
 from .threads import START_GRACE, start_daemon
 
+if TYPE_CHECKING:
+    from .timing import Timing
+
 __all__ = [
     "HOST",
     "NAMED_RESERVE",
+    "Granted",
     "LoopWakeup",
     "Named",
     "Subscription",
@@ -129,18 +134,44 @@ def named_reserve_ms() -> int:
     return round(NAMED_RESERVE * 1000)
 
 
+def grant_ms(timing: Timing) -> int:
+    """The lease, in ms, of a grant to a waiter of a lock of ``timing``.
+
+    Counted by the waiter from when it sent the attempt that recorded it, less the
+    drift allowance and the loss margin of every lease: what is left is
+    :data:`NAMED_RESERVE`, the time the waiter has to count the grant before it asks
+    the nodes instead. The grant's lease is also how long a granted waiter that never
+    comes (stopped, or dead) keeps the lock idle.
+    """
+    return max(1, math.ceil((NAMED_RESERVE + timing.margin + timing.drift) * 1000))
+
+
+class Granted(NamedTuple):
+    """A node's grant of the lock to a waiter, as its release announced it."""
+
+    token: str
+    #: The number of the waiter's attempt that the node recorded it by: the grant
+    #: counts only while that attempt is the waiter's last (:meth:`Subscription.granted`).
+    attempt: int
+    fence: int
+
+
 class _Entry:
     """A waiter's registration: what a release names it by, and which nodes told it."""
 
-    __slots__ = ("heard", "named", "quorum")
+    __slots__ = ("grants", "heard", "named", "quorum")
 
-    def __init__(self, named: Named | None, heard: set[str], quorum: int) -> None:
+    def __init__(
+        self, named: Named | None, heard: set[str], quorum: int, grants: dict[str, Granted]
+    ) -> None:
         self.named = named
         #: URLs of the nodes that announced a release to this waiter (named it, or
         #: said ``''`` to it) since its last wait; shared by its listeners.
         self.heard = heard
         #: The nodes it waits to hear from before it tries (see :meth:`Subscription.wait`).
         self.quorum = quorum
+        #: Per node URL, the last grant announced to this waiter; shared by its listeners.
+        self.grants = grants
 
 
 class Named(Protocol):
@@ -323,6 +354,7 @@ class _Listener:
         heard: set[str] | None = None,
         quorum: int = 1,
         confirmed: Wakeup | None = None,
+        grants: dict[str, Granted] | None = None,
     ) -> Wakeup:
         """Register ``event`` for ``channel``; returns an event set once subscribed.
 
@@ -342,7 +374,7 @@ class _Listener:
         self._drop_unheard()
         with self._mutex:
             self._idle.pop(channel, None)
-            entry = _Entry(named, set() if heard is None else heard, quorum)
+            entry = _Entry(named, set() if heard is None else heard, quorum, grants or {})
             self._waiters.setdefault(channel, {})[ref] = entry
             if self._confirmed(channel):
                 confirmed.set()
@@ -560,14 +592,24 @@ class _Listener:
                 waiter.set()
                 return
 
-    def _wake_named(self, waiters: dict[weakref.ref[Wakeup], _Entry], token: str) -> bool:
-        """Wake the waiter registered as ``token`` (mutex held); its stand-by is moot."""
+    def _wake_named(
+        self,
+        waiters: dict[weakref.ref[Wakeup], _Entry],
+        token: str,
+        grant: Granted | None = None,
+    ) -> bool:
+        """Wake the waiter registered as ``token`` (mutex held); its stand-by is moot.
+
+        ``grant``: the node granted it the lock (stored for the waiter before it wakes).
+        """
         if self._standby:
             self._standby = [s for s in self._standby if s[2] != token]
         for ref, entry in waiters.items():
             waiter = ref()
             named = entry.named
             if waiter is not None and named is not None and named.token == token:
+                if grant is not None:
+                    entry.grants[self.node.url] = grant
                 entry.heard.add(self.node.url)
                 waiter.set()
                 return True
@@ -771,13 +813,17 @@ class _Listener:
                 if not text:
                     self._wake_one(waiters, self.node.url)
                     return
-                # The release named the waiter whose turn it is ("TOKEN"), or made it
-                # the stand-by of the waiter it named ("TOKEN MS").
-                token, _, ms = str(text).partition(" ")
-                if ms.isdigit():
-                    self._stand_by(lock_channel, token, int(ms))
+                # The release granted the lock to the waiter whose turn it is
+                # ("TOKEN ATTEMPT FENCE"), named it ("TOKEN": it tries), or made it
+                # the stand-by of the waiter it granted it to ("TOKEN MS").
+                parts = str(text).split(" ")
+                if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                    grant = Granted(parts[0], int(parts[1]), int(parts[2]))
+                    self._wake_named(waiters, parts[0], grant)
+                elif len(parts) == 2 and parts[1].isdigit():
+                    self._stand_by(lock_channel, parts[0], int(parts[1]))
                 else:
-                    self._wake_named(waiters, token)
+                    self._wake_named(waiters, parts[0])
             elif kind == "subscribe":
                 left = self._pending.pop(channel, 1) - 1
                 if left > 0:
@@ -809,6 +855,8 @@ class Subscription:
         #: Nodes that must announce a release to this waiter before :meth:`wait` ends.
         self.quorum = quorum
         self._heard: set[str] = set()
+        #: The grants announced to this waiter, per node URL (the last one of each).
+        self.grants: dict[str, Granted] = {}
         self._listeners: list[_Listener] = []
         #: Set by the first listener subscribed (one for every node: the first node to
         #: confirm ends the wait below, whichever it is, so a slow or silent node
@@ -816,7 +864,9 @@ class Subscription:
         self.confirmation = Wakeup()
         for node in nodes:
             listener = get_listener(node)
-            listener.add(channel, self.event, named, self._heard, quorum, self.confirmation)
+            listener.add(
+                channel, self.event, named, self._heard, quorum, self.confirmation, self.grants
+            )
             self._listeners.append(listener)  # after add: close() removes only what was added
         # Wait until subscribed on at least one node before the caller retries, so
         # a release between that retry and the wait cannot go unnoticed. If no node
@@ -828,6 +878,20 @@ class Subscription:
     def confirmed(self) -> bool:
         """Subscribed on at least one node."""
         return self.confirmation.is_set()
+
+    def granted(self, token: str, attempt: int) -> list[int]:
+        """The fences of the nodes that granted the lock to ``token``'s attempt ``attempt``.
+
+        A grant is the node's answer to that attempt, made after the node recorded it:
+        it counts only while ``attempt`` is the waiter's last. A later attempt may have
+        found it (and counted it then), or its undo removed it; a grant to an earlier
+        one is spent.
+        """
+        return [
+            grant.fence
+            for grant in list(self.grants.values())
+            if grant.token == token and grant.attempt == attempt
+        ]
 
     def wait(self, timeout: float) -> bool:
         """Block until a release is announced or ``timeout`` passes; True if announced.

@@ -372,13 +372,13 @@ _acquire = functools.partial(
     file="acquire",
     keys=(_RESOURCES, _RECORD, "abandoned"),
     argv=("token", "ttl_ms", *_HOLDER, "blocking", "waiter_ms", "arrival", "channel", "attempt",
-          "handoff*"),
+          "grant_ms", "handoff*"),
     status=AcquireStatus,
     libraries=("fence", "wake"),
 )  # fmt: skip
 #: Exclusive on any number of resources, keeping no record of waiters.
 ACQUIRE = _acquire("acquire", constants={"NAMING": ""})
-#: Exclusive on one resource; a release names a recorded waiter and reserves the lock for it.
+#: Exclusive on one resource; a release grants the lock to the oldest recorded waiter.
 ACQUIRE_WAKE = _acquire("acquire_wake", constants={"NAMING": "wake"})
 #: Exclusive on one resource; only the head of the recorded waiters may take a free lock.
 ACQUIRE_FAIR = _acquire("acquire_fair", constants={"NAMING": "fair"})
@@ -405,14 +405,14 @@ RENEW_MANY = Script(
 _release = functools.partial(
     Script,
     file="release",
-    keys=("locks*", _RECORD),
+    keys=("locks*", _RECORD, "fence*"),
     argv=("token", "reserve_ms", "channel", "attempt"),
     status=ReleaseStatus,
     libraries=("fence", "wake"),
 )
 #: Releases what :data:`ACQUIRE` took: a release wakes one waiter per process.
 RELEASE = _release("release", constants={"NAMING": ""})
-#: Releases what :data:`ACQUIRE_WAKE` took, naming the oldest recorded waiter.
+#: Releases what :data:`ACQUIRE_WAKE` took, granting it to the oldest recorded waiter.
 RELEASE_WAKE = _release("release_wake", constants={"NAMING": "wake"})
 #: Releases what :data:`ACQUIRE_FAIR` took, naming the head of the queue.
 RELEASE_FAIR = _release("release_fair", constants={"NAMING": "fair"})
@@ -432,7 +432,7 @@ RELEASE_SHARED = Script(
 _leave = functools.partial(
     Script,
     file="fair_leave",
-    keys=("lock", "queue", "waiting", "wake", "channel"),
+    keys=("lock", "queue", "waiting", "wake", "channel", "fence"),
     argv=("token", "reserve_ms"),
     status=FairLeaveStatus,
     libraries=("fence", "wake"),
@@ -443,7 +443,7 @@ WAKE_LEAVE = _leave("wake_leave", constants={"NAMING": "wake"})
 FAIR_LEAVE = _leave("fair_leave", constants={"NAMING": "fair"})
 RELEASE_IF = Script(
     "release_if",
-    keys=("lock", "channel", "shared", "holders", "queue", "waiting", "wake"),
+    keys=("lock", "channel", "shared", "holders", "queue", "waiting", "wake", "fence"),
     argv=("task_id", "pid", "reserve_ms"),
     status=ReleaseIfStatus,
     libraries=("fence", "wake"),

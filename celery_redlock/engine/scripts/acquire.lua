@@ -3,8 +3,8 @@
 -- Three scripts run this file, told apart by the prelude's NAMING (never by an
 -- argument): acquire ('': any number of resources, no record of waiters),
 -- acquire_wake and acquire_fair (one resource, with a record of its blocked waiters,
--- see wake.lua). 'wake': anyone may take a free lock, but a lock that a release
--- reserved for the waiter it named is refused to everyone else. 'fair': only the head
+-- see wake.lua). 'wake': anyone may take a free lock (a release grants it to the
+-- oldest recorded waiter, so it is free only when nobody waits). 'fair': only the head
 -- of the queue may take a free lock.
 --
 -- KEYS[1..4n]  resources*  four keys per resource (taken together in one script, so
@@ -41,7 +41,10 @@
 --                       held by the token records the largest number that counted it
 --                       (field 'attempt'), and the undo of an earlier attempt leaves it
 --                       alone (release.lua), however late that undo arrives.
--- ARGV[13..16]  handoff*  optional, all four or none: a handoff. The token of the
+-- ARGV[13]  grant_ms    with a record and a channel: the lease, in ms, of a grant to
+--                       this waiter by a release (wake.lua), recorded with its place
+--                       (positive integer); else ignored
+-- ARGV[14..17]  handoff*  optional, all four or none: a handoff. The token of the
 --                       holder that hands its locks over (a release in the same
 --                       process): a lock it holds counts as free, and is taken over in
 --                       place (a new fence, the new holder's fields), so it is never
@@ -59,11 +62,9 @@
 --             process was recorded: it waits without asking again)
 --   handoffs  takeovers since then
 --   yield     set when a takeover was refused: the reservation's length, in ms
--- A reservation is a lock hash with token YIELD_MARK: with field 'for' (wake.lua), the
--- lock is kept for that token alone (its process channel in field 'wake'); without,
--- the yielding process's host and pid: that process is refused (a blocking attempt of
--- it marks 'waited', which the next holder's turn inherits), anyone else takes it as
--- free.
+-- A reservation is a lock hash with token YIELD_MARK and the yielding process's host
+-- and pid: that process is refused (a blocking attempt of it marks 'waited', which the
+-- next holder's turn inherits), anyone else takes it as free.
 --
 -- Returns  {1, fence_1, ..., fence_n}   acquired; fences are the new counter values
 --          {2, fence_1, ..., fence_n}   this token held them already; leases refreshed
@@ -72,8 +73,8 @@
 --                                       may change
 --          {3}                          refused: this token's acquisition was
 --                                       abandoned (nothing written)
-if #ARGV ~= 12 and #ARGV ~= 16 then
-    return redis.error_reply('ERR celery_redlock acquire: expected 12 or 16 arguments, got ' .. #ARGV)
+if #ARGV ~= 13 and #ARGV ~= 17 then
+    return redis.error_reply('ERR celery_redlock acquire: expected 13 or 17 arguments, got ' .. #ARGV)
 end
 local token, ttl_ms, task_id, host, pid = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local acquired_at, task_name, blocking, waiter_ms = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
@@ -82,18 +83,19 @@ local attempt = tonumber(ARGV[12])
 if not attempt or attempt < 1 or attempt > 9007199254740991 or attempt ~= math.floor(attempt) then
     return redis.error_reply('ERR celery_redlock acquire: the attempt number must be a positive integer')
 end
-local predecessor = #ARGV == 16 and ARGV[13] or ''
+local grant_ms = ARGV[13]
+local predecessor = #ARGV == 17 and ARGV[14] or ''
 if predecessor == '' or predecessor == token then
     predecessor = nil
 end
 local turn = {}
-if #ARGV == 16 then
-    for j = 14, 16 do
+if #ARGV == 17 then
+    for j = 15, 17 do
         local value = tonumber(ARGV[j])
         if not value or value < 0 or value > 2592000000 or value ~= math.floor(value) then
             return redis.error_reply('ERR celery_redlock acquire: a turn bound must be a non-negative integer')
         end
-        turn[j - 13] = value
+        turn[j - 14] = value
     end
 end
 -- Leases are capped at 30 days (settings.MAX_SECONDS): Lua hands a number of 1e14 or
@@ -109,6 +111,10 @@ if record then
     if not waiter_lease or waiter_lease < 0 or waiter_lease > MAX_LEASE
             or waiter_lease ~= math.floor(waiter_lease) then
         return redis.error_reply('ERR celery_redlock acquire: the place of a waiter must last an integer of ms, 0 to 30 days')
+    end
+    local grant = ms_arg(grant_ms)
+    if channel ~= '' and (not grant or grant < 1) then
+        return redis.error_reply('ERR celery_redlock acquire: a grant must last a positive integer of ms, at most 30 days')
     end
 end
 if arrival ~= nil and arrival ~= '' then
@@ -170,7 +176,7 @@ end
 -- A blocking attempt of another process than the holder's (or the next holder's)
 -- bounds that holder's turn: the first one marks when ('waited').
 local function mark_waited(lock, held)
-    if not held[6] then
+    if not held[5] then
         redis.call('HSET', lock, 'waited', clock())
     end
 end
@@ -179,40 +185,37 @@ local blocked
 local owned, mine, reserved, handed, no_shares = 0, {}, {}, {}, {}
 for i = 1, n do
     local lock = KEYS[4 * i - 3]
-    -- One read of what a refusal needs (a call each would be five calls).
-    local held = redis.call('HMGET', lock, 'token', 'for', 'host', 'pid', 'task_id', 'waited', 'wake')
+    -- One read of what a refusal needs (a call each would be four calls).
+    local held = redis.call('HMGET', lock, 'token', 'host', 'pid', 'task_id', 'waited')
     local current = held[1]
-    local same_process = held[3] == host and held[4] == pid
+    local same_process = held[2] == host and held[3] == pid
     if current == token then
+        -- Held by this token: granted to an earlier attempt, or by a release (wake.lua).
         owned = owned + 1
         mine[i] = true
     elseif current == YIELD_MARK then
-        local named = held[2]
-        if named == token or (not named and not same_process) then
-            -- Kept for this waiter by the release that named it, or yielded by another
-            -- process to anyone but itself.
-            reserved[i] = named or true
-        else
-            -- Refused: kept for the named waiter, or against the yielding process.
-            if blocking == '1' and not (named and held[7] == channel) then
+        if same_process then
+            -- Refused: yielded by this process to the others.
+            if blocking == '1' then
                 mark_waited(lock, held)
             end
             blocked = {0, redis.call('PTTL', lock), ''}
             break
         end
+        reserved[i] = true  -- yielded by another process to anyone but itself
     elseif current and current ~= predecessor then
         if blocking == '1' and not fair and not same_process then
             mark_waited(lock, held)
         end
-        blocked = {0, redis.call('PTTL', lock), held[5] or ''}
+        blocked = {0, redis.call('PTTL', lock), held[4] or ''}
         break
     elseif current then
         -- A takeover: within the turn, or refused, and the release yields the lock.
-        local waited = tonumber(held[6])
+        local waited = tonumber(held[5])
         if waited and (tonumber(redis.call('HGET', lock, 'handoffs') or '0') >= turn[1]
                        or clock() - waited >= turn[2]) then
             redis.call('HSET', lock, 'yield', math.max(1, turn[3]))
-            blocked = {0, redis.call('PTTL', lock), held[5] or ''}
+            blocked = {0, redis.call('PTTL', lock), held[4] or ''}
             break
         end
         handed[i] = waited ~= nil
@@ -237,18 +240,12 @@ end
 -- its process channel; one that gets in leaves it.
 local queue, waiting, wake = KEYS[5], KEYS[6], KEYS[7]
 local parts = {queue, waiting, wake}
-local named_here = false  -- taking a reservation made for this token
-for i = 1, n do
-    if reserved[i] and reserved[i] ~= true then
-        named_here = true
-    end
-end
 local others_waited = false
 if record then
     if fair or blocked then
         drop_lapsed(parts, clock())
     end
-    if fair and not blocked and owned < n and not named_here then
+    if fair and not blocked and owned < n then
         local head = redis.call('ZRANGE', queue, 0, 0)[1]
         if head and head ~= token then
             local deadline = redis.call('ZSCORE', waiting, head)
@@ -272,7 +269,10 @@ if record then
         -- life stands for both.
         local keys = {queue}
         if channel ~= '' then
-            redis.call('HSET', wake, token, channel)
+            -- The entry a grant is made from (wake.lua): this attempt's number, so
+            -- that the waiter counts a grant only while no later attempt went out.
+            redis.call('HSET', wake, token, waiter_entry(channel, attempt, grant_ms, ttl, pid,
+                                                         host, task_id, task_name))
             keys[#keys + 1] = wake
         end
         -- Each record key outlives its places: extended, when it would not, by twice a
@@ -293,8 +293,7 @@ if record then
         -- Granted (or taken over) while a waiter of another process is recorded: it
         -- waits to be named, without asking again, so this holder's turn is bounded
         -- from now (a reservation carries the mark its release set).
-        others_waited = not fair and owned < n and not named_here
-            and other_process_waits(queue, wake, channel)
+        others_waited = not fair and owned < n and other_process_waits(queue, wake, channel)
     end
 end
 

@@ -8,17 +8,18 @@
 -- KEYS[1]  lock      the lock hash
 -- KEYS[2]  queue     the queue
 -- KEYS[3]  waiting   the waiter deadlines
--- KEYS[4]  wake      the waiters' process channels
+-- KEYS[4]  wake      the waiters' entries
 -- KEYS[5]  channel   the lock's release channel
+-- KEYS[6]  fence     the lock's fence counter (a grant's fence)
 -- ARGV[1]  token       the waiter's token
--- ARGV[2]  reserve_ms  ('wake') the reservation for the waiter named, in ms
---                      (non-negative integer); ignored by fair_leave
+-- ARGV[2]  reserve_ms  ('wake') a positive number: the next waiter is granted the
+--                      lock (as release.lua's); ignored by fair_leave
 --
--- A waiter that a release named and that leaves instead of taking the lock passes
--- the reservation on, and one that holds the lock as it gives up (its last try was
--- granted here but not by a quorum) releases it: the next waiter is named (or, with
--- nobody recorded, '' is published on the release channel). When the lock is free,
--- the oldest recorded waiter is named so that it does not wait for its next refresh.
+-- A waiter that holds the lock as it gives up (a release granted it, or its last try
+-- was granted here but not by a quorum) releases it: the next waiter is named (or,
+-- with nobody recorded, '' is published on the release channel). When the lock is
+-- free, the oldest recorded waiter is named so that it does not wait for its next
+-- refresh.
 -- Returns  1  left the record    0  was not in it
 local token, reserve_ms = ARGV[1], ARGV[2]
 if token == nil or token == '' then
@@ -31,14 +32,13 @@ end
 local lock, record, channel = KEYS[1], {KEYS[2], KEYS[3], KEYS[4]}, KEYS[5]
 local left = redis.call('ZREM', KEYS[2], token)
 forget(record, {token})
-local held = redis.call('HMGET', lock, 'token', 'for', 'fence', 'ttl')
-local passed_on = (held[1] == YIELD_MARK and held[2] == token) or held[1] == token
+local held = redis.call('HGET', lock, 'token')
+local passed_on = held == token
 if passed_on then
-    redis.call('DEL', lock)  -- kept for this waiter, which leaves: free again
-    reserve = math.min(reserve, tonumber(held[4]) or 0)
+    redis.call('DEL', lock)  -- held by this waiter, which leaves: free again
 end
-if passed_on or not held[1] then
-    local named = name_next(lock, channel, record, NAMING, reserve, false, held[3] or '0')
+if passed_on or not held then
+    local named = name_next(lock, KEYS[6], channel, record, NAMING, reserve, false)
     if not named and passed_on then
         redis.call('PUBLISH', channel, '')
     end

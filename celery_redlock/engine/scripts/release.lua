@@ -3,19 +3,21 @@
 -- Three scripts run this file, told apart by the prelude's NAMING (never by an
 -- argument), one per acquire script: release (''), release_wake and release_fair.
 -- '': publish '' on each lock's channel (one waiter per subscribed process wakes).
--- 'fair': name the head of the queue, which keeps its place. 'wake': name the oldest
--- recorded waiter, which leaves the record, and reserve the lock for it (wake.lua).
--- A named waiter hears it on its process channel alone; '' goes to the lock's channel
--- only when nobody is recorded.
+-- 'fair': name the head of the queue, which keeps its place. 'wake': grant the lock to
+-- the oldest recorded waiter, which leaves the record (wake.lua). A named waiter hears
+-- it on its process channel alone; '' goes to the lock's channel only when nobody is
+-- recorded.
 --
 -- KEYS[1..2n]  locks*   per resource i (i = 1..n): its lock hash, its release channel
 -- KEYS[..]     record*  release_wake and release_fair (one resource, see wake.lua):
---                       queue, waiter deadlines, wake (process channels); none for
+--                       queue, waiter deadlines, wake (the waiters' entries); none for
 --                       release
+-- KEYS[..]     fence*   with a record: the lock's fence counter (a grant's fence);
+--                       none for release
 -- ARGV[1]  token       owner token
--- ARGV[2]  reserve_ms  ('wake') the reservation, in ms (non-negative integer); at
---                      most a third of the released lease (the default renewal
---                      interval) is used; else ignored
+-- ARGV[2]  reserve_ms  ('wake') a positive number: the next waiter is granted the
+--                      lock (for the lease it recorded); 0: it is only named (it
+--                      tries); else ignored
 -- ARGV[3]  channel     ('wake') the releasing process's channel: when this release
 --                      yields the process's turn (below), its own recorded waiters are
 --                      passed over; else ignored
@@ -28,12 +30,12 @@
 --                      tries again)
 --
 -- With a record, the token also leaves it (unless an undo: a Redlock holder this node
--- refused stays recorded here), and a reservation made for it here (named by this
--- node while it won on others) is passed on to the next waiter, as fair_leave.lua does.
--- A lock whose turn is over (field 'yield', see acquire.lua) is reserved for the oldest
--- recorded waiter of another process; with none recorded, it is reserved for 'yield' ms
--- against the releasing process (its host and pid) and free for any other, so that
--- another process's woken waiter gets it.
+-- refused stays recorded here); a grant to it here (made by this node while it won on
+-- others) is released as any lock of the token. A lock whose turn is over (field
+-- 'yield', see acquire.lua) is granted to the oldest recorded waiter of another
+-- process; with none recorded, it is reserved for 'yield' ms against the releasing
+-- process (its host and pid) and free for any other, so that another process's woken
+-- waiter gets it.
 -- Returns  1  released (every lock was held by this token)
 --          0  gone already (expired or released), wholly or in part
 --         -1  a lock is held by another token (or, for an undo, by a later attempt of
@@ -53,8 +55,8 @@ if not reserve then
     return redis.error_reply('ERR celery_redlock release: ' .. wrong)
 end
 local record = NAMING ~= ''
-if record and #KEYS ~= 5 then
-    return redis.error_reply('ERR celery_redlock release: a record of waiters takes 5 keys')
+if record and #KEYS ~= 6 then
+    return redis.error_reply('ERR celery_redlock release: a record of waiters takes 6 keys')
 end
 local undo = nil
 if attempt ~= nil and attempt ~= '' then
@@ -65,13 +67,13 @@ if attempt ~= nil and attempt ~= '' then
 end
 local parts = {KEYS[3], KEYS[4], KEYS[5]}
 
--- Name the next waiter of a freed lock (with a record), keeping the lock for it at most
--- `cap` ms; nil when nobody is recorded.
-local function name_after(lock, held, cap, skip)
+-- Name the next waiter of a freed lock (with a record), granting it the lock unless
+-- `cap` (a third of the released lease) is 0; nil when nobody is recorded.
+local function name_after(lock, cap, skip)
     if not record then
         return nil
     end
-    return name_next(lock, KEYS[2], parts, NAMING, math.min(reserve, cap), skip, held.fence or '0')
+    return name_next(lock, KEYS[6], KEYS[2], parts, NAMING, math.min(reserve, cap), skip)
 end
 
 if record and not undo then
@@ -81,16 +83,16 @@ local n = record and 1 or #KEYS / 2
 local released, taken = 0, false
 for i = 1, n do
     local lock = KEYS[2 * i - 1]
-    local fields = redis.call('HMGET', lock, 'token', 'yield', 'host', 'pid', 'fence', 'ttl', 'for',
+    local fields = redis.call('HMGET', lock, 'token', 'yield', 'host', 'pid', 'fence', 'ttl',
                               'attempt')
     local held = {yield = tonumber(fields[2]), host = fields[3], pid = fields[4],
                   fence = fields[5], ttl = fields[6]}
-    if fields[1] == token and undo and (tonumber(fields[8]) or 0) > undo then
+    if fields[1] == token and undo and (tonumber(fields[7]) or 0) > undo then
         taken = true  -- written or claimed by a later attempt of this token: it counts it
     elseif fields[1] == token then
         redis.call('DEL', lock)
         local skip = held.yield and channel ~= nil and channel ~= '' and channel
-        local named = name_after(lock, held, math.floor((tonumber(held.ttl) or 0) / 3), skip)
+        local named = name_after(lock, math.floor((tonumber(held.ttl) or 0) / 3), skip)
         if held.yield and held.host and held.pid and redis.call('EXISTS', lock) == 0 then
             redis.call('HSET', lock, 'token', YIELD_MARK, 'host', held.host, 'pid', held.pid,
                        'fence', held.fence or '0', 'ttl', held.yield)
@@ -100,12 +102,6 @@ for i = 1, n do
             redis.call('PUBLISH', KEYS[2 * i], '')
         end
         released = released + 1
-    elseif fields[1] == YIELD_MARK and record and fields[7] == token then
-        -- Kept here for this token, which no longer wants it: pass it on.
-        redis.call('DEL', lock)
-        if not name_after(lock, held, tonumber(held.ttl) or 0, false) then
-            redis.call('PUBLISH', KEYS[2 * i], '')
-        end
     elseif fields[1] then
         taken = true
     end

@@ -12,14 +12,15 @@
 -- KEYS[5]  queue       optional, with waiting and wake: the record of blocked
 --                      waiters, see wake.lua
 -- KEYS[6]  waiting     waiter deadlines
--- KEYS[7]  wake        waiters' process channels
+-- KEYS[7]  wake        waiters' entries
+-- KEYS[8]  fence       the lock's fence counter (a grant's fence), with the record
 -- ARGV[1]  task_id     task id
 -- ARGV[2]  pid         pid
--- ARGV[3]  reserve_ms  optional: the reservation for the waiter a release names, in
---                      ms (at most a third of the released lease is used; default 0)
+-- ARGV[3]  reserve_ms  optional: a positive number grants the lock to the waiter named
+--                      (0, the default: it is only named, and tries)
 --
 -- A deleted lock is announced as release_wake's does: the oldest recorded waiter is
--- named on its process channel (and the lock reserved for it); '' is published on
+-- granted the lock and told on its process channel; '' is published on
 -- the channel when nobody is recorded, and for a share.
 -- Returns  1  released
 --          0  gone already
@@ -32,17 +33,17 @@ local reserve = ms_arg(reserve_ms or '0')
 if not reserve then
     return redis.error_reply('ERR celery_redlock release_if: a reservation must be a non-negative integer of ms')
 end
-local holder = redis.call('HMGET', KEYS[1], 'task_id', 'pid', 'fence', 'ttl')
+local holder = redis.call('HMGET', KEYS[1], 'task_id', 'pid', 'ttl')
 if holder[1] ~= false then
     if holder[1] ~= task_id or holder[2] ~= pid then
         return -1
     end
     redis.call('DEL', KEYS[1])
     local named
-    if #KEYS >= 7 then
-        local lease_third = math.floor((tonumber(holder[4]) or 0) / 3)
-        named = name_next(KEYS[1], KEYS[2], {KEYS[5], KEYS[6], KEYS[7]}, 'wake',
-                          math.min(reserve, lease_third), false, holder[3] or '0')
+    if #KEYS >= 8 then
+        local lease_third = math.floor((tonumber(holder[3]) or 0) / 3)
+        named = name_next(KEYS[1], KEYS[8], KEYS[2], {KEYS[5], KEYS[6], KEYS[7]}, 'wake',
+                          math.min(reserve, lease_third), false)
     end
     if not named then
         redis.call('PUBLISH', KEYS[2], '')

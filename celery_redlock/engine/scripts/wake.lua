@@ -4,43 +4,54 @@
 --
 -- The record (one resource): queue (sorted set token -> arrival), waiting (sorted set
 -- token -> deadline, node ms: the place lapses unless refreshed) and wake (hash token
--- -> the waiter's process channel, where a release names it).
+-- -> the waiter's entry: its process channel, where a release names it, then, each
+-- after a NUL, what a grant to it writes: the number of the attempt that recorded it,
+-- the grant's lease (ms), its own lease (ms), pid, host, task id and task name; see
+-- waiter_entry).
 --
 -- ms_arg(value)  a reservation argument: a non-negative integer of ms (at most 30
 --          days), or nil (the caller answers with its own error).
 -- naming_args(how, reserve)  how a script names waiters ('fair' or 'wake') and, with
---          'wake', the reservation: the reservation in ms (0 for 'fair'), or nil and
---          what is wrong.
+--          'wake', whether a release grants the lock: the bound in ms (0 for 'fair'),
+--          or nil and what is wrong.
 -- node_ms()  the node's clock, in ms.
+-- waiter_entry(channel, attempt, grant_ms, ttl, pid, host, task_id, task_name)  a
+--          waiter's entry in the record.
 -- forget(record, tokens)  take tokens out of every part of the record.
 -- leave(record, token)  take a token out of the record if it is in it (one call if not).
 -- drop_lapsed(record, now)  forget the waiters whose place lapsed.
 -- first_waiter(queue, wake, skip)  the oldest recorded token whose process channel is
---          not `skip` (false: any), and its channel (false if it recorded none).
+--          not `skip` (false: any), its channel (false if it recorded none) and its
+--          entry.
 -- other_process_waits(queue, wake, channel)  a waiter of another process than
 --          `channel`'s is recorded.
--- name_next(lock, channel, record, how, reserve, skip, fence)  announce that `lock`
---          (deleted by the caller) is free to the oldest recorded waiter, on its
---          process channel (one delivery, one process), with its token as the message
---          (one waiter woken); on the lock's channel if it recorded no process
---          channel. `record` = {queue, waiting, wake}. Nobody recorded costs one
---          read; the record is cleared of lapsed waiters when the one found first has
---          lapsed (a refused requester clears it too, acquire.lua).
---          how 'fair': the waiter keeps its place (only the head of the queue may
---          take a free lock anyway). how 'wake': the waiter leaves the record (it
---          comes back, or it is gone: either way it is named once) and, if `reserve`
---          > 0, the lock is reserved for it for `reserve` ms: a YIELD_MARK hash whose
---          field 'for' names it, refused to any other token, so a requester that did
---          not wait (the releaser coming straight back) cannot take the lock between
---          the release and the named waiter's try.
---          The reservation is the take-up bound of a named waiter: one that does not
---          come (its process stopped, or died) keeps the lock idle `reserve` ms, no
+-- name_next(lock, counter, channel, record, how, reserve, skip)  hand `lock` (deleted
+--          by the caller) to the oldest recorded waiter whose process channel is not
+--          `skip` (false: any), announced on its process channel (one
+--          delivery, one process); on the lock's channel if it recorded no process
+--          channel. `record` = {queue, waiting, wake}; `counter` the lock's fence
+--          counter. Nobody recorded costs one read; the record is cleared of lapsed
+--          waiters when the one found first has lapsed (a refused requester clears it
+--          too, acquire.lua).
+--          how 'fair': the waiter keeps its place and is told its token (only the
+--          head of the queue may take a free lock anyway; it tries). how 'wake': the
+--          waiter leaves the record (it comes back, or it is gone: either way it is
+--          named once) and, if `reserve` > 0, the lock is GRANTED to it here: written
+--          in its token's name with a new fence and the waiter's fields, for the
+--          grant's lease that the waiter asked for (its entry), and the announcement
+--          is "TOKEN ATTEMPT FENCE": the waiter holds the lock without asking again,
+--          its lease counted from when it sent that attempt (the grant came after the
+--          node recorded it), provided that attempt is still its last one. The lock
+--          hash's 'attempt' is ATTEMPT + 0.5: the undo of that attempt (a split vote's)
+--          leaves the grant, the undo of a later attempt that counted it removes it.
+--          The grant's lease is the take-up bound of a named waiter: one that does
+--          not come (its process stopped, or died) keeps the lock idle that long, no
 --          longer. So that the lock then passes on, the oldest recorded waiter of
---          another process than the named one's is told "TOKEN RESERVE" on its own
---          process channel: its listener wakes it `reserve` ms later unless a release
---          names it first (waiting.py, the stand-by).
---          Field 'waited' is set on the reservation when a waiter of another process
---          is still recorded: the named waiter's process then has a bounded turn
+--          another process than the named one's is told "TOKEN MS" on its own process
+--          channel: its listener wakes it MS later unless a release names it first
+--          (waiting.py, the stand-by).
+--          Field 'waited' is set on the grant when a waiter of another process is
+--          still recorded: the named waiter's process then has a bounded turn
 --          (handoff.TURN). Returns the named token, or nil when nobody is recorded
 --          (the caller publishes then).
 local function ms_arg(value)
@@ -82,6 +93,35 @@ local function drop_lapsed(record, now)
         forget(record, gone)
     end
 end
+local SEP = '\0'
+local function waiter_entry(channel, attempt, grant_ms, ttl, pid, host, task_id, task_name)
+    return table.concat({channel, attempt, grant_ms, ttl, pid, host, task_id, task_name}, SEP)
+end
+local function entry_channel(entry)
+    if not entry then
+        return false
+    end
+    local cut = string.find(entry, SEP, 1, true)
+    return cut and string.sub(entry, 1, cut - 1) or entry
+end
+-- The grant fields of an entry: {attempt, grant_ms, ttl, pid, host, task_id,
+-- task_name}, or nil if it has none (a waiter recorded without a channel).
+local function entry_grant(entry)
+    local start = entry and string.find(entry, SEP, 1, true)
+    if not start then
+        return nil
+    end
+    local fields = {}
+    for j = 1, 7 do
+        local cut = string.find(entry, SEP, start + 1, true)
+        fields[j] = string.sub(entry, start + 1, (cut or 0) - 1)
+        if not cut then
+            return j == 7 and fields or nil
+        end
+        start = cut
+    end
+    return nil
+end
 local WAKE_PAGE = 16
 local function first_waiter(queue, wake, skip)
     local start = 0
@@ -90,10 +130,11 @@ local function first_waiter(queue, wake, skip)
         if #page == 0 then
             return nil, false
         end
-        local targets = redis.call('HMGET', wake, unpack(page))
+        local entries = redis.call('HMGET', wake, unpack(page))
         for j, token in ipairs(page) do
-            if not skip or targets[j] ~= skip then
-                return token, targets[j]
+            local target = entry_channel(entries[j])
+            if not skip or target ~= skip then
+                return token, target, entries[j]
             end
         end
         if #page < WAKE_PAGE then
@@ -105,39 +146,43 @@ end
 local function other_process_waits(queue, wake, channel)
     return first_waiter(queue, wake, channel) ~= nil
 end
-local function name_next(lock, channel, record, how, reserve, skip, fence)
+local function name_next(lock, counter, channel, record, how, reserve, skip)
     local queue, waiting, wake = record[1], record[2], record[3]
-    local named, target = first_waiter(queue, wake, skip)
+    local named, target, entry = first_waiter(queue, wake, skip)
     if not named then
         return nil
     end
     local now = node_ms()
     if (tonumber(redis.call('ZSCORE', waiting, named)) or now) <= now then
         drop_lapsed(record, now)
-        named, target = first_waiter(queue, wake, skip)
+        named, target, entry = first_waiter(queue, wake, skip)
         if not named then
             return nil
         end
     end
-    local standby, standby_target
+    local message, standby, standby_target, idle = named, nil, nil, 0
     if how == 'wake' then
         forget(record, {named})
-        if reserve > 0 then
-            redis.call('HSET', lock, 'token', YIELD_MARK, 'for', named, 'fence', fence,
-                       'ttl', reserve)
-            if target then
-                redis.call('HSET', lock, 'wake', target)
-            end
+        local grant = reserve > 0 and entry_grant(entry)
+        local grant_ms = grant and ms_arg(grant[2])
+        local ttl = grant and ms_arg(grant[3])
+        if grant_ms and grant_ms > 0 and ttl and ttl > 0 then
+            local fence = fence_text(next_fence(counter, ttl))
+            redis.call('HSET', lock, 'token', named, 'attempt', grant[1] .. '.5', 'fence', fence,
+                       'task_id', grant[6], 'task_name', grant[7], 'host', grant[5],
+                       'pid', grant[4], 'acquired_at', string.format('%.3f', now / 1000),
+                       'ttl', ttl)
             standby, standby_target = first_waiter(queue, wake, target or '')
             if standby then  -- a waiter of another process: the named one's turn is bounded
                 redis.call('HSET', lock, 'waited', now)
             end
-            redis.call('PEXPIRE', lock, reserve)
+            redis.call('PEXPIRE', lock, grant_ms)
+            message, idle = named .. ' ' .. grant[1] .. ' ' .. fence, grant_ms
         end
     end
-    redis.call('PUBLISH', target or channel, named)
+    redis.call('PUBLISH', target or channel, message)
     if standby_target then
-        redis.call('PUBLISH', standby_target, standby .. ' ' .. reserve)
+        redis.call('PUBLISH', standby_target, standby .. ' ' .. idle)
     end
     return named
 end

@@ -37,13 +37,13 @@ def other_process_attempt(client, lock: Redlock, token: str, blocking: bool = Tr
         abandoned=lock.keys.abandoned, token=token, ttl_ms=30_000, task_id="", host=_HOST,
         pid=OTHER_PID, acquired_at=0, task_name="",
         blocking="1" if blocking else "", waiter_ms="", arrival="", channel="", attempt=1,
-        handoff=(),
+        grant_ms=1, handoff=(),
     )  # fmt: skip
 
 
 def other_process_release(client, lock: Redlock, token: str):
     return run(
-        client, RELEASE, locks=(lock.keys.lock, lock.keys.channel), record=(), token=token,
+        client, RELEASE, locks=(lock.keys.lock, lock.keys.channel), record=(), fence=(), token=token,
         reserve_ms="", channel="", attempt="",
     )  # fmt: skip
 

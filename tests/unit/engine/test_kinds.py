@@ -95,8 +95,8 @@ def test_an_exclusive_lock_on_two_resources_takes_and_frees_both_in_one_call():
     call = kind.acquire_call(waiter, 5000, HOLDER)
     assert call.script is ACQUIRE and call.keys == (*a.resource, *b.resource, a.abandoned)
     # No record of waiters (several resources): no waiter's place, arrival or channel.
-    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "", "", 1)
-    assert kind.acquire_call(waiter, 5000, HOLDER).args[-1] == 2, "each attempt is numbered"
+    assert call.args == (waiter.token, 5000, *HOLDER, "1", "", "", "", 1, 1)
+    assert kind.acquire_call(waiter, 5000, HOLDER).args[-2] == 2, "each attempt is numbered"
     assert kind.release_call("tok") == Call(
         RELEASE, (a.lock, a.channel, b.lock, b.channel), ("tok", "", "", "")
     )
@@ -147,13 +147,13 @@ def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
     one_node = kind.new_waiter(True, 1)
     several = kind.new_waiter(True, 3)
     assert one_node.arrival == "" and float(several.arrival) > 0
-    call = kind.acquire_call(several, 5000, HOLDER)
+    call = kind.acquire_call(several, 5000, HOLDER, grant_ms=700)
     assert call.script is ACQUIRE_FAIR
     assert call.keys == (*keys.resource, *keys.record, keys.abandoned)
     channel = process_channel(keys.channel)
-    assert call.args[-5:] == ("1", "5000", several.arrival, channel, 1)
-    try_call = kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER)
-    assert try_call.args[-5:] == ("", "0", "", channel, 1)
+    assert call.args[-6:] == ("1", "5000", several.arrival, channel, 1, 700)
+    try_call = kind.acquire_call(kind.new_waiter(False, 1), 5000, HOLDER, grant_ms=700)
+    assert try_call.args[-6:] == ("", "0", "", channel, 1, 700)
     assert kind.release_call("tok").script is RELEASE_FAIR
     assert kind.release_call("tok").args == ("tok", named_reserve_ms(), channel, "")
     assert kind.undo_call("tok", 4).args == ("tok", named_reserve_ms(), channel, 4), (

@@ -124,9 +124,10 @@ def test_positions_come_from_the_declaration_and_groups_spread_in_place():
     assert RENEW_MANY.call(holds=["a", "b"], leases=["t", 1, "x", "t", 1, "x"]).keys == ("a", "b")
     argv = ACQUIRE.build_argv(
         token="t", ttl_ms=1, task_id="i", host="h", pid=2, acquired_at="0", task_name="n",
-        blocking="", waiter_ms="", arrival="", channel="", attempt=1, handoff=("p", 1, 2, 3),
+        blocking="", waiter_ms="", arrival="", channel="", attempt=1, grant_ms=5,
+        handoff=("p", 1, 2, 3),
     )  # fmt: skip
-    assert argv == ("t", 1, "i", "h", 2, "0", "n", "", "", "", "", 1, "p", 1, 2, 3)
+    assert argv == ("t", 1, "i", "h", 2, "0", "n", "", "", "", "", 1, 5, "p", 1, 2, 3)
     assert ACQUIRE.build_keys(resources=keys.resource, record=(), abandoned="a") == (
         *keys.resource,
         "a",

@@ -42,7 +42,7 @@ def acquire(client, token, ttl=10_000, task_id="t1", pid=100, keys=KEYS, writer=
         record=resources[0].record if fair else (), abandoned=resources[0].abandoned,
         token=token, ttl_ms=ttl, task_id=task_id, host="h", pid=pid, acquired_at=0,
         task_name="task", blocking=writer, waiter_ms=fair, arrival="", channel="", attempt=1,
-        handoff=(),
+        grant_ms=1, handoff=(),
     )  # fmt: skip
 
 
@@ -56,7 +56,8 @@ def share(client, token, limit=0, ttl=10_000, task_id="", keys=KEYS):
 def release(client, token, keys=(KEYS,), fair=False):
     return run(
         client, RELEASE_FAIR if fair else RELEASE, locks=release_keys(keys),
-        record=keys[0].record if fair else (), token=token, reserve_ms="", channel="", attempt="",
+        record=keys[0].record if fair else (), fence=(keys[0].fence,) if fair else (), token=token,
+        reserve_ms="", channel="", attempt="",
     )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from celery_redlock import Redlock
-from celery_redlock.engine.keys import YIELD_MARK, lock_keys, process_channel, release_keys
+from celery_redlock.engine.keys import lock_keys, process_channel, release_keys
 from celery_redlock.engine.scripts import (
     ACQUIRE_FAIR,
     ACQUIRE_WAKE,
@@ -37,7 +37,7 @@ from celery_redlock.engine.scripts import (
     RELEASE_WAKE,
     WAKE_LEAVE,
 )
-from celery_redlock.engine.waiting import HOST, NAMED_RESERVE
+from celery_redlock.engine.waiting import HOST, grant_ms
 from tests.harness import wait_for
 from tests.harness.lua import run
 from tests.harness.waits import count_waiting
@@ -47,24 +47,42 @@ from tests.harness.waits import count_waiting
 KEYS = lock_keys("named")
 
 
+#: The lease of a grant that the waiters of these tests ask for (ms).
+GRANT_MS = 5000
+
+
 def attempt(
-    client, token: str, channel: str, blocking: bool = True, pid: int = 1, naming: str = "wake"
+    client,
+    token: str,
+    channel: str,
+    blocking: bool = True,
+    pid: int = 1,
+    naming: str = "wake",
+    number: int = 1,
+    grant_ms: int = GRANT_MS,
+    task: str = "",
 ):
     """``acquire.lua`` for one resource with a record of waiters, as ``Exclusive`` sends it."""
     return run(
         client, ACQUIRE_FAIR if naming == "fair" else ACQUIRE_WAKE, resources=KEYS.resource,
         record=KEYS.record, abandoned=KEYS.abandoned, token=token, ttl_ms=30_000,
-        task_id=f"task-{token}", host="h", pid=pid, acquired_at=0, task_name=f"name-{token}",
-        blocking="1" if blocking else "", waiter_ms="30000" if blocking else "0", arrival="",
-        channel=channel, attempt=1, handoff=(),
+        task_id=task or f"task-{token}", host="h", pid=pid, acquired_at=0,
+        task_name=f"name-{token}", blocking="1" if blocking else "",
+        waiter_ms="30000" if blocking else "0", arrival="", channel=channel, attempt=number,
+        grant_ms=grant_ms, handoff=(),
     )  # fmt: skip
 
 
-def release(client, token: str, reserve: int = 5000):
+def release(client, token: str, reserve: int = 5000, undo: int | str = ""):
     return run(
-        client, RELEASE_WAKE, locks=release_keys([KEYS]), record=KEYS.record, token=token,
-        reserve_ms=reserve, channel="", attempt="",
+        client, RELEASE_WAKE, locks=release_keys([KEYS]), record=KEYS.record, fence=(KEYS.fence,),
+        token=token, reserve_ms=reserve, channel="", attempt=undo,
     )  # fmt: skip
+
+
+def undo(client, token: str, number: int):
+    """The undo of attempt ``number`` of ``token`` (its place kept)."""
+    return release(client, token, undo=number)
 
 
 def leave_record(client, token: str):
@@ -93,92 +111,136 @@ def listening(redis_node):
     client.close()
 
 
-def test_a_release_names_the_oldest_waiter_on_its_process_channel_and_keeps_the_lock(listening):
-    """One message, on the named waiter's process channel; meanwhile the free lock is
-    refused to anyone else (the releaser coming back is recorded behind the others),
-    and the named waiter gets it without a failed try."""
+def channels(client) -> dict[str, str]:
+    """The recorded waiters' process channels (each entry starts with its channel)."""
+    return {token: entry.split("\0")[0] for token, entry in client.hgetall(KEYS.wake).items()}
+
+
+def granted(client, token: str) -> str:
+    """The announcement of a grant to ``token`` (attempt 1), with the lock's fence."""
+    fence = client.hget(KEYS.lock, "fence")
+    assert client.hget(KEYS.lock, "token") == token
+    return f"{token} 1 {fence}"
+
+
+def test_a_release_grants_the_lock_to_the_oldest_waiter_on_its_process_channel(listening):
+    """One message, on the granted waiter's process channel, saying the attempt and the
+    fence: the waiter holds the lock without asking again. The lock is written in its
+    name (its fields, a new fence) for the grant's lease it recorded; anyone else is
+    refused (the releaser coming back is recorded behind the others)."""
     client, pubsub = listening
     assert attempt(client, "holder", "proc:3")[0] == 1
+    holder_fence = int(client.hget(KEYS.lock, "fence"))
     assert attempt(client, "w1", "proc:1")[0] == 0
-    assert attempt(client, "w2", "proc:2")[0] == 0
+    assert attempt(client, "w2", "proc:2", pid=2)[0] == 0
     assert attempt(client, "try", "proc:2", blocking=False)[0] == 0
     assert client.zrange(KEYS.queue, 0, -1) == ["w1", "w2"], "a try is not recorded"
-    assert client.hgetall(KEYS.wake) == {"w1": "proc:1", "w2": "proc:2"}
+    assert channels(client) == {"w1": "proc:1", "w2": "proc:2"}
     assert release(client, "holder") == 1
-    assert messages(pubsub) == [("proc:1", "w1"), ("proc:2", "w2 5000")], (
-        "the named waiter's process hears it, and the oldest waiter of another process is "
-        "told to stand by for the reservation; nobody else"
+    grant = granted(client, "w1")
+    assert messages(pubsub) == [("proc:1", grant), ("proc:2", f"w2 {GRANT_MS}")], (
+        "the granted waiter's process hears it, and the oldest waiter of another process "
+        "is told to stand by for the grant's lease; nobody else"
     )
-    assert client.hget(KEYS.lock, "token") == YIELD_MARK
-    assert client.hget(KEYS.lock, "for") == "w1"
-    assert 0 < client.pttl(KEYS.lock) <= 5000
-    assert client.zrange(KEYS.queue, 0, -1) == ["w2"], "the named waiter left the record"
-    assert attempt(client, "holder-again", "proc:3")[0] == 0, "kept for the named waiter"
-    assert attempt(client, "w2", "proc:2")[0] == 0
+    fields = client.hgetall(KEYS.lock)
+    assert int(fields["fence"]) > holder_fence
+    assert (fields["attempt"], fields["task_id"], fields["task_name"], fields["pid"]) == (
+        "1.5",
+        "task-w1",
+        "name-w1",
+        "1",
+    )
+    assert fields["ttl"] == "30000" and 0 < client.pttl(KEYS.lock) <= GRANT_MS
+    assert client.zrange(KEYS.queue, 0, -1) == ["w2"], "the granted waiter left the record"
+    assert attempt(client, "holder-again", "proc:3", pid=3)[0] == 0, "held by the waiter"
+    assert attempt(client, "w2", "proc:2", pid=2)[0] == 0
     assert attempt(client, "try", "proc:2", blocking=False)[0] == 0
-    assert attempt(client, "w1", "proc:1")[0] == 1
     assert client.zrange(KEYS.queue, 0, -1) == ["w2", "holder-again"], "arrival order"
     assert client.hget(KEYS.lock, "waited") is not None, "other processes wait: a turn"
     assert release(client, "w1") == 1
-    assert messages(pubsub) == [("proc:2", "w2"), ("proc:3", "holder-again 5000")]
-    assert attempt(client, "w2", "proc:2")[0] == 1
+    assert messages(pubsub) == [
+        ("proc:2", granted(client, "w2")),
+        ("proc:3", f"holder-again {GRANT_MS}"),
+    ]
     assert release(client, "w2") == 1
-    assert messages(pubsub) == [("proc:3", "holder-again")]
-    assert attempt(client, "holder-again", "proc:3")[0] == 1
+    assert messages(pubsub) == [("proc:3", granted(client, "holder-again"))]
     assert release(client, "holder-again") == 1
     assert messages(pubsub) == [(KEYS.channel, "")], "nobody recorded: one per process"
     assert not client.exists(KEYS.lock, *KEYS.record)
 
 
-def test_a_named_waiter_that_leaves_passes_the_reservation_on(listening):
-    """A named waiter giving up (timeout, exception) names the next, so the lock is not
-    kept for nobody; a release by a token the lock was only kept for passes it on too
-    (a Redlock winner that this node named while others granted it)."""
+def test_a_grant_is_counted_by_the_waiters_next_attempt_and_left_by_an_earlier_undo(listening):
+    """The grant's 'attempt' is the recorded attempt's number plus a half: a later
+    attempt of the waiter finds the lock held by its token (and counts it: its undo
+    then removes it); the undo of the recorded attempt itself (a split vote's, arriving
+    late) leaves it."""
     client, pubsub = listening
     attempt(client, "holder", "proc:3")
     attempt(client, "w1", "proc:1")
-    attempt(client, "w2", "proc:2")
-    attempt(client, "w3", "proc:3")
     release(client, "holder")
-    assert messages(pubsub) == [("proc:1", "w1"), ("proc:2", "w2 5000")]
-    leave = leave_record(client, "w1")
-    assert leave == 0, "named: it had left the record already"
-    assert messages(pubsub) == [("proc:2", "w2"), ("proc:3", "w3 5000")]
-    assert client.hget(KEYS.lock, "for") == "w2"
-    assert release(client, "w2") == 0, "kept for it, never held by it"
-    assert messages(pubsub) == [("proc:3", "w3")]
-    assert client.hget(KEYS.lock, "for") == "w3"
+    assert undo(client, "w1", 1) == -1, "the grant is not the recorded attempt's to undo"
+    assert client.hget(KEYS.lock, "token") == "w1"
+    assert attempt(client, "w1", "proc:1", number=2)[0] == 2, "held by this token already"
+    assert client.hget(KEYS.lock, "attempt") == "2"
+    assert undo(client, "w1", 2) == 1, "counted by attempt 2: its undo removes it"
+    assert not client.exists(KEYS.lock)
 
 
-def test_a_named_waiter_that_died_costs_its_reservation_only(listening):
-    """Nobody takes the reservation: once it ends anyone may take the lock, and the dead
-    waiter is not named again (it left the record when it was named)."""
+def test_a_granted_waiter_that_leaves_passes_the_lock_on(listening):
+    """A granted waiter giving up (timeout, exception) releases the grant and the next
+    waiter is granted it, so the lock is not kept for nobody; so does a release by the
+    granted token (a Redlock winner that this node granted while others refused it)."""
     client, pubsub = listening
     attempt(client, "holder", "proc:3")
-    attempt(client, "dead", "proc:1")
-    attempt(client, "w2", "proc:2")
-    release(client, "holder", reserve=300)
-    assert messages(pubsub) == [("proc:1", "dead"), ("proc:2", "w2 300")], "w2 stands by"
-    assert attempt(client, "w2", "proc:2")[0] == 0
-    wait_for(lambda: not client.exists(KEYS.lock), timeout=5, message="the reservation ends")
-    assert attempt(client, "w2", "proc:2")[0] == 1
+    attempt(client, "w1", "proc:1")
+    attempt(client, "w2", "proc:2", pid=2)
+    attempt(client, "w3", "proc:3", pid=3)
+    release(client, "holder")
+    assert [m[0] for m in messages(pubsub)] == ["proc:1", "proc:2"]
+    leave = leave_record(client, "w1")
+    assert leave == 0, "granted: it had left the record already"
+    assert messages(pubsub) == [
+        ("proc:2", granted(client, "w2")),
+        ("proc:3", f"w3 {GRANT_MS}"),
+    ]
+    assert release(client, "w2") == 1, "held by it"
+    assert messages(pubsub) == [("proc:3", granted(client, "w3"))]
+
+
+def test_a_granted_waiter_that_died_costs_the_grants_lease_only(listening):
+    """Nobody uses the grant: once its lease ends anyone may take the lock, and the dead
+    waiter is not named again (it left the record when it was granted the lock)."""
+    client, pubsub = listening
+    attempt(client, "holder", "proc:3")
+    attempt(client, "dead", "proc:1", grant_ms=300)
+    attempt(client, "w2", "proc:2", pid=2)
+    release(client, "holder")
+    assert [m for m in messages(pubsub) if m[0] == "proc:2"] == [("proc:2", "w2 300")]
+    assert attempt(client, "w2", "proc:2", pid=2)[0] == 0
+    wait_for(lambda: not client.exists(KEYS.lock), timeout=5, message="the grant ends")
+    assert attempt(client, "w2", "proc:2", pid=2)[0] == 1
     assert release(client, "w2") == 1
     assert messages(pubsub) == [(KEYS.channel, "")], "the dead waiter is not named again"
 
 
-def test_the_reaper_and_a_forced_release_name_a_waiter_too(listening):
-    """``release_if.lua`` (a dead child's lock, released by its parent) names the oldest
-    recorded waiter as the holder's own release would."""
+def test_a_release_that_grants_nothing_only_names_the_waiter(listening):
+    """A reservation of 0 (``reserve_ms``): the waiter is named and tries; the lock is free."""
     client, pubsub = listening
-    keys = (*KEYS.resource, *KEYS.record)
-    client.eval(
-        ACQUIRE_WAKE.source, len(keys), *keys, "child", 30_000, "task-1", "h", 77, 0, "", "1",
-        "30000", "", "proc:3", 1,
-    )  # fmt: skip
+    attempt(client, "holder", "proc:3")
+    attempt(client, "w1", "proc:1")
+    release(client, "holder", reserve=0)
+    assert messages(pubsub) == [("proc:1", "w1")]
+    assert not client.exists(KEYS.lock)
+
+
+def test_the_reaper_and_a_forced_release_grant_the_lock_too(listening):
+    """``release_if.lua`` (a dead child's lock, released by its parent) grants the lock
+    to the oldest recorded waiter as the holder's own release would."""
+    client, pubsub = listening
+    assert attempt(client, "child", "proc:3", pid=77, task="task-1")[0] == 1
     attempt(client, "w1", "proc:1")
     assert run(client, RELEASE_IF, KEYS, task_id="task-1", pid=77, reserve_ms=5000) == 1
-    assert messages(pubsub) == [("proc:1", "w1")]
-    assert client.hget(KEYS.lock, "for") == "w1"
+    assert messages(pubsub) == [("proc:1", granted(client, "w1"))]
 
 
 # -- real processes: the counts per acquisition ------------------------------------------------
@@ -274,8 +336,13 @@ def test_redlock_on_three_nodes_names_one_waiter_per_node(redis_factory):
 
 # -- a named waiter that died -------------------------------------------------------------
 
-TTL = 3.0
+TTL = 6.0
 RENEW_INTERVAL = TTL / 3  # the default
+
+
+def grant_seconds() -> float:
+    """How long a grant to a waiter of these tests' locks lasts (its take-up bound)."""
+    return grant_ms(Redlock("any", nodes=["redis://127.0.0.1:1"], ttl=TTL).timing) / 1000
 
 
 def _waiter(url: str, name: str, results: Any) -> None:
@@ -292,10 +359,10 @@ def _waiter(url: str, name: str, results: Any) -> None:
 @pytest.mark.timeout(120)
 def test_a_waiter_killed_is_passed_over_by_the_release(redis_node):
     """Three waiting processes; the oldest is SIGKILLed, then the holder releases. The
-    release names the dead one (it cannot know) and reserves the lock for it; the next
-    waiter, told to stand by, is woken by its listener when the reservation ends and
-    gets the lock: within the reservation and a margin, not at its next refresh of its
-    place (a renewal interval) nor at the end of a lease. One delivery each."""
+    release grants the lock to the dead one (it cannot know); the next waiter, told to
+    stand by, is woken by its listener when the grant's lease ends and gets the lock:
+    within that lease and a margin, not at its next refresh of its place (a renewal
+    interval) nor at the end of a lease. One delivery each."""
     url, client = redis_node.url, redis_node.client()
     keys = lock_keys("died")
     holder = Redlock("died", nodes=[url], ttl=TTL)
@@ -328,7 +395,8 @@ def test_a_waiter_killed_is_passed_over_by_the_release(redis_node):
                 proc.kill()
     (_, first_at, first_seen), (_, second_at, second_seen) = served
     summary = f"first {first_seen} after {first_at - released_at:.2f}s, second {second_seen}"
-    assert NAMED_RESERVE <= first_at - released_at < NAMED_RESERVE + 0.4 < RENEW_INTERVAL, summary
+    grant = grant_seconds()
+    assert grant <= first_at - released_at < grant + 0.4 < RENEW_INTERVAL, summary
     for seen in (first_seen, second_seen):
         # One announcement each (the stand-by, then the name); a wait that its own
         # refresh ended first may take the lock without being woken.
@@ -353,13 +421,14 @@ def _timed_waiter(url: str, name: str, results: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_frozen_named_waiter_keeps_the_lock_idle_for_its_reservation_only(redis_node):
+def test_a_frozen_granted_waiter_keeps_the_lock_idle_for_the_grants_lease_only(redis_node):
     """The oldest waiter's process is stopped (SIGSTOP: alive, its subscription open, so
-    the release's announcement reaches it) when the holder releases. The next waiter, of
-    another process, is served when the reservation ends, not a lease later; the frozen
-    one, resumed, gets the lock after it with a larger fence, never at the same time: a
-    waiter's lease is counted from its own request. With grants in place the frozen
-    waiter held the lock for its whole lease, and counted it from a later request."""
+    the release's announcement reaches it) when the holder releases, which grants it the
+    lock. The next waiter, of another process, is served when the grant's lease ends,
+    not a lease later; the frozen one, resumed, does not count the grant (its lease,
+    counted from the attempt the node recorded, is over), and gets the lock after the
+    other with a larger fence, never at the same time. (An earlier design's grant lasted
+    a whole lease, counted from a later request: two holders at once.)"""
     url, client = redis_node.url, redis_node.client()
     keys = lock_keys("frozen")
     holder = Redlock("frozen", nodes=[url], ttl=TTL)
@@ -380,7 +449,7 @@ def test_a_frozen_named_waiter_keeps_the_lock_idle_for_its_reservation_only(redi
         pid, fence, acquired_at, done_at = results.get(timeout=30)
         assert pid == other.pid, "the frozen waiter cannot have taken it"
         waited = acquired_at - released_at
-        assert waited < NAMED_RESERVE + 0.4 < TTL, f"served {waited:.2f}s after the release"
+        assert waited < grant_seconds() + 0.4 < TTL, f"served {waited:.2f}s after the release"
         os.kill(frozen.pid, signal.SIGCONT)
         pid2, fence2, acquired2, _ = results.get(timeout=30)
         assert pid2 == frozen.pid
