@@ -159,10 +159,10 @@ def test_a_fair_waiter_queues_only_when_blocking_and_is_woken_by_name():
     assert kind.undo_call("tok", 4).args == ("tok", named_reserve_ms(), channel, 4), (
         "a split vote's loser names its attempt, and keeps its place"
     )
-    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.record)
+    assert kind.release_call("tok").keys == (keys.lock, keys.channel, *keys.record, keys.fence)
     leave = kind.leave_call("tok")
     assert leave is not None and leave.script is FAIR_LEAVE
-    assert leave.keys == (keys.lock, *keys.record, keys.channel)
+    assert leave.keys == (keys.lock, *keys.record, keys.channel, keys.fence)
     assert kind.wake_token(several) is several
 
 
