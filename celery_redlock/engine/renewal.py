@@ -86,6 +86,9 @@ class Renewer:
     #: Longest sleep of the renewer thread: a wake-up lost to an exception raised
     #: between queueing a lease and writing the pipe costs at most this much.
     MAX_SLEEP = 1.0
+    #: How long the thread keeps napping after a lease whose first renewal was due
+    #: sooner than :data:`MAX_SLEEP` (see :meth:`add`).
+    NAP_HOLD = 5.0
 
     def __init__(self) -> None:
         #: (due, sequence, coalescing window, leases): leases due together.
@@ -110,6 +113,8 @@ class Renewer:
         # A lease due later needs no wake-up: a task path that woke the thread for
         # each new lock paid a thread switch per task.
         self._wakes_at = 0.0
+        # The longest nap while short leases come (seconds), and until when (clock()).
+        self._nap = (self.MAX_SLEEP, 0.0)
         #: Ticks run, script calls sent and wake-ups written, for tests and metrics.
         self.ticks = 0
         self.calls = 0
@@ -121,12 +126,19 @@ class Renewer:
         """Start renewing ``lease``; stop by setting ``released`` or on loss.
 
         First after its renewal interval, or halfway to when it would be given up if
-        that is sooner (a short lease: a grant by a release, :mod:`.waiting`).
+        that is sooner (a short lease: a grant by a release, :mod:`.waiting`). After a
+        first renewal that soon, the thread naps no longer than that for a while
+        (:data:`NAP_HOLD`), so that the next such lease needs no wake-up: a lock handed
+        between processes many times a second would otherwise wake it for each hold,
+        most of which end long before their first renewal.
         """
         lease.renewing = True
         now = clock()
-        first = min(lease.timing.renew_interval, (lease.give_up_at - now) / 2)
-        self._schedule(lease, now + max(0.0, first))
+        first = max(0.0, min(lease.timing.renew_interval, (lease.give_up_at - now) / 2))
+        if first < self.MAX_SLEEP:
+            nap, until = self._nap
+            self._nap = (min(nap, first) if now < until else first, now + self.NAP_HOLD)
+        self._schedule(lease, now + first)
         self.start()
 
     def release_later(self, nodeset: NodeSet, call: Call) -> None:
@@ -210,7 +222,9 @@ class Renewer:
             self._schedule_group(due, lease.timing.renew_interval, [lease])
 
     def _sleep(self, timeout: float) -> None:
-        timeout = max(0.0, min(timeout, self.MAX_SLEEP))
+        nap, until = self._nap
+        longest = nap if clock() < until else self.MAX_SLEEP
+        timeout = max(0.0, min(timeout, longest))
         self._wakes_at = clock() + timeout
         try:
             if not self._inbox and not self._releases:

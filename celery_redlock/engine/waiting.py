@@ -374,7 +374,9 @@ class _Listener:
         self._drop_unheard()
         with self._mutex:
             self._idle.pop(channel, None)
-            entry = _Entry(named, set() if heard is None else heard, quorum, grants or {})
+            entry = _Entry(
+                named, set() if heard is None else heard, quorum, {} if grants is None else grants
+            )
             self._waiters.setdefault(channel, {})[ref] = entry
             if self._confirmed(channel):
                 confirmed.set()
@@ -622,8 +624,11 @@ class _Listener:
         for ``ms``: if that one never comes (stopped, or dead), this one takes the
         lock when the reservation ends, instead of when its own wait runs out.
         """
+        # No poke: the thread that read the announcement polls next, and bounds its poll
+        # by the earliest stand-by (a waiter reading alone reads its own stand-bys;
+        # when it stops while others wait, it pokes the listener thread). A poke here
+        # woke a second thread on every handoff between processes.
         self._standby.append((time.monotonic() + ms / 1000 + STANDBY_MARGIN, channel, token))
-        self._poke()  # the listener thread's poll ends by the earliest stand-by
 
     def _next_standby(self) -> float:
         """When the earliest stand-by is due (monotonic clock); infinity if none."""
