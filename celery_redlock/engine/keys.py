@@ -151,9 +151,8 @@ QUEUED_GRACE = 60.0
 
 #: The token of a lock *reserved* for a moment (never a token: tokens are hex): for
 #: other processes, released by a process whose turn was over while another process
-#: waited (:mod:`celery_redlock.engine.handoff`), and refused to that process; or, with
-#: a field ``for``, for the one waiter a release named (:mod:`celery_redlock.engine.waiting`),
-#: refused to everyone else. The scripts get it as the Lua constant ``YIELD_MARK``.
+#: waited and none was recorded (:mod:`celery_redlock.engine.handoff`), and refused to
+#: that process. The scripts get it as the Lua constant ``YIELD_MARK``.
 YIELD_MARK = "!yield"
 
 

@@ -6,8 +6,8 @@ A :class:`~celery_redlock.Redlock` is of one kind, picked once from its argument
 * :class:`Exclusive`: one holder at a time, on one resource or on several taken
   together (every exclusive script takes a list of resources; one resource is a list
   of one, so several resources need no kind of their own). On one resource, the
-  nodes keep a record of the blocked waiters, and a release names one of them on its
-  process's channel (:mod:`.waiting`);
+  nodes keep a record of the blocked waiters, and a release grants the lock to the
+  oldest of them, told on its process's channel (:mod:`.waiting`);
 * :class:`Fair`: exclusive on one resource, and blocking waiters are served in
   arrival order through the same record, read as a queue: only its head may take the
   lock;
@@ -234,8 +234,8 @@ class Exclusive(Kind):
     """One holder at a time, on one resource or on several taken together (all or none).
 
     On one resource, a refused blocking waiter is recorded on the nodes (refreshed
-    with its place while it waits), and a release names the oldest recorded one on its
-    process channel and keeps the lock for it a moment (:mod:`.waiting`). A lock on
+    with its place while it waits), and a release grants the lock to the oldest
+    recorded one, told on its process channel (:mod:`.waiting`). A lock on
     several resources keeps no record: its release wakes one waiter per process.
     """
 
@@ -245,7 +245,7 @@ class Exclusive(Kind):
     refreshes_while_waiting = True
     hands_over = True
     #: The scripts (acquire, release, leave) of a lock with a record of waiters: any
-    #: waiter may take a free lock, but the one a release named is kept a reservation.
+    #: waiter may take a free lock, and a release grants it to the oldest recorded one.
     scripts: ClassVar[tuple[Script, Script, Script]] = (ACQUIRE_WAKE, RELEASE_WAKE, WAKE_LEAVE)
 
     def __init__(self, resources: Sequence[LockKeys]) -> None:
@@ -331,10 +331,10 @@ class Exclusive(Kind):
         return waiter if self.records else None
 
     def leave_call(self, token: str) -> Call | None:
-        """A recorded waiter that gives up leaves the record, passing on a reservation.
+        """A recorded waiter that gives up leaves the record, passing on a grant made to it.
 
-        Else a fair waiter would hold the queue up for a ttl, and a named one keep the
-        lock idle for its reservation.
+        Else a fair waiter would hold the queue up for a ttl, and a granted one keep the
+        lock idle for the grant's lease.
         """
         if self._leave is None:
             return None

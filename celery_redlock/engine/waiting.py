@@ -9,38 +9,45 @@ about one round trip after the release.
 
 **One process, one waiter per release.** An exclusive lock on one resource keeps a
 record of its blocked waiters on each node (``acquire.lua`` writes a refused blocking
-requester's token, arrival and process channel; see ``scripts/wake.lua``). Its release
-names the oldest recorded waiter: it publishes that waiter's token on that waiter's
-process channel, so one process hears it and its listener wakes that one waiter (a
-fair lock names the head of its queue the same way), instead of every subscribed
-process hearing every release and waking its own longest waiter: with N waiting
-processes that is about N script calls per acquisition (28.7 waiters woken per
-acquisition measured with 32 processes). A non-fair release also
-*reserves* the free lock for the waiter it named for :data:`NAMED_RESERVE` (at most a
-third of the released lease): a requester that did not wait (the releaser coming
-straight back, a new arrival) is refused and recorded behind it, so the named waiter's
-try does not fail, and waiters are served in arrival order. The named waiter leaves
-the record; a refused try, a timeout or a refresh records it again. A waiter that
-gives up removes itself (``fair_leave.lua``), passing on a reservation made for it.
+requester's token, arrival, process channel, and what a grant to it writes; see
+``scripts/wake.lua``). Its release *grants* the lock to the oldest recorded waiter:
+it writes the lock in that waiter's name (a new fence, for the short lease
+:func:`grant_ms`) and publishes ``"TOKEN ATTEMPT FENCE"`` on that waiter's process
+channel, so one process hears it and its listener wakes that one waiter, which holds
+the lock without asking again (a fair lock names the head of its queue, ``"TOKEN"``,
+and the head tries). Before, every subscribed process heard every release and woke its
+own longest waiter: with N waiting processes about N script calls per acquisition
+(28.7 waiters woken per acquisition measured with 32 processes); and a named waiter's
+own try was one more round trip per handoff. A requester that did not wait (the
+releaser coming straight back, a new arrival) finds the lock held and is recorded
+behind the others, so waiters are served in arrival order. The granted waiter left the
+record; a refused try, a timeout or a refresh records it again. A waiter that gives up
+removes itself (``fair_leave.lua``), releasing a grant made to it.
 
-**A named waiter that does not come keeps the lock idle for its reservation only.**
-The reservation is the named waiter's take-up bound: its process may be stopped
-(SIGSTOP, a debugger, a swapped-out host) or dead. With the name, the release tells the
-oldest recorded waiter of *another* process ``"TOKEN MS"`` on that process's channel:
-its stand-by. That waiter's listener wakes it ``MS`` (the reservation) later, unless a
-release names it first: it tries then, and takes the lock if the named waiter never
-came, or is refused (and waits again) if it did. A lock whose named waiter is frozen
-therefore passes on within one reservation (:data:`NAMED_RESERVE`), not one lease. A
-waiter's lease is always counted from a request of its own (a reservation is taken by
-the named waiter's own try): a waiter frozen past its place holds nothing when it
-resumes, and asks again. On the lock's own channel a
-release says ``''`` only when nobody is recorded; the listener then wakes the process's
-longest waiter (one per process), as do a share's release and a lock of several
-resources, whose waiters are not recorded.
+**A grant is counted from the waiter's own request.** The announcement names the
+attempt that the node recorded the waiter by; the waiter counts the grant only while
+that attempt is its last (:meth:`Subscription.granted`), with its lease counted from
+when it sent that attempt: the grant came after the node processed it, so the
+waiter's deadline is never later than the node's. A waiter that asked again since
+counts what its later attempt's reply says (the lock held by its own token), and one
+frozen (SIGSTOP, a debugger) past its place counts nothing when it resumes, and asks.
 
-With Redlock each node names its own oldest waiter (arrivals are stamped by the
-waiter, so the nodes agree), and a waiter tries once a quorum of nodes announced the
-release to it (:meth:`Subscription.wait`); a split vote's undo keeps its place
+**A granted waiter that does not come keeps the lock idle for the grant's lease.** The
+grant's lease is the granted waiter's take-up bound: its process may be stopped or
+dead. With the grant, the release tells the oldest recorded waiter of *another*
+process ``"TOKEN MS"`` on that process's channel: its stand-by. That waiter's listener
+wakes it ``MS`` (the grant's lease) later, unless a release names it first: it tries
+then, and takes the lock if the granted waiter never came, or is refused (and waits
+again) if it did. A lock whose granted waiter is frozen therefore passes on within one
+grant's lease (:func:`grant_ms`: :data:`NAMED_RESERVE` and the margins), not one lease.
+On the lock's own channel a release says ``''`` only when nobody is recorded; the
+listener then wakes the process's longest waiter (one per process), as do a share's
+release and a lock of several resources, whose waiters are not recorded.
+
+With Redlock each node grants the lock to its own oldest waiter (arrivals are stamped
+by the waiter, so the nodes agree); the nodes number fences apart, so the waiter asks
+once a quorum of nodes announced the release to it (:meth:`Subscription.wait`), and
+its attempt finds the grants held by its token; a split vote's undo keeps its place
 (:meth:`.kinds.Kind.undo_call`).
 
 A lock that *expires* publishes nothing, and a notification can be lost with a
@@ -108,16 +115,17 @@ SYNC_INTERVAL = 1.0
 #: subscribed (measured: one of the three script calls per acquisition).
 LINGER = SYNC_INTERVAL
 
-#: How long a non-fair release keeps the free lock for the waiter it names (seconds;
-#: the scripts use at most a third of the released lease, the default renewal
-#: interval). It covers the named waiter's wake-up and try; a named waiter that died
-#: costs it (the others refresh their places within their renewal interval anyway).
+#: How long a waiter granted the lock by a release has to count the grant (seconds),
+#: from when it sent the attempt the node recorded; the grant's lease on the node adds
+#: the drift allowance and loss margin (:func:`grant_ms`). It covers the waiter's
+#: wake-up; a granted waiter that died costs the grant's lease (the others refresh
+#: their places within their renewal interval anyway).
 NAMED_RESERVE = 0.5
 
-#: How much later than its reservation ends a stand-by wakes (seconds): the
-#: reservation is counted from the release on the node, the stand-by from when its
-#: listener read the announcement, which is later; this covers the rest (a node
-#: clock's granularity, the reservation's expiry on the node's next look).
+#: How much later than the grant's lease ends a stand-by wakes (seconds): the lease
+#: is counted from the release on the node, the stand-by from when its listener read
+#: the announcement, which is later; this covers the rest (a node clock's granularity,
+#: the lease's expiry on the node's next look).
 STANDBY_MARGIN = 0.005
 
 #: This host's name, as the acquire scripts record a holder's and a waiter's.
@@ -620,9 +628,9 @@ class _Listener:
     def _stand_by(self, channel: str, token: str, ms: int) -> None:
         """Wake ``token``'s waiter ``ms`` from now unless a release names it first (mutex held).
 
-        The release that said so named another waiter and reserved the lock for it
-        for ``ms``: if that one never comes (stopped, or dead), this one takes the
-        lock when the reservation ends, instead of when its own wait runs out.
+        The release that said so granted the lock to another waiter for ``ms``: if
+        that one never comes (stopped, or dead), this one takes the lock when the
+        grant ends, instead of when its own wait runs out.
         """
         # No poke: the thread that read the announcement polls next, and bounds its poll
         # by the earliest stand-by (a waiter reading alone reads its own stand-bys;

@@ -292,7 +292,7 @@ if record then
         leave(parts, token)
         -- Granted (or taken over) while a waiter of another process is recorded: it
         -- waits to be named, without asking again, so this holder's turn is bounded
-        -- from now (a reservation carries the mark its release set).
+        -- from now (a grant carries the mark its release set).
         others_waited = not fair and owned < n and other_process_waits(queue, wake, channel)
     end
 end

@@ -43,8 +43,8 @@ def other_process_attempt(client, lock: Redlock, token: str, blocking: bool = Tr
 
 def other_process_release(client, lock: Redlock, token: str):
     return run(
-        client, RELEASE, locks=(lock.keys.lock, lock.keys.channel), record=(), fence=(), token=token,
-        reserve_ms="", channel="", attempt="",
+        client, RELEASE, locks=(lock.keys.lock, lock.keys.channel), record=(), fence=(),
+        token=token, reserve_ms="", channel="", attempt="",
     )  # fmt: skip
 
 

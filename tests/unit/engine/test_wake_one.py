@@ -174,7 +174,7 @@ def test_a_grant_is_counted_by_the_waiters_next_attempt_and_left_by_an_earlier_u
     attempt of the waiter finds the lock held by its token (and counts it: its undo
     then removes it); the undo of the recorded attempt itself (a split vote's, arriving
     late) leaves it."""
-    client, pubsub = listening
+    client, _ = listening
     attempt(client, "holder", "proc:3")
     attempt(client, "w1", "proc:1")
     release(client, "holder")
