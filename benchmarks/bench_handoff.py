@@ -6,17 +6,22 @@ a holder thread and a waiter thread that is already blocked in ``acquire()``: a
 ``time.perf_counter_ns`` stamp just before the holder's ``release()``, another just
 after the waiter's ``acquire()`` returns. The holder keeps the lock for a random
 20-120 ms after the waiter started, so the release falls at a random phase of any
-polling interval. Locks are measured in interleaved runs; writes
+polling interval. The same again with the waiter in another process (spawned once per
+lock; ``time.monotonic`` stamps, one clock for both processes): the *processes*
+shape, where a release of ours grants the lock to the waiter and no thread of the
+holder's process can take it over. Locks are measured in interleaved runs; writes
 ``benchmarks/results/handoff.json``.
 
 Peers: redis-py's ``redis.lock.Lock`` with its default ``sleep=0.1`` polling, and
 python-redis-lock (``redis_lock.Lock``, BLPOP on a signal list). Target: celery_redlock
-p50 at most 2 ms and at least 20x better (lower) than redis-py's Lock.
+p50 at most 2 ms and at least 20x better (lower) than redis-py's Lock; P2 (issue 41):
+at most 0.6x python-redis-lock's p50, threads and processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import random
 import statistics
 import threading
@@ -110,6 +115,38 @@ def measure(make, name: str, handoffs: int, rng: random.Random) -> list[float]:
     return samples
 
 
+def _waiting_process(
+    url: str, label: str, inbox: multiprocessing.Queue, outbox: multiprocessing.Queue
+) -> None:
+    """A waiter in its own process: per name received, block in ``acquire()``, stamp."""
+    make = factories(url)[label]
+    while (name := inbox.get()) is not None:
+        acquire, release = make(name)
+        outbox.put("waiting")
+        acquire()
+        outbox.put(time.monotonic())
+        release()
+
+
+def measure_processes(
+    url: str, label: str, name: str, handoffs: int, rng: random.Random, waiter: tuple
+) -> list[float]:
+    """``handoffs`` handoffs from this process to the waiting process; latencies in µs."""
+    inbox, outbox = waiter
+    samples = []
+    for n in range(handoffs):
+        acquire, release = factories(url)[label](f"{name}:{n}")
+        acquire()
+        inbox.put(f"{name}:{n}")
+        assert outbox.get(timeout=WAIT_LIMIT) == "waiting"
+        time.sleep(rng.uniform(0.02, 0.12))  # the waiter is blocked by now
+        released_at = time.monotonic()
+        release()
+        acquired_at = outbox.get(timeout=WAIT_LIMIT)
+        samples.append((acquired_at - released_at) * 1e6)
+    return samples
+
+
 def p99(values: list[float]) -> float:
     values = sorted(values)
     return values[max(0, int(len(values) * 0.99) - 1)]
@@ -123,17 +160,41 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     per_run = max(1, args.handoffs // args.runs)
+    ctx = multiprocessing.get_context("spawn")
     with RedisServer() as server:
         locks = factories(server.url)
-        for label, make in locks.items():  # warm connections, scripts, listeners
-            measure(make, f"bench:handoff:warm:{label}", 3, rng)
-        samples: dict[str, list[float]] = {name: [] for name in locks}
-        medians: dict[str, list[float]] = {name: [] for name in locks}
-        for run in range(args.runs):
-            for label, make in locks.items():
-                values = measure(make, f"bench:handoff:{run}:{label}", per_run, rng)
-                samples[label].extend(values)
-                medians[label].append(statistics.median(values))
+        waiters = {}
+        for label in locks:
+            inbox, outbox = ctx.Queue(), ctx.Queue()
+            proc = ctx.Process(
+                target=_waiting_process, args=(server.url, label, inbox, outbox), daemon=True
+            )
+            proc.start()
+            waiters[label] = (proc, inbox, outbox)
+        shapes = [*locks, *(f"{label} (processes)" for label in locks)]
+        samples: dict[str, list[float]] = {name: [] for name in shapes}
+        medians: dict[str, list[float]] = {name: [] for name in shapes}
+        try:
+            for label, make in locks.items():  # warm connections, scripts, listeners
+                measure(make, f"bench:handoff:warm:{label}", 3, rng)
+                queues = waiters[label][1:]
+                measure_processes(server.url, label, f"bench:pwarm:{label}", 3, rng, queues)
+            for run in range(args.runs):
+                for label, make in locks.items():
+                    values = measure(make, f"bench:handoff:{run}:{label}", per_run, rng)
+                    samples[label].extend(values)
+                    medians[label].append(statistics.median(values))
+                    name = f"bench:phandoff:{run}:{label}"
+                    queues = waiters[label][1:]
+                    values = measure_processes(server.url, label, name, per_run, rng, queues)
+                    samples[f"{label} (processes)"].extend(values)
+                    medians[f"{label} (processes)"].append(statistics.median(values))
+        finally:
+            for proc, inbox, _ in waiters.values():
+                inbox.put(None)
+                proc.join(5)
+                if proc.is_alive():
+                    proc.kill()
         version = server.version
     rows = {
         label: {
@@ -161,6 +222,11 @@ def main() -> None:
             "redis-py p50 / celery_redlock p50 (>= 20)": round(redis_py / ours, 1),
             "P2 celery_redlock p50 / python-redis-lock p50 (<= 0.6)": round(
                 ours / rows["python-redis-lock"]["median_us"], 2
+            ),
+            "P2 processes: celery_redlock p50 / python-redis-lock p50 (<= 0.6)": round(
+                rows["celery_redlock (processes)"]["median_us"]
+                / rows["python-redis-lock (processes)"]["median_us"],
+                2,
             ),
         },
     }

@@ -46,7 +46,8 @@ ABOUT: dict[str, tuple[str, str]] = {
     ),
     "handoff": (
         "Handoff",
-        "From `release()` to the blocked waiter (a thread of the same process) holding it.",
+        "From `release()` to the blocked waiter holding it: a thread of the same process, "
+        "and (rows marked *processes*) a waiter in another process.",
     ),
     "redlock": (
         "Redlock scaling",

@@ -209,6 +209,12 @@ class Redlock:
         With ``fair=True`` a blocking call queues up on the nodes and is served in
         arrival order; it refreshes its place while it waits, so a waiter that dies
         leaves the queue within one ``ttl``.
+
+        A waiter that another process's release granted the lock to returns holding a
+        short lease (:data:`~celery_redlock.engine.waiting.NAMED_RESERVE`, at least
+        half of it left), which the watchdog extends to ``ttl`` within a quarter of a
+        second; call :meth:`extend` first if the section that follows may keep the
+        watchdog thread from the GIL longer than that (``remaining()`` tells).
         """
         if self._reenter():
             return True

@@ -710,6 +710,12 @@ def _take(lock: Redlock, options: TaskLockOptions, task_id: str) -> bool:
             raise
         if not lock.acquire(timeout=options.wait_timeout):
             lock.try_acquire()
+        elif lock.remaining() < lock.timing.renew_interval:
+            # Granted by a release, on the grant's short lease, which the watchdog
+            # extends within a quarter of a second: a body that holds the GIL from its
+            # first line (a long C call) could keep the watchdog from it. Extended here,
+            # it starts as a body that did not wait does.
+            lock.extend()
         return True
     return False
 
