@@ -144,7 +144,7 @@ def test_acl_user_runs_the_turn_of_a_process_another_process_waits_for(redis_fac
             resources=keys.resource, record=keys.record, abandoned=keys.abandoned, token=token,
             ttl_ms=10_000, task_id="t", host="h", pid=pid, acquired_at=0, task_name="task",
             blocking=writer, waiter_ms="10000" if writer else "0", arrival="",
-            channel=f"{keys.channel}:h:{pid}", attempt=1, handoff=handoff,
+            channel=f"{keys.channel}:h:{pid}", attempt=1, grant_ms=500, handoff=handoff,
         )  # fmt: skip
         return client.evalsha(sha, len(call.keys), *call.keys, *call.args)
 
@@ -154,14 +154,14 @@ def test_acl_user_runs_the_turn_of_a_process_another_process_waits_for(redis_fac
         assert server.client().hget(keys.lock, "waited") is not None
         assert acquire("a2", 100, handoff=("a", 8, 60_000, 1_000))[0] == 1, "a takeover"
         assert server.client().hget(keys.lock, "handoffs") == "1"
-        # The release names the recorded waiter on its process channel and keeps the lock.
+        # The release grants the lock to the recorded waiter, told on its process channel.
         release = RELEASE_WAKE.call(
-            locks=release_keys([keys]), record=keys.record, token="a2", reserve_ms=500,
-            channel=f"{keys.channel}:h:100", attempt="",
+            locks=release_keys([keys]), record=keys.record, fence=(keys.fence,), token="a2",
+            reserve_ms=500, channel=f"{keys.channel}:h:100", attempt="",
         )  # fmt: skip
         sha = client.script_load(RELEASE_WAKE.source)
         assert client.evalsha(sha, len(release.keys), *release.keys, *release.args) == 1
-        assert server.client().hget(keys.lock, "for") == "b"
+        assert server.client().hget(keys.lock, "token") == "b"
     finally:
         client.close()
 
