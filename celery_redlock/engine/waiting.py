@@ -14,8 +14,8 @@ requester's token, arrival, process channel, and what a grant to it writes; see
 it writes the lock in that waiter's name (a new fence, for the short lease
 :func:`grant_ms`) and publishes ``"TOKEN ATTEMPT FENCE"`` on that waiter's process
 channel, so one process hears it and its listener wakes that one waiter, which holds
-the lock without asking again (a fair lock names the head of its queue, ``"TOKEN"``,
-and the head tries). Before, every subscribed process heard every release and woke its
+the lock without asking again (a fair lock's oldest waiter is the head of its queue).
+Before, every subscribed process heard every release and woke its
 own longest waiter: with N waiting processes about N script calls per acquisition
 (28.7 waiters woken per acquisition measured with 32 processes); and a named waiter's
 own try was one more round trip per handoff. A requester that did not wait (the

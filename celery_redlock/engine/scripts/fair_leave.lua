@@ -12,8 +12,8 @@
 -- KEYS[5]  channel   the lock's release channel
 -- KEYS[6]  fence     the lock's fence counter (a grant's fence)
 -- ARGV[1]  token       the waiter's token
--- ARGV[2]  reserve_ms  ('wake') a positive number: the next waiter is granted the
---                      lock (as release.lua's); ignored by fair_leave
+-- ARGV[2]  reserve_ms  a positive number: the next waiter is granted the
+--                      lock (as release.lua's); 0: it is only named
 --
 -- A waiter that holds the lock as it gives up (a release granted it, or its last try
 -- was granted here but not by a quorum) releases it: the next waiter is named (or,

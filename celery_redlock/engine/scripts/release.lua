@@ -3,8 +3,8 @@
 -- Three scripts run this file, told apart by the prelude's NAMING (never by an
 -- argument), one per acquire script: release (''), release_wake and release_fair.
 -- '': publish '' on each lock's channel (one waiter per subscribed process wakes).
--- 'fair': name the head of the queue, which keeps its place. 'wake': grant the lock to
--- the oldest recorded waiter, which leaves the record (wake.lua). A named waiter hears
+-- 'fair' and 'wake': grant the lock to the oldest recorded waiter (a fair lock's head
+-- of the queue), which leaves the record (wake.lua). A named waiter hears
 -- it on its process channel alone; '' goes to the lock's channel only when nobody is
 -- recorded.
 --
@@ -15,8 +15,8 @@
 -- KEYS[..]     fence*   with a record: the lock's fence counter (a grant's fence);
 --                       none for release
 -- ARGV[1]  token       owner token
--- ARGV[2]  reserve_ms  ('wake') a positive number: the next waiter is granted the
---                      lock (for the lease it recorded); 0: it is only named (it
+-- ARGV[2]  reserve_ms  (with a record) a positive number: the next waiter is granted
+--                      the lock (for the lease it recorded); 0: it is only named (it
 --                      tries); else ignored
 -- ARGV[3]  channel     ('wake') the releasing process's channel: when this release
 --                      yields the process's turn (below), its own recorded waiters are

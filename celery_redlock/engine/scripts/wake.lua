@@ -11,9 +11,9 @@
 --
 -- ms_arg(value)  a reservation argument: a non-negative integer of ms (at most 30
 --          days), or nil (the caller answers with its own error).
--- naming_args(how, reserve)  how a script names waiters ('fair' or 'wake') and, with
---          'wake', whether a release grants the lock: the bound in ms (0 for 'fair'),
---          or nil and what is wrong.
+-- naming_args(how, reserve)  how a script names waiters ('fair' or 'wake') and
+--          whether a release grants the lock (a positive `reserve`, in ms), or nil and
+--          what is wrong.
 -- node_ms()  the node's clock, in ms.
 -- waiter_entry(channel, attempt, grant_ms, ttl, pid, host, task_id, task_name)  a
 --          waiter's entry in the record.
@@ -33,17 +33,19 @@
 --          counter. Nobody recorded costs one read; the record is cleared of lapsed
 --          waiters when the one found first has lapsed (a refused requester clears it
 --          too, acquire.lua).
---          how 'fair': the waiter keeps its place and is told its token (only the
---          head of the queue may take a free lock anyway; it tries). how 'wake': the
---          waiter leaves the record (it comes back, or it is gone: either way it is
---          named once) and, if `reserve` > 0, the lock is GRANTED to it here: written
---          in its token's name with a new fence and the waiter's fields, for the
---          grant's lease that the waiter asked for (its entry), and the announcement
---          is "TOKEN ATTEMPT FENCE": the waiter holds the lock without asking again,
---          its lease counted from when it sent that attempt (the grant came after the
---          node recorded it), provided that attempt is still its last one. The lock
---          hash's 'attempt' is ATTEMPT + 0.5: the undo of that attempt (a split vote's)
---          leaves the grant, the undo of a later attempt that counted it removes it.
+--          If `reserve` > 0 (and the waiter recorded a channel), the waiter leaves the
+--          record (it comes back, or it is gone: either way it is named once) and the
+--          lock is GRANTED to it here, fair or not (a fair lock's oldest waiter is the
+--          head of its queue): written in its token's name with a new fence and the
+--          waiter's fields, for the grant's lease that the waiter asked for (its
+--          entry), and the announcement is "TOKEN ATTEMPT FENCE": the waiter holds the
+--          lock without asking again, its lease counted from when it sent that attempt
+--          (the grant came after the node recorded it), provided that attempt is still
+--          its last one. The lock hash's 'attempt' is ATTEMPT + 0.5: the undo of that
+--          attempt (a split vote's) leaves the grant, the undo of a later attempt that
+--          counted it removes it. Else the waiter is only named ("TOKEN": it tries);
+--          'wake' forgets it, 'fair' keeps its place (only the head may take a free
+--          lock).
 --          The grant's lease is the take-up bound of a named waiter: one that does
 --          not come (its process stopped, or died) keeps the lock idle that long, no
 --          longer. So that the lock then passes on, the oldest recorded waiter of
@@ -62,9 +64,7 @@ local function ms_arg(value)
     return ms
 end
 local function naming_args(how, reserve)
-    if how == 'fair' then
-        return 0
-    elseif how ~= 'wake' then
+    if how ~= 'fair' and how ~= 'wake' then
         return nil, "how must be 'fair' or 'wake'"
     end
     local ms = ms_arg(reserve)
@@ -161,12 +161,12 @@ local function name_next(lock, counter, channel, record, how, reserve, skip)
         end
     end
     local message, standby, standby_target, idle = named, nil, nil, 0
-    if how == 'wake' then
+    local grant = reserve > 0 and entry_grant(entry)
+    local grant_ms = grant and ms_arg(grant[2])
+    local ttl = grant and ms_arg(grant[3])
+    if grant_ms and grant_ms > 0 and ttl and ttl > 0 then
         forget(record, {named})
-        local grant = reserve > 0 and entry_grant(entry)
-        local grant_ms = grant and ms_arg(grant[2])
-        local ttl = grant and ms_arg(grant[3])
-        if grant_ms and grant_ms > 0 and ttl and ttl > 0 then
+        do
             local fence = fence_text(next_fence(counter, ttl))
             redis.call('HSET', lock, 'token', named, 'attempt', grant[1] .. '.5', 'fence', fence,
                        'task_id', grant[6], 'task_name', grant[7], 'host', grant[5],
@@ -179,6 +179,8 @@ local function name_next(lock, counter, channel, record, how, reserve, skip)
             redis.call('PEXPIRE', lock, grant_ms)
             message, idle = named .. ' ' .. grant[1] .. ' ' .. fence, grant_ms
         end
+    elseif how == 'wake' then
+        forget(record, {named})
     end
     redis.call('PUBLISH', target or channel, message)
     if standby_target then

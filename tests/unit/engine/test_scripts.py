@@ -57,7 +57,7 @@ def release(client, token, keys=(KEYS,), fair=False):
     return run(
         client, RELEASE_FAIR if fair else RELEASE, locks=release_keys(keys),
         record=keys[0].record if fair else (), fence=(keys[0].fence,) if fair else (), token=token,
-        reserve_ms="", channel="", attempt="",
+        reserve_ms=0, channel="", attempt="",
     )  # fmt: skip
 
 
@@ -452,7 +452,7 @@ def test_fair_queue_serves_arrival_order(redis_node):
     assert c.zrange(KEYS.queue, 0, -1) == ["w2"]
     release(c, "w1", fair=True)
     assert pubsub.get_message(timeout=1)["data"] == "w2"
-    assert run(c, FAIR_LEAVE, KEYS, token="w2", reserve_ms="") == 1
+    assert run(c, FAIR_LEAVE, KEYS, token="w2", reserve_ms=0) == 1
     assert acquire(c, "try", fair="0")[0] == 1, "an empty queue lets a try in"
     pubsub.close()
 
