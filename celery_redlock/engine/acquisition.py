@@ -48,7 +48,7 @@ from .vote import (
     vote_calls,
     vote_decided,
 )
-from .waiting import HOST, NAMED_RESERVE, grant_ms
+from .waiting import HOST, grant_ms, grant_window
 
 __all__ = [
     "RETRY_DELAY",
@@ -148,8 +148,10 @@ class Core:
         self.task_id = task_id
         self.task_name = task_name
         self.auto_renew = auto_renew
-        #: The lease of a grant to a waiter of this lock by a release (ms).
+        #: The lease of a grant to a waiter of this lock by a release (ms), and how
+        #: long after its attempt the waiter may count it (seconds).
         self.grant_ms = grant_ms(timing)
+        self.grant_window = grant_window(timing)
         self._finalizer: weakref.finalize[..., object] | None = None
 
     @property
@@ -240,13 +242,13 @@ class Core:
         be held without asking the nodes again when a quorum granted it with one fence
         (a Redlock's nodes number their fences apart: the waiter asks, and its attempt
         stores one fence on them) and no replica has to confirm it, and while the first
-        half of :data:`.waiting.NAMED_RESERVE` since the attempt was sent has not passed,
+        half of :func:`.waiting.grant_window` since the attempt was sent has not passed,
         so that the renewer has the other half to extend its short lease. Else None:
         the waiter asks the nodes, whose answer counts the grants held by its token.
         """
         if self.min_replicas or len(fences) < self.quorum or len(set(fences)) != 1:
             return None
-        if clock() - waiter.sent_at > NAMED_RESERVE / 2:
+        if clock() - waiter.sent_at > self.grant_window / 2:
             return None
         attempt = Attempt([], clock() - waiter.sent_at)
         attempt.granted = list(range(len(fences)))

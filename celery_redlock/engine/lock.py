@@ -211,9 +211,9 @@ class Redlock:
         leaves the queue within one ``ttl``.
 
         A waiter that another process's release granted the lock to returns holding a
-        short lease (:data:`~celery_redlock.engine.waiting.NAMED_RESERVE`, at least
-        half of it left), which the watchdog extends to ``ttl`` within a quarter of a
-        second; call :meth:`extend` first if the section that follows may keep the
+        short lease (at least half of :func:`~celery_redlock.engine.waiting.grant_window`
+        left: 0.25 s with a ttl of 3 s or more), which the watchdog extends to ``ttl``
+        halfway; call :meth:`extend` first if the section that follows may keep the
         watchdog thread from the GIL longer than that (``remaining()`` tells).
         """
         if self._reenter():

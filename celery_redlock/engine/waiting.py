@@ -142,16 +142,26 @@ def named_reserve_ms() -> int:
     return round(NAMED_RESERVE * 1000)
 
 
+def grant_window(timing: Timing) -> float:
+    """How long a waiter of a lock of ``timing`` has to count a grant (seconds).
+
+    :data:`NAMED_RESERVE`, or half the renewal interval of a short lease: a granted
+    waiter that never comes keeps the lock idle for this and the margins below, which
+    must stay a small part of the lease.
+    """
+    return min(NAMED_RESERVE, timing.renew_interval / 2)
+
+
 def grant_ms(timing: Timing) -> int:
     """The lease, in ms, of a grant to a waiter of a lock of ``timing``.
 
     Counted by the waiter from when it sent the attempt that recorded it, less the
     drift allowance and the loss margin of every lease: what is left is
-    :data:`NAMED_RESERVE`, the time the waiter has to count the grant before it asks
+    :func:`grant_window`, the time the waiter has to count the grant before it asks
     the nodes instead. The grant's lease is also how long a granted waiter that never
     comes (stopped, or dead) keeps the lock idle.
     """
-    return max(1, math.ceil((NAMED_RESERVE + timing.margin + timing.drift) * 1000))
+    return max(1, math.ceil((grant_window(timing) + timing.margin + timing.drift) * 1000))
 
 
 class Granted(NamedTuple):
