@@ -11,6 +11,8 @@ import multiprocessing
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from celery_redlock import Redlock
 from celery_redlock.engine.renewal import get_renewer
 from celery_redlock.engine.waiting import NAMED_RESERVE
@@ -49,11 +51,18 @@ def after_waiting(url: str, name: str, client, work) -> object:
     return results[0]
 
 
-def test_a_granted_waiter_holds_on_a_short_lease_that_the_watchdog_extends(redis_node):
+@pytest.fixture
+def node(redis_factory):
+    """A server of the test's own: its children connect to nothing another test stops."""
+    (server,) = redis_factory(1)
+    return server
+
+
+def test_a_granted_waiter_holds_on_a_short_lease_that_the_watchdog_extends(node):
     """The waiter's attempts are its refused ones (the first, and one more once subscribed);
     it returns holding the lock with at most the grant's usable window left (a try would
     have returned a whole lease), and the watchdog extends the lease to the ttl."""
-    client = redis_node.client()
+    client = node.client()
     attempts: list[int] = []
 
     def work(lock: Redlock) -> tuple[float, float, str | None, str, float]:
@@ -77,18 +86,18 @@ def test_a_granted_waiter_holds_on_a_short_lease_that_the_watchdog_extends(redis
             lock.release()
 
     renewals = get_renewer().calls
-    left, margin, holder, token, extended = after_waiting(redis_node.url, "granted", client, work)
+    left, margin, holder, token, extended = after_waiting(node.url, "granted", client, work)
     assert len(attempts) <= 2, "refused, then granted: no try of its own"
     assert 0 < left <= NAMED_RESERVE + margin, "the grant's lease, less the drift allowance"
     assert holder == token
     assert extended > 10 and get_renewer().calls > renewals
 
 
-def test_a_task_that_waited_starts_its_body_on_a_full_lease(redis_node):
+def test_a_task_that_waited_starts_its_body_on_a_full_lease(node):
     """``lock_on_busy="wait"`` granted the lock by another process's release: the lease
     is extended before the body starts, so a body that holds the GIL from its first line
     does not keep the watchdog from a lease of a quarter of a second."""
-    client = redis_node.client()
+    client = node.client()
     options = SimpleNamespace(on_busy="wait", wait_timeout=20)
 
     def work(lock: Redlock) -> tuple[bool, float]:
@@ -98,5 +107,5 @@ def test_a_task_that_waited_starts_its_body_on_a_full_lease(redis_node):
         finally:
             lock.release()
 
-    waited, left = after_waiting(redis_node.url, "granted-task", client, work)
+    waited, left = after_waiting(node.url, "granted-task", client, work)
     assert waited and left > 10, left
