@@ -31,7 +31,9 @@ def _hold_in_a_child(url: str, name: str, held, let_go) -> None:
 def after_waiting(url: str, name: str, client, work) -> object:
     """``work(lock)`` in a thread (a hold is its thread's) while a child process holds
     ``name``, which it releases once the thread waits; what ``work`` returned."""
-    ctx = multiprocessing.get_context("fork")
+    # Spawned: in the full suite a forked child of the pytest worker was refused its
+    # connection (to a server the parent reached), from state some earlier test left.
+    ctx = multiprocessing.get_context("spawn")
     held, let_go = ctx.Event(), ctx.Event()
     child = ctx.Process(target=_hold_in_a_child, args=(url, name, held, let_go))
     child.start()
