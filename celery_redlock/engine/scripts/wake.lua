@@ -166,19 +166,18 @@ local function name_next(lock, counter, channel, record, how, reserve, skip)
     local ttl = grant and ms_arg(grant[3])
     if grant_ms and grant_ms > 0 and ttl and ttl > 0 then
         forget(record, {named})
-        do
-            local fence = fence_text(next_fence(counter, ttl))
-            redis.call('HSET', lock, 'token', named, 'attempt', grant[1] .. '.5', 'fence', fence,
-                       'task_id', grant[6], 'task_name', grant[7], 'host', grant[5],
-                       'pid', grant[4], 'acquired_at', string.format('%.3f', now / 1000),
-                       'ttl', ttl)
-            standby, standby_target = first_waiter(queue, wake, target or '')
-            if standby then  -- a waiter of another process: the named one's turn is bounded
-                redis.call('HSET', lock, 'waited', now)
-            end
-            redis.call('PEXPIRE', lock, grant_ms)
-            message, idle = named .. ' ' .. grant[1] .. ' ' .. fence, grant_ms
+        local fence = fence_text(next_fence(counter, ttl))
+        local fields = {'token', named, 'attempt', grant[1] .. '.5', 'fence', fence,
+                        'task_id', grant[6], 'task_name', grant[7], 'host', grant[5],
+                        'pid', grant[4], 'acquired_at', string.format('%.3f', now / 1000),
+                        'ttl', ttl}
+        standby, standby_target = first_waiter(queue, wake, target or '')
+        if standby then  -- a waiter of another process: the named one's turn is bounded
+            fields[#fields + 1], fields[#fields + 2] = 'waited', now
         end
+        redis.call('HSET', lock, unpack(fields))
+        redis.call('PEXPIRE', lock, grant_ms)
+        message, idle = named .. ' ' .. grant[1] .. ' ' .. fence, grant_ms
     elseif how == 'wake' then
         forget(record, {named})
     end
