@@ -48,7 +48,7 @@ from .vote import (
     vote_calls,
     vote_decided,
 )
-from .waiting import HOST, grant_ms, grant_window
+from .waiting import HOST, Granted, grant_ms, grant_window
 
 __all__ = [
     "RETRY_DELAY",
@@ -235,26 +235,42 @@ class Core:
             attempt.errors.append(f"lease spent while acquiring ({attempt.elapsed:.3f}s)")
         return attempt
 
-    def granted(self, waiter: Waiter, fences: Sequence[int]) -> Grant | None:
-        """The grant that releases made to ``waiter``'s last attempt, if it may be held.
+    def hold_granted(
+        self,
+        waiter: Waiter,
+        grants: Sequence[Granted],
+        on_lost: Callable[[LockLost], object] | None,
+        lock: object,
+    ) -> Lease | None:
+        """Hold the lock that releases granted to ``waiter``'s last attempt: its lease.
 
-        ``fences``: each granting node's (:meth:`.waiting.Subscription.granted`). It may
-        be held without asking the nodes again when a quorum granted it with one fence
-        (a Redlock's nodes number their fences apart: the waiter asks, and its attempt
-        stores one fence on them) and no replica has to confirm it, and while the first
-        half of :func:`.waiting.grant_window` since the attempt was sent has not passed,
-        so that the renewer has the other half to extend its short lease. Else None:
-        the waiter asks the nodes, whose answer counts the grants held by its token.
+        ``grants``: each granting node's announcement (:meth:`.waiting.Subscription.granted`).
+        It may be held without asking the nodes again when a quorum granted it with one
+        fence (a Redlock's nodes number their fences apart: the waiter asks, and its
+        attempt stores one fence on them) and no replica has to confirm it.
+
+        The grant's lease (:func:`.waiting.grant_ms`) began on the node when it was
+        made; the waiter counts it from when it sent the attempt the node recorded, plus
+        what the node counted from recording that attempt to the grant, less the drift
+        factor of it: the node recorded the attempt after it was sent, so the waiter's
+        count ends first. It holds only in the first half of
+        :func:`.waiting.grant_window` from there, so that the renewer has the other half
+        to extend the short lease. Else None: the waiter asks the nodes, whose answer
+        counts the grants held by its token.
         """
+        fences = [grant.fence for grant in grants]
         if self.min_replicas or len(fences) < self.quorum or len(set(fences)) != 1:
             return None
-        if clock() - waiter.sent_at > self.grant_window / 2:
+        elapsed = min(grant.elapsed_ms for grant in grants) / 1000
+        granted_at = waiter.sent_at + elapsed * (1 - self.timing.drift_factor)
+        if clock() - granted_at > self.grant_window / 2:
             return None
         attempt = Attempt([], clock() - waiter.sent_at)
         attempt.granted = list(range(len(fences)))
         attempt.fences = [(fence,) for fence in fences]
         attempt.number = waiter.attempt
-        return Grant(waiter.token, (fences[0],), waiter.sent_at, attempt)
+        grant = Grant(waiter.token, (fences[0],), granted_at, attempt)
+        return self.record(grant, on_lost, lock, self.grant_ms / 1000)
 
     def release(self, token: str, fanout: Fanout) -> Send:
         """The fan-out that releases ``token``: done once a quorum confirmed it."""

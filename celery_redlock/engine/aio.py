@@ -272,16 +272,13 @@ class AsyncRedlock:
     def _granted(self, waiter: Waiter, subscription: Subscription) -> bool:
         """Hold the lock if releases granted it to ``waiter``'s last attempt; True if held.
 
-        See :meth:`.acquisition.Core.granted`. Else the next attempt finds the grants
+        See :meth:`.acquisition.Core.hold_granted`. Else the next attempt finds the grants
         held by the waiter's token, and counts them.
         """
         if not subscription.grants:
             return False
-        grant = self._core.granted(waiter, subscription.granted(waiter.token, waiter.attempt))
-        if grant is None:
-            return False
-        length = self._core.grant_ms / 1000
-        return self._core.record(grant, self._loss_reporter(), self, length) is not None
+        grants = subscription.granted(waiter.token, waiter.attempt)
+        return self._core.hold_granted(waiter, grants, self._loss_reporter(), self) is not None
 
     async def _drive(self, steps: Steps[T]) -> T:
         """Run an acquisition's steps (:mod:`.acquisition`) with this loop's fan-outs."""

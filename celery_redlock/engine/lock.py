@@ -610,17 +610,15 @@ class _Acquiring:
     def _granted(self) -> bool:
         """Hold the lock if releases granted it to this waiter's last attempt; True if held.
 
-        See :meth:`.acquisition.Core.granted`. Else the attempt that follows finds the
+        See :meth:`.acquisition.Core.hold_granted`. Else the attempt that follows finds the
         grants held by this waiter's token, and counts them.
         """
         lock, subscription = self.lock, self.subscription
         if subscription is None or not subscription.grants:
             return False
         waiter = self.waiter
-        grant = lock._core.granted(waiter, subscription.granted(waiter.token, waiter.attempt))
-        if grant is None:
-            return False
-        lease = lock._core.record(grant, lock.on_lost, lock, lock._core.grant_ms / 1000)
+        grants = subscription.granted(waiter.token, waiter.attempt)
+        lease = lock._core.hold_granted(waiter, grants, lock.on_lost, lock)
         if lease is None:
             return False
         handoff.holding(lock, lease)

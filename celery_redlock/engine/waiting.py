@@ -12,8 +12,8 @@ record of its blocked waiters on each node (``acquire.lua`` writes a refused blo
 requester's token, arrival, process channel, and what a grant to it writes; see
 ``scripts/wake.lua``). Its release *grants* the lock to the oldest recorded waiter:
 it writes the lock in that waiter's name (a new fence, for the short lease
-:func:`grant_ms`) and publishes ``"TOKEN ATTEMPT FENCE"`` on that waiter's process
-channel, so one process hears it and its listener wakes that one waiter, which holds
+:func:`grant_ms`) and publishes ``"TOKEN ATTEMPT FENCE ELAPSED"`` on that waiter's
+process channel, so one process hears it and its listener wakes that one waiter, which holds
 the lock without asking again (a fair lock's oldest waiter is the head of its queue).
 Before, every subscribed process heard every release and woke its
 own longest waiter: with N waiting processes about N script calls per acquisition
@@ -27,8 +27,10 @@ removes itself (``fair_leave.lua``), releasing a grant made to it.
 **A grant is counted from the waiter's own request.** The announcement names the
 attempt that the node recorded the waiter by; the waiter counts the grant only while
 that attempt is its last (:meth:`Subscription.granted`), with its lease counted from
-when it sent that attempt: the grant came after the node processed it, so the
-waiter's deadline is never later than the node's. A waiter that asked again since
+when it sent that attempt plus the time the node counted from recording that attempt
+to the grant (``ELAPSED``, less the drift factor of it): the node recorded the attempt
+after it was sent, so the waiter's deadline is never later than the node's, however
+long the holder held on. A waiter that asked again since
 counts what its later attempt's reply says (the lock held by its own token), and one
 frozen (SIGSTOP, a debugger) past its place counts nothing when it resumes, and asks.
 
@@ -116,7 +118,8 @@ SYNC_INTERVAL = 1.0
 LINGER = SYNC_INTERVAL
 
 #: How long a waiter granted the lock by a release has to count the grant (seconds),
-#: from when it sent the attempt the node recorded; the grant's lease on the node adds
+#: from when the grant was made by its count (:meth:`.acquisition.Core.hold_granted`);
+#: the grant's lease on the node adds
 #: the drift allowance and loss margin (:func:`grant_ms`). It covers the waiter's
 #: wake-up; a granted waiter that died costs the grant's lease (the others refresh
 #: their places within their renewal interval anyway).
@@ -155,11 +158,12 @@ def grant_window(timing: Timing) -> float:
 def grant_ms(timing: Timing) -> int:
     """The lease, in ms, of a grant to a waiter of a lock of ``timing``.
 
-    Counted by the waiter from when it sent the attempt that recorded it, less the
-    drift allowance and the loss margin of every lease: what is left is
-    :func:`grant_window`, the time the waiter has to count the grant before it asks
-    the nodes instead. The grant's lease is also how long a granted waiter that never
-    comes (stopped, or dead) keeps the lock idle.
+    Counted by the waiter from when the grant was made by its count (no later than
+    on the node: :meth:`.acquisition.Core.hold_granted`), less the drift allowance and
+    the loss margin of every lease: what is left is :func:`grant_window`, the time the
+    waiter has to count the grant before it asks the nodes instead. The grant's lease
+    is also how long a granted waiter that never comes (stopped, or dead) keeps the
+    lock idle.
     """
     return max(1, math.ceil((grant_window(timing) + timing.margin + timing.drift) * 1000))
 
@@ -172,6 +176,8 @@ class Granted(NamedTuple):
     #: counts only while that attempt is the waiter's last (:meth:`Subscription.granted`).
     attempt: int
     fence: int
+    #: What the node counted (ms) from recording that attempt to the grant.
+    elapsed_ms: int
 
 
 class _Entry:
@@ -837,11 +843,12 @@ class _Listener:
                     self._wake_one(waiters, self.node.url)
                     return
                 # The release granted the lock to the waiter whose turn it is
-                # ("TOKEN ATTEMPT FENCE"), named it ("TOKEN": it tries), or made it
-                # the stand-by of the waiter it granted it to ("TOKEN MS").
+                # ("TOKEN ATTEMPT FENCE ELAPSED"), named it ("TOKEN": it tries), or
+                # made it the stand-by of the waiter it granted it to ("TOKEN MS").
                 parts = str(text).split(" ")
-                if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-                    grant = Granted(parts[0], int(parts[1]), int(parts[2]))
+                if len(parts) == 4 and all(part.isdigit() for part in parts[1:]):
+                    attempt, fence, elapsed = (int(part) for part in parts[1:])
+                    grant = Granted(parts[0], attempt, fence, elapsed)
                     self._wake_named(waiters, parts[0], grant)
                 elif len(parts) == 2 and parts[1].isdigit():
                     self._stand_by(lock_channel, parts[0], int(parts[1]))
@@ -902,8 +909,8 @@ class Subscription:
         """Subscribed on at least one node."""
         return self.confirmation.is_set()
 
-    def granted(self, token: str, attempt: int) -> list[int]:
-        """The fences of the nodes that granted the lock to ``token``'s attempt ``attempt``.
+    def granted(self, token: str, attempt: int) -> list[Granted]:
+        """The nodes' grants of the lock to ``token``'s attempt ``attempt``.
 
         A grant is the node's answer to that attempt, made after the node recorded it:
         it counts only while ``attempt`` is the waiter's last. A later attempt may have
@@ -911,7 +918,7 @@ class Subscription:
         one is spent.
         """
         return [
-            grant.fence
+            grant
             for grant in list(self.grants.values())
             if grant.token == token and grant.attempt == attempt
         ]

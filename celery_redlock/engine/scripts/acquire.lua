@@ -270,9 +270,10 @@ if record then
         local keys = {queue}
         if channel ~= '' then
             -- The entry a grant is made from (wake.lua): this attempt's number, so
-            -- that the waiter counts a grant only while no later attempt went out.
-            redis.call('HSET', wake, token, waiter_entry(channel, attempt, grant_ms, ttl, pid,
-                                                         host, task_id, task_name))
+            -- that the waiter counts a grant only while no later attempt went out,
+            -- and when it was recorded, from which the waiter counts the grant's lease.
+            redis.call('HSET', wake, token, waiter_entry(channel, attempt, clock(), grant_ms,
+                                                         ttl, pid, host, task_id, task_name))
             keys[#keys + 1] = wake
         end
         -- Each record key outlives its places: extended, when it would not, by twice a

@@ -6,8 +6,8 @@
 -- token -> deadline, node ms: the place lapses unless refreshed) and wake (hash token
 -- -> the waiter's entry: its process channel, where a release names it, then, each
 -- after a NUL, what a grant to it writes: the number of the attempt that recorded it,
--- the grant's lease (ms), its own lease (ms), pid, host, task id and task name; see
--- waiter_entry).
+-- when the node recorded it (node ms), the grant's lease (ms), its own lease (ms), pid,
+-- host, task id and task name; see waiter_entry).
 --
 -- ms_arg(value)  a reservation argument: a non-negative integer of ms (at most 30
 --          days), or nil (the caller answers with its own error).
@@ -15,8 +15,8 @@
 --          whether a release grants the lock (a positive `reserve`, in ms), or nil and
 --          what is wrong.
 -- node_ms()  the node's clock, in ms.
--- waiter_entry(channel, attempt, grant_ms, ttl, pid, host, task_id, task_name)  a
---          waiter's entry in the record.
+-- waiter_entry(channel, attempt, recorded, grant_ms, ttl, pid, host, task_id, task_name)
+--          a waiter's entry in the record (`recorded`: the node's clock, ms).
 -- forget(record, tokens)  take tokens out of every part of the record.
 -- leave(record, token)  take a token out of the record if it is in it (one call if not).
 -- drop_lapsed(record, now)  forget the waiters whose place lapsed.
@@ -38,10 +38,11 @@
 --          lock is GRANTED to it here, fair or not (a fair lock's oldest waiter is the
 --          head of its queue): written in its token's name with a new fence and the
 --          waiter's fields, for the grant's lease that the waiter asked for (its
---          entry), and the announcement is "TOKEN ATTEMPT FENCE": the waiter holds the
---          lock without asking again, its lease counted from when it sent that attempt
---          (the grant came after the node recorded it), provided that attempt is still
---          its last one. The lock hash's 'attempt' is ATTEMPT + 0.5: the undo of that
+--          entry), and the announcement is "TOKEN ATTEMPT FENCE ELAPSED": the waiter
+--          holds the lock without asking again, provided that attempt is still its
+--          last one, its lease counted from when it sent that attempt plus ELAPSED, the
+--          ms the node counted from recording that attempt to this grant (the node
+--          recorded it after it was sent, so the waiter's count ends first). The lock hash's 'attempt' is ATTEMPT + 0.5: the undo of that
 --          attempt (a split vote's) leaves the grant, the undo of a later attempt that
 --          counted it removes it. Else the waiter is only named ("TOKEN": it tries);
 --          'wake' forgets it, 'fair' keeps its place (only the head may take a free
@@ -94,8 +95,10 @@ local function drop_lapsed(record, now)
     end
 end
 local SEP = '\0'
-local function waiter_entry(channel, attempt, grant_ms, ttl, pid, host, task_id, task_name)
-    return table.concat({channel, attempt, grant_ms, ttl, pid, host, task_id, task_name}, SEP)
+local function waiter_entry(channel, attempt, recorded, grant_ms, ttl, pid, host, task_id,
+                            task_name)
+    return table.concat({channel, attempt, recorded, grant_ms, ttl, pid, host, task_id,
+                         task_name}, SEP)
 end
 local function entry_channel(entry)
     if not entry then
@@ -104,7 +107,7 @@ local function entry_channel(entry)
     local cut = string.find(entry, SEP, 1, true)
     return cut and string.sub(entry, 1, cut - 1) or entry
 end
--- The grant fields of an entry: {attempt, grant_ms, ttl, pid, host, task_id,
+-- The grant fields of an entry: {attempt, recorded, grant_ms, ttl, pid, host, task_id,
 -- task_name}, or nil if it has none (a waiter recorded without a channel).
 local function entry_grant(entry)
     local start = entry and string.find(entry, SEP, 1, true)
@@ -112,11 +115,11 @@ local function entry_grant(entry)
         return nil
     end
     local fields = {}
-    for j = 1, 7 do
+    for j = 1, 8 do
         local cut = string.find(entry, SEP, start + 1, true)
         fields[j] = string.sub(entry, start + 1, (cut or 0) - 1)
         if not cut then
-            return j == 7 and fields or nil
+            return j == 8 and fields or nil
         end
         start = cut
     end
@@ -162,14 +165,15 @@ local function name_next(lock, counter, channel, record, how, reserve, skip)
     end
     local message, standby, standby_target, idle = named, nil, nil, 0
     local grant = reserve > 0 and entry_grant(entry)
-    local grant_ms = grant and ms_arg(grant[2])
-    local ttl = grant and ms_arg(grant[3])
-    if grant_ms and grant_ms > 0 and ttl and ttl > 0 then
+    local recorded = grant and tonumber(grant[2])
+    local grant_ms = grant and ms_arg(grant[3])
+    local ttl = grant and ms_arg(grant[4])
+    if recorded and grant_ms and grant_ms > 0 and ttl and ttl > 0 then
         forget(record, {named})
         local fence = fence_text(next_fence(counter, ttl))
         local fields = {'token', named, 'attempt', grant[1] .. '.5', 'fence', fence,
-                        'task_id', grant[6], 'task_name', grant[7], 'host', grant[5],
-                        'pid', grant[4], 'acquired_at', string.format('%.3f', now / 1000),
+                        'task_id', grant[7], 'task_name', grant[8], 'host', grant[6],
+                        'pid', grant[5], 'acquired_at', string.format('%.3f', now / 1000),
                         'ttl', ttl}
         standby, standby_target = first_waiter(queue, wake, target or '')
         if standby then  -- a waiter of another process: the named one's turn is bounded
@@ -177,7 +181,9 @@ local function name_next(lock, counter, channel, record, how, reserve, skip)
         end
         redis.call('HSET', lock, unpack(fields))
         redis.call('PEXPIRE', lock, grant_ms)
-        message, idle = named .. ' ' .. grant[1] .. ' ' .. fence, grant_ms
+        local elapsed = math.max(0, now - recorded)
+        message = table.concat({named, grant[1], fence, string.format('%d', elapsed)}, ' ')
+        idle = grant_ms
     elseif how == 'wake' then
         forget(record, {named})
     end

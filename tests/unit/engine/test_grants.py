@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +31,8 @@ def _hold_in_a_child(url: str, name: str, held, let_go) -> None:
 
 def after_waiting(url: str, name: str, client, work) -> object:
     """``work(lock)`` in a thread (a hold is its thread's) while a child process holds
-    ``name``, which it releases once the thread waits; what ``work`` returned."""
+    ``name``, which it releases a second after the thread waits (recorded); what
+    ``work`` returned."""
     # Spawned: in the full suite a forked child of the pytest worker was refused its
     # connection (to a server the parent reached), from state some earlier test left.
     ctx = multiprocessing.get_context("spawn")
@@ -44,6 +46,10 @@ def after_waiting(url: str, name: str, client, work) -> object:
         waiter = threading.Thread(target=lambda: results.append(work(lock)))
         waiter.start()
         wait_for(lambda: client.zcard(lock.keys.queue) == 1, timeout=20, message="recorded")
+        # Held on well past the grant window after the waiter's attempt: the grant is
+        # counted from when the node made it, not from the attempt.
+        recorded = time.monotonic()
+        wait_for(lambda: time.monotonic() - recorded > 1, timeout=5, message="a long hold")
         let_go.set()
         waiter.join(30)
     finally:

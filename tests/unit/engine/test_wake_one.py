@@ -89,12 +89,20 @@ def leave_record(client, token: str):
     return run(client, WAKE_LEAVE, KEYS, token=token, reserve_ms=5000)
 
 
-def messages(pubsub) -> list[tuple[str, str]]:
-    """The announcements received so far: (channel, message)."""
+def messages(pubsub, elapsed: list[int] | None = None) -> list[tuple[str, str]]:
+    """The announcements received so far: (channel, message), a grant's without its
+    ELAPSED (the node's ms from recording the attempt to the grant: a time, appended
+    to ``elapsed``)."""
     got = []
     while (message := pubsub.get_message(timeout=0.2)) is not None:
         if message["type"] == "message":
-            got.append((message["channel"], message["data"]))
+            parts = message["data"].split(" ")
+            if len(parts) == 4:
+                assert parts[3].isdigit(), message
+                if elapsed is not None:
+                    elapsed.append(int(parts[3]))
+                parts = parts[:3]
+            got.append((message["channel"], " ".join(parts)))
     return got
 
 
@@ -121,6 +129,26 @@ def granted(client, token: str) -> str:
     fence = client.hget(KEYS.lock, "fence")
     assert client.hget(KEYS.lock, "token") == token
     return f"{token} 1 {fence}"
+
+
+def test_a_grant_says_how_long_the_node_held_the_waiters_attempt(listening):
+    """ELAPSED: the node's time from recording the attempt to granting it, which the
+    waiter adds to when it sent that attempt (a hold of any length: its deadline stays
+    no later than the node's). A refresh records the attempt again, and counts anew."""
+    client, pubsub = listening
+    assert attempt(client, "holder", "proc:3")[0] == 1
+    assert attempt(client, "w1", "proc:1")[0] == 0
+    started = time.monotonic()
+    wait_for(lambda: time.monotonic() - started > 0.3, timeout=5, message="time passed")
+    assert attempt(client, "w1", "proc:1", number=2)[0] == 0, "refreshed: recorded anew"
+    refreshed = time.monotonic()
+    wait_for(lambda: time.monotonic() - refreshed > 0.2, timeout=5, message="time passed")
+    assert release(client, "holder") == 1
+    released = time.monotonic()
+    elapsed: list[int] = []
+    fence = client.hget(KEYS.lock, "fence")
+    assert messages(pubsub, elapsed) == [("proc:1", f"w1 2 {fence}")]
+    assert 200 <= elapsed[0] <= (released - refreshed) * 1000 + 5, elapsed
 
 
 def test_a_release_grants_the_lock_to_the_oldest_waiter_on_its_process_channel(listening):
