@@ -463,7 +463,10 @@ class LockedTask(Task):
         lock, execution.in_body = execution.lock, True
         try:
             try:
-                result = super().__call__(*args, **kwargs)
+                if _calls_run_directly(type(self)):
+                    result = self.run(*args, **kwargs)
+                else:
+                    result = super().__call__(*args, **kwargs)
             except LockLost:
                 # The threads pool raises a bare LockLost class: give the result the
                 # key, reason and fence.
@@ -521,6 +524,29 @@ class LockedTask(Task):
             raise skipped.busy
         named = {"name": self.name} if _EAGER_RESULT_NAMED else {}
         return EagerResult(result.id, skipped.busy, states.FAILURE, **named)
+
+
+_RUN_DIRECTLY: dict[type, bool] = {}
+
+
+def _calls_run_directly(cls: type) -> bool:
+    """Whether a traced run of a ``cls`` task may call its body as the tracer would.
+
+    The tracer calls ``task.run`` for a task that does not override ``__call__``, with
+    the request (and the task on the task stack) pushed already; for one that does, as
+    every LockedTask, it calls the task. Celery's own ``Task.__call__`` then pushes
+    both again, and building that second request cost a lock-taking task about a tenth
+    of its CPU (``Context``'s custom headers are sought among all its fields). So the
+    body is called as a plain task's is, unless a class between LockedTask and
+    ``Task`` in the MRO overrides ``__call__`` (an app context, a tracing wrapper),
+    which must run.
+    """
+    known = _RUN_DIRECTLY.get(cls)
+    if known is None:
+        mro = cls.__mro__
+        callers = [k for k in mro[mro.index(LockedTask) + 1 :] if "__call__" in vars(k)]
+        known = _RUN_DIRECTLY[cls] = bool(callers) and callers[0] is Task
+    return known
 
 
 def acquire_for(

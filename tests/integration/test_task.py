@@ -193,6 +193,47 @@ def test_apply_body_sees_its_own_request(app, celery_redis):
     assert not lock_keys(celery_redis), "released after the eager run"
 
 
+def test_the_body_is_called_as_a_plain_tasks_unless_a_base_wraps_the_call(app, celery_redis):
+    """The tracer pushed the request: LockedTask calls the body as the tracer calls a plain
+    task's (Celery's ``Task.__call__`` would push a second one, through ``push_request``);
+    a base class between LockedTask and Task that overrides ``__call__`` (an app context)
+    runs, and so does that second push."""
+    from celery import Task
+
+    from celery_redlock import LockedTask
+
+    pushes: list[dict] = []
+    wrapped: list[str | None] = []
+
+    class Counted(LockedTask):
+        def push_request(self, *args, **kwargs):
+            pushes.append(dict(*args, **kwargs))
+            super().push_request(*args, **kwargs)
+
+    class AppContext(Task):
+        def __call__(self, *args, **kwargs):
+            wrapped.append(self.request.id)
+            return super().__call__(*args, **kwargs)
+
+    class Wrapped(Counted, AppContext):
+        pass
+
+    def body(self, n):
+        return self.request.id, self.lock.fence is not None
+
+    for base, name in ((Counted, "plain-call"), (Wrapped, "wrapped-call")):
+        task = app.task(body, base=base, bind=True, shared=False, name=f"tests.{name}")
+        pushes.clear()
+        assert task.apply((1,), task_id=name).get() == (name, True), "its request, its lock"
+        if base is Counted:
+            assert pushes == [], "the tracer's request only (pushed on the stack itself)"
+            assert not wrapped
+        else:
+            assert wrapped == [name], "the base's __call__ ran"
+            assert len(pushes) == 1, "and Task.__call__'s request"
+    assert not lock_keys(celery_redis)
+
+
 def test_eager_apply_of_a_finished_task_id_that_waited_runs_its_body(app, celery_redis):
     """An eager ``apply()`` is nobody's redelivery: with a final result already stored
     under its task id (a frozen chain applied again) and a wait for the lock, it still
