@@ -117,10 +117,12 @@ class Reply:
 
 def bulk(*args: str | int) -> bytes:
     """``args`` as RESP bulk strings (UTF-8): a piece of a :attr:`Call.resp`."""
-    return b"".join(
-        b"$%d\r\n%s\r\n" % (len(data), data)
-        for data in (arg.encode() if isinstance(arg, str) else b"%d" % arg for arg in args)
-    )
+    # A loop, not nested generators: every call of a Celery task's lock packs its keys.
+    out = []
+    for arg in args:
+        data = arg.encode() if isinstance(arg, str) else b"%d" % arg
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 #: Where one reply goes in a node's :class:`Reply`: (position, key indices or None).

@@ -235,6 +235,7 @@ class Script:
     """
 
     __slots__ = (
+        "_heads",
         "arg_names",
         "build_argv",
         "build_keys",
@@ -289,14 +290,23 @@ class Script:
         self.source = "".join([*lines[:header], *code, *lines[header:]])
         self.sha = hashlib.sha1(self.source.encode("utf-8")).hexdigest()
         self.call, self.on, self.build_keys, self.build_argv = _builders(self)
+        self._heads: dict[tuple[int, int], bytes] = {}
 
     def evalsha(self, keys: Sequence[str], args: Sequence[object]) -> tuple[object, ...]:
         """The EVALSHA command that runs this script."""
         return ("EVALSHA", self.sha, len(keys), *keys, *args)
 
     def evalsha_resp(self, keys: int, args: int) -> bytes:
-        """The start of :meth:`evalsha` in RESP, up to its keys, for a :attr:`Call.resp`."""
-        return b"*%d\r\n" % (3 + keys + args) + bulk("EVALSHA", self.sha, keys)
+        """The start of :meth:`evalsha` in RESP, up to its keys, for a :attr:`Call.resp`.
+
+        Built once per shape: every lock of a Celery task is a new object, whose
+        first call would otherwise build it again.
+        """
+        head = self._heads.get((keys, args))
+        if head is None:
+            head = b"*%d\r\n" % (3 + keys + args) + bulk("EVALSHA", self.sha, keys)
+            self._heads[keys, args] = head
+        return head
 
     def __repr__(self) -> str:
         return f"<Script {self.name} {self.sha[:8]}>"
