@@ -53,6 +53,13 @@ class LockBusy(RedlockError):
         ttl: the holder's remaining lease in seconds, when known.
     """
 
+    #: When this process sent the request that was refused (the engine's clock,
+    #: :data:`celery_redlock.engine.lease.clock`); None where unknown. The refusal came
+    #: between then and the reply, so a record of it stamped with this time is never
+    #: later than the holder's release, however late the refused caller gets to it.
+    #: Not part of ``args``: it means nothing in another process.
+    asked_at: float | None = None
+
     def __init__(self, key: str, holder: str | None = None, ttl: float | None = None) -> None:
         super().__init__(key, holder, ttl)
 

@@ -380,7 +380,9 @@ class Core:
         if attempt.busy_ttl:
             if metrics.enabled:
                 metrics.busy(self.task_name)
-            raise LockBusy(self.keys.lock, attempt.holder, min(attempt.busy_ttl))
+            busy = LockBusy(self.keys.lock, attempt.holder, min(attempt.busy_ttl))
+            busy.asked_at = started
+            raise busy
         raise NodeUnavailable(self.keys.lock, attempt.errors)
 
     # -- the caller's hold ---------------------------------------------------------------

@@ -128,8 +128,10 @@ class _Writer:
         self.thread: threading.Thread | None = None
         self.start_lock = threading.Lock()
 
-    def add(self, event: str, keys: tuple[str, ...], fields: dict[str, Any]) -> None:
-        self.buffer.append((time.monotonic(), event, keys, fields))
+    def add(
+        self, event: str, keys: tuple[str, ...], fields: dict[str, Any], earlier: float = 0.0
+    ) -> None:
+        self.buffer.append((time.monotonic() - earlier, event, keys, fields))
         if not self.wake.is_set():
             self.wake.set()
         if self.thread is None:
@@ -208,13 +210,16 @@ def record(
     keys: Sequence[str],
     task: str | None,
     task_id: str | None,
+    *,
+    earlier: float = 0.0,
     **fields: Any,
 ) -> None:
     """Log ``event`` of the run ``task_id`` of ``task`` on the locks ``keys`` (lock keys).
 
     ``app``: the Celery app whose settings say whether the log is on (or its
     :class:`Settings`); ``nodeset``: the locks' nodes (None: nowhere to log).
-    ``fields``: the event's own (:data:`EVENTS`). Returns at once: the event is
+    ``fields``: the event's own (:data:`EVENTS`). ``earlier``: how many seconds ago it
+    happened, if not now (a refusal, as of its request). Returns at once: the event is
     written by this process's writer thread within :data:`FLUSH` or so.
     """
     if nodeset is None:
@@ -223,7 +228,7 @@ def record(
     if not settings.events:
         return
     fields.update(task=task, id=task_id, host=_HOST, pid=forksafe.pid())
-    _writer(nodeset, settings).add(event, tuple(keys), fields)
+    _writer(nodeset, settings).add(event, tuple(keys), fields, earlier)
 
 
 def flush(timeout: float = 5.0) -> bool:

@@ -51,6 +51,7 @@ from celery.exceptions import Ignore
 
 from ..base import metrics
 from ..engine.keys import keys_of
+from ..engine.lease import clock
 from ..engine.lock import Redlock
 from ..exceptions import LockBusy, LockLost
 from ..nodes import NodeSet
@@ -127,8 +128,11 @@ def apply_on_busy(
         then = "follows" if follows and then != "redelivered" else then
         if then == "requeue" and getattr(task.request, "is_eager", False):
             then = "raise"
+        # As of the refused request: the holder's release may be logged before this
+        # process, slowed, gets here, and the story must not show it refused after it.
+        earlier = 0.0 if busy.asked_at is None else max(0.0, clock() - busy.asked_at)
         events.record(task.app, nodeset, "busy", (busy.key,), task.name, task_id,
-                      holder=busy.holder, then=then)  # fmt: skip
+                      earlier=earlier, holder=busy.holder, then=then)  # fmt: skip
     if busy.holder == task_id:
         why = "is held by an earlier delivery of itself"
         requeue_duplicate(task, task_id, busy, why, nodeset, options)

@@ -13,9 +13,12 @@ import os
 import signal
 
 import pytest
+from celery.exceptions import Ignore
 
 from celery_redlock import LockBusy, LockedTask, LockLost, lock_for
-from celery_redlock.integration import events
+from celery_redlock.engine.lease import clock
+from celery_redlock.integration import events, policies
+from celery_redlock.integration.task import lock_options
 from celery_redlock.nodes import NodeSet
 from celery_redlock.ops.events import describe, key_log, story, summary
 from tests.apps.locked import create_app
@@ -110,6 +113,29 @@ def test_a_skipped_run_says_who_held_its_key(app, nodes, inprocess_worker_factor
     (busy,) = told(nodes, result.id, "busy")
     assert (busy["then"], busy["k"]) == ("skip", held.name)
     assert "skipped" in summary(result.id, [busy]) and "skipped" in describe(busy)
+
+
+def test_a_refusal_is_logged_as_of_its_request(app, celery_redis, nodes):
+    """A refused run slowed between the refusal and its record (a loaded worker) logs
+    ``busy`` at the time it asked, not when it got to the record: else the story could
+    show it refused after the holder's ``released``."""
+    hold = app.tasks["tests.apps.locked.hold"]
+    with lock_for(hold, "acct-9") as held:
+        lock = lock_for(hold, "acct-9")
+        before = clock()
+        with pytest.raises(LockBusy) as refused:
+            lock.try_acquire()
+        after = clock()
+    busy = refused.value
+    assert before <= busy.asked_at <= after
+    busy.asked_at -= 2.0  # as if this process got to its record two seconds later
+    with pytest.raises((Ignore, LockBusy)):
+        policies.apply_on_busy(hold, "late-id", busy, lock_options(hold), held.nodeset)
+    assert events.flush()
+    (event,) = told(nodes, "late-id", "busy")
+    seconds, micros = celery_redis.client().time()
+    ago = seconds * 1000 + micros // 1000 - event["t"]
+    assert 1_900 <= ago <= 3_000, ago
 
 
 def test_a_retried_run_says_busy_retry_then_acquired(app, nodes, inprocess_worker_factory):
