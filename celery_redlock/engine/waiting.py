@@ -36,12 +36,21 @@ frozen (SIGSTOP, a debugger) past its place counts nothing when it resumes, and 
 
 **A granted waiter that does not come keeps the lock idle for the grant's lease.** The
 grant's lease is the granted waiter's take-up bound: its process may be stopped or
-dead. With the grant, the release tells the oldest recorded waiter of *another*
-process ``"TOKEN MS"`` on that process's channel: its stand-by. That waiter's listener
-wakes it ``MS`` (the grant's lease) later, unless a release names it first: it tries
-then, and takes the lock if the granted waiter never came, or is refused (and waits
-again) if it did. A lock whose granted waiter is frozen therefore passes on within one
-grant's lease (:func:`grant_ms`: :data:`NAMED_RESERVE` and the margins), not one lease.
+dead. With the grant, the release tells a recorded waiter of *another* process
+``"TOKEN MS"`` on that process's channel: its stand-by. That waiter's listener wakes
+it ``MS`` (the grant's lease) later, unless a release names it first: it tries then,
+and takes the lock if the granted waiter never came, or is refused (and waits no
+longer than what is left of the lock's lease) if it did. A lock whose granted waiter
+is frozen therefore passes on within one grant's lease (:func:`grant_ms`:
+:data:`NAMED_RESERVE` and the margins), not one lease. A fair lock's stand-by is the
+oldest such waiter (only the head may take a free fair lock), told at every grant.
+Any waiter may take a free lock that is not fair: its stand-by is the *newest* such
+waiter, which stays it (untold) at the grants that follow while it is still recorded
+and was told less than half a grant's lease ago, its wake-up then due no later than
+the new grant's lease ends; the oldest would be granted the lock next, and each
+handoff would tell a new one: one more delivery, a thread woken in another process
+(measured with 4-32 processes on one key: 1.9 deliveries per acquisition with the
+oldest as stand-by, 1.04-1.6 with the newest).
 On the lock's own channel a release says ``''`` only when nobody is recorded; the
 listener then wakes the process's longest waiter (one per process), as do a share's
 release and a lock of several resources, whose waiters are not recorded.

@@ -20,9 +20,9 @@
 -- forget(record, tokens)  take tokens out of every part of the record.
 -- leave(record, token)  take a token out of the record if it is in it (one call if not).
 -- drop_lapsed(record, now)  forget the waiters whose place lapsed.
--- first_waiter(queue, wake, skip)  the oldest recorded token whose process channel is
---          not `skip` (false: any), its channel (false if it recorded none) and its
---          entry.
+-- first_waiter(queue, wake, skip, newest)  the oldest (`newest`: the newest) recorded
+--          token whose process channel is not `skip` (false: any), its channel (false
+--          if it recorded none) and its entry.
 -- other_process_waits(queue, wake, channel)  a waiter of another process than
 --          `channel`'s is recorded.
 -- name_next(lock, counter, channel, record, how, reserve, skip)  hand `lock` (deleted
@@ -49,10 +49,20 @@
 --          lock).
 --          The grant's lease is the take-up bound of a named waiter: one that does
 --          not come (its process stopped, or died) keeps the lock idle that long, no
---          longer. So that the lock then passes on, the oldest recorded waiter of
---          another process than the named one's is told "TOKEN MS" on its own process
---          channel: its listener wakes it MS later unless a release names it first
---          (waiting.py, the stand-by).
+--          longer. So that the lock then passes on, a recorded waiter of another
+--          process than the named one's, its stand-by, is told "TOKEN MS" on its own
+--          process channel: its listener wakes it MS later unless a release names it
+--          first (waiting.py, the stand-by). It tries then, and takes the lock if the
+--          named waiter never came (or, refused, waits no longer than what is left of
+--          the grant's lease, and tries again). A fair lock's stand-by is the oldest
+--          such waiter, told at every grant: only the head may take a free fair lock.
+--          Any waiter may take a free 'wake' lock, so its stand-by is the newest such
+--          waiter, and stays it while it is still recorded and was told less than half
+--          a grant's lease ago: the oldest would be granted the lock next, and need a
+--          successor at every grant, one more delivery (a thread woken in another
+--          process) per handoff. Told then, its wake-up comes at most MS after this
+--          grant, no earlier than half of it (the wake hash's STANDBY field: token,
+--          channel, when told).
 --          Field 'waited' is set on the grant when a waiter of another process is
 --          still recorded: the named waiter's process then has a bounded turn
 --          (handoff.TURN). Returns the named token, or nil when nobody is recorded
@@ -78,10 +88,17 @@ local function node_ms()
     local t = redis.call('TIME')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+local SEP = '\0'
+-- The wake hash's field naming the stand-by last told (no token starts with a NUL).
+local STANDBY = SEP .. 'standby'
 local function forget(record, tokens)
     redis.call('ZREM', record[1], unpack(tokens))
     redis.call('ZREM', record[2], unpack(tokens))
     redis.call('HDEL', record[3], unpack(tokens))
+    -- A record whose waiters are all gone goes with them, stand-by field and all.
+    if redis.call('HLEN', record[3]) == 1 then
+        redis.call('HDEL', record[3], STANDBY)
+    end
 end
 local function leave(record, token)
     if redis.call('ZREM', record[2], token) == 1 then
@@ -94,7 +111,6 @@ local function drop_lapsed(record, now)
         forget(record, gone)
     end
 end
-local SEP = '\0'
 local function waiter_entry(channel, attempt, recorded, grant_ms, ttl, pid, host, task_id,
                             task_name)
     return table.concat({channel, attempt, recorded, grant_ms, ttl, pid, host, task_id,
@@ -126,10 +142,11 @@ local function entry_grant(entry)
     return nil
 end
 local WAKE_PAGE = 16
-local function first_waiter(queue, wake, skip)
+local function first_waiter(queue, wake, skip, newest)
     local start = 0
     while true do
-        local page = redis.call('ZRANGE', queue, start, start + WAKE_PAGE - 1)
+        local page = newest and redis.call('ZRANGE', queue, start, start + WAKE_PAGE - 1, 'REV')
+                     or redis.call('ZRANGE', queue, start, start + WAKE_PAGE - 1)
         if #page == 0 then
             return nil, false
         end
@@ -148,6 +165,27 @@ local function first_waiter(queue, wake, skip)
 end
 local function other_process_waits(queue, wake, channel)
     return first_waiter(queue, wake, channel) ~= nil
+end
+local function stand_by(record, how, skip, now, lease)
+    local queue, waiting, wake = record[1], record[2], record[3]
+    if how == 'wake' then
+        local told = redis.call('HGET', wake, STANDBY)
+        local cut = told and string.find(told, SEP, 1, true)
+        if cut then
+            local token = string.sub(told, 1, cut - 1)
+            local channel, at = string.match(string.sub(told, cut + 1), '^(.*)%z(%d+)$')
+            local deadline = tonumber(redis.call('ZSCORE', waiting, token))
+            if channel and channel ~= skip and now - tonumber(at) < lease / 2
+                    and deadline and deadline > now then
+                return token, nil
+            end
+        end
+    end
+    local token, channel = first_waiter(queue, wake, skip, how == 'wake')
+    if token and channel and how == 'wake' then
+        redis.call('HSET', wake, STANDBY, table.concat({token, channel, string.format('%d', now)}, SEP))
+    end
+    return token, channel
 end
 local function name_next(lock, counter, channel, record, how, reserve, skip)
     local queue, waiting, wake = record[1], record[2], record[3]
@@ -175,7 +213,7 @@ local function name_next(lock, counter, channel, record, how, reserve, skip)
                         'task_id', grant[7], 'task_name', grant[8], 'host', grant[6],
                         'pid', grant[5], 'acquired_at', string.format('%.3f', now / 1000),
                         'ttl', ttl}
-        standby, standby_target = first_waiter(queue, wake, target or '')
+        standby, standby_target = stand_by(record, how, target or '', now, grant_ms)
         if standby then  -- a waiter of another process: the named one's turn is bounded
             fields[#fields + 1], fields[#fields + 2] = 'waited', now
         end
