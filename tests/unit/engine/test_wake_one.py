@@ -370,6 +370,31 @@ def grant_seconds() -> float:
     return grant_ms(Redlock("any", nodes=["redis://127.0.0.1:1"], ttl=TTL).timing) / 1000
 
 
+@contextlib.contextmanager
+def waiting_processes(node, client, name: str, target: Any, count: int):
+    """``count`` spawned processes running ``target(node.url, name, results)``, each
+    recorded as a waiter of ``name`` (held by this process) before the next starts;
+    yields them and their results queue. They are resumed, joined and killed on exit."""
+    url, keys = node.url, lock_keys(name)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs: list[Any] = []
+    try:
+        for n in range(count):
+            proc = ctx.Process(target=target, args=(url, name, results))
+            proc.start()
+            procs.append(proc)
+            wait_for(lambda n=n: client.zcard(keys.queue) == n + 1, timeout=60, message="recorded")
+        yield procs, results
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
 def _waiter(url: str, name: str, results: Any) -> None:
     """Wait for ``name``; report when it was acquired and what this process received."""
     counts = count_waiting()
@@ -392,17 +417,9 @@ def test_a_waiter_killed_is_passed_over_by_the_release(redis_node):
     keys = lock_keys("died")
     holder = Redlock("died", nodes=[url], ttl=TTL)
     assert holder.acquire()
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = []
-    for n in range(3):
-        proc = ctx.Process(target=_waiter, args=(url, "died", results))
-        proc.start()
-        procs.append(proc)
-        wait_for(lambda n=n: client.zcard(keys.queue) == n + 1, timeout=60, message="recorded")
-    doomed = procs[0]
-    doomed_channel = process_channel(keys.channel, HOST, doomed.pid)
-    try:
+    with waiting_processes(redis_node, client, "died", _waiter, 3) as (procs, results):
+        doomed = procs[0]
+        doomed_channel = process_channel(keys.channel, HOST, doomed.pid)
         assert client.pubsub_numsub(doomed_channel)[0][1] == 1
         os.kill(doomed.pid, signal.SIGKILL)
         doomed.join(10)
@@ -412,12 +429,7 @@ def test_a_waiter_killed_is_passed_over_by_the_release(redis_node):
         released_at = time.monotonic()
         holder.release()
         served = sorted((results.get(timeout=30) for _ in procs[1:]), key=lambda r: r[1])
-    finally:
-        client.close()
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+    client.close()
     (_, first_at, first_seen), (_, second_at, second_seen) = served
     summary = f"first {first_seen} after {first_at - released_at:.2f}s, second {second_seen}"
     grant = grant_seconds()
@@ -455,19 +467,10 @@ def test_a_frozen_granted_waiter_keeps_the_lock_idle_for_the_grants_lease_only(r
     other with a larger fence, never at the same time. (An earlier design's grant lasted
     a whole lease, counted from a later request: two holders at once.)"""
     url, client = redis_node.url, redis_node.client()
-    keys = lock_keys("frozen")
     holder = Redlock("frozen", nodes=[url], ttl=TTL)
     assert holder.acquire()
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = []
-    for n in range(2):
-        proc = ctx.Process(target=_timed_waiter, args=(url, "frozen", results))
-        proc.start()
-        procs.append(proc)
-        wait_for(lambda n=n: client.zcard(keys.queue) == n + 1, timeout=60, message="recorded")
-    frozen, other = procs
-    try:
+    with waiting_processes(redis_node, client, "frozen", _timed_waiter, 2) as (procs, results):
+        frozen, other = procs
         os.kill(frozen.pid, signal.SIGSTOP)
         released_at = time.monotonic()
         holder.release()
@@ -480,14 +483,7 @@ def test_a_frozen_granted_waiter_keeps_the_lock_idle_for_the_grants_lease_only(r
         assert pid2 == frozen.pid
         assert fence2 > fence, "the resumed waiter's hold is a new acquisition"
         assert acquired2 >= done_at, "never two holders at once"
-    finally:
-        client.close()
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+    client.close()
 
 
 @pytest.mark.timeout(120)
@@ -503,18 +499,10 @@ def test_a_stand_by_told_at_an_earlier_grant_still_bounds_a_frozen_waiters_grant
     keys = lock_keys("standing")
     holder = Redlock("standing", nodes=[url], ttl=TTL)
     assert holder.acquire()
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = []
-    for n in range(3):
-        proc = ctx.Process(target=_timed_waiter, args=(url, "standing", results))
-        proc.start()
-        procs.append(proc)
-        wait_for(lambda n=n: client.zcard(keys.queue) == n + 1, timeout=60, message="recorded")
-    first, frozen, third = procs
     told = client.pubsub()
-    told.subscribe(*(process_channel(keys.channel, HOST, proc.pid) for proc in (frozen, third)))
-    try:
+    with waiting_processes(redis_node, client, "standing", _timed_waiter, 3) as (procs, results):
+        first, frozen, third = procs
+        told.subscribe(*(process_channel(keys.channel, HOST, p.pid) for p in (frozen, third)))
         holder.release()
         os.kill(frozen.pid, signal.SIGSTOP)  # before the first's 50 ms hold ends
         pid, fence, _, first_released = results.get(timeout=30)
@@ -537,12 +525,5 @@ def test_a_stand_by_told_at_an_earlier_grant_still_bounds_a_frozen_waiters_grant
         os.kill(frozen.pid, signal.SIGCONT)
         pid2, fence2, _, _ = results.get(timeout=30)
         assert pid2 == frozen.pid and fence2 > fence3 > fence
-    finally:
-        told.close()
-        client.close()
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+    told.close()
+    client.close()
