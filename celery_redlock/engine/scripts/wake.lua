@@ -95,10 +95,6 @@ local function forget(record, tokens)
     redis.call('ZREM', record[1], unpack(tokens))
     redis.call('ZREM', record[2], unpack(tokens))
     redis.call('HDEL', record[3], unpack(tokens))
-    -- A record whose waiters are all gone goes with them, stand-by field and all.
-    if redis.call('HLEN', record[3]) == 1 then
-        redis.call('HDEL', record[3], STANDBY)
-    end
 end
 local function leave(record, token)
     if redis.call('ZREM', record[2], token) == 1 then
@@ -168,9 +164,9 @@ local function other_process_waits(queue, wake, channel)
 end
 local function stand_by(record, how, skip, now, lease)
     local queue, waiting, wake = record[1], record[2], record[3]
-    if how == 'wake' then
-        local told = redis.call('HGET', wake, STANDBY)
-        local cut = told and string.find(told, SEP, 1, true)
+    local told = how == 'wake' and redis.call('HGET', wake, STANDBY)
+    if told then
+        local cut = string.find(told, SEP, 1, true)
         if cut then
             local token = string.sub(told, 1, cut - 1)
             local channel, at = string.match(string.sub(told, cut + 1), '^(.*)%z(%d+)$')
@@ -184,6 +180,10 @@ local function stand_by(record, how, skip, now, lease)
     local token, channel = first_waiter(queue, wake, skip, how == 'wake')
     if token and channel and how == 'wake' then
         redis.call('HSET', wake, STANDBY, table.concat({token, channel, string.format('%d', now)}, SEP))
+    elseif told then
+        -- Nobody of another process waits: the field goes, and with the last waiter
+        -- the record (one that leaves or lapses instead leaves it to the key's expiry).
+        redis.call('HDEL', wake, STANDBY)
     end
     return token, channel
 end

@@ -469,7 +469,7 @@ def test_a_waiter_cut_off_while_reading_costs_the_connection_not_the_waiters(
         client.close()
 
 
-def test_a_registration_that_never_waits_is_read_for_once_it_asks(redis_node, monkeypatch):
+def test_a_registration_that_never_waits_is_read_for_once_it_asks(redis_factory, monkeypatch):
     """After a waiter read the connection itself, the listener thread polls it again only
     when asked. A registration that never waits in ``wait()`` (a copy in the worker's
     timer, ``wakeups``) asks with ``watch()``, and the listener thread then reads the
@@ -478,12 +478,17 @@ def test_a_registration_that_never_waits_is_read_for_once_it_asks(redis_node, mo
     from celery_redlock.engine.waiting import Subscription, get_listener
     from celery_redlock.nodes import NodeSet
 
+    # A server, node and listener of the test's own, made after the sync interval is
+    # lengthened: a listener made before it (the worker's shared server's) may still be
+    # in a poll timed by the old interval, wake from it, and poll the connection again
+    # unasked (the full suite saw it).
+    monkeypatch.setattr(waiting, "LINGER", 60.0)
+    monkeypatch.setattr(waiting, "SYNC_INTERVAL", 60.0)
+    (redis_node,) = redis_factory(1)
     node = NodeSet.get([redis_node.url], timeout=1.0).nodes[0]
     listener = get_listener(node)
     client = redis_node.client()
     channel = "redlock:{timer}:released"
-    monkeypatch.setattr(waiting, "LINGER", 60.0)
-    monkeypatch.setattr(waiting, "SYNC_INTERVAL", 60.0)
     try:
         with Subscription((node,), channel, confirm_timeout=5) as first:
             assert first.confirmed()
