@@ -13,8 +13,9 @@ requester's token, arrival, process channel, and what a grant to it writes; see
 ``scripts/wake.lua``). Its release *grants* the lock to the oldest recorded waiter:
 it writes the lock in that waiter's name (a new fence, for the short lease
 :func:`grant_ms`) and publishes ``"TOKEN ATTEMPT FENCE ELAPSED"`` on that waiter's
-process channel, so one process hears it and its listener wakes that one waiter, which holds
-the lock without asking again (a fair lock's oldest waiter is the head of its queue).
+process channel, so one process hears it and its listener wakes that one waiter,
+which holds the lock without asking again (a fair lock's oldest waiter is the head of
+its queue).
 Before, every subscribed process heard every release and woke its
 own longest waiter: with N waiting processes about N script calls per acquisition
 (28.7 waiters woken per acquisition measured with 32 processes); and a named waiter's

@@ -42,11 +42,11 @@
 --          holds the lock without asking again, provided that attempt is still its
 --          last one, its lease counted from when it sent that attempt plus ELAPSED, the
 --          ms the node counted from recording that attempt to this grant (the node
---          recorded it after it was sent, so the waiter's count ends first). The lock hash's 'attempt' is ATTEMPT + 0.5: the undo of that
---          attempt (a split vote's) leaves the grant, the undo of a later attempt that
---          counted it removes it. Else the waiter is only named ("TOKEN": it tries);
---          'wake' forgets it, 'fair' keeps its place (only the head may take a free
---          lock).
+--          recorded it after it was sent, so the waiter's count ends first). The lock
+--          hash's 'attempt' is ATTEMPT + 0.5: the undo of that attempt (a split vote's)
+--          leaves the grant, the undo of a later attempt that counted it removes it.
+--          Else the waiter is only named ("TOKEN": it tries); 'wake' forgets it, 'fair'
+--          keeps its place (only the head may take a free lock).
 --          The grant's lease is the take-up bound of a named waiter: one that does
 --          not come (its process stopped, or died) keeps the lock idle that long, no
 --          longer. So that the lock then passes on, a recorded waiter of another
@@ -165,21 +165,17 @@ end
 local function stand_by(record, how, skip, now, lease)
     local queue, waiting, wake = record[1], record[2], record[3]
     local told = how == 'wake' and redis.call('HGET', wake, STANDBY)
-    if told then
-        local cut = string.find(told, SEP, 1, true)
-        if cut then
-            local token = string.sub(told, 1, cut - 1)
-            local channel, at = string.match(string.sub(told, cut + 1), '^(.*)%z(%d+)$')
-            local deadline = tonumber(redis.call('ZSCORE', waiting, token))
-            if channel and channel ~= skip and now - tonumber(at) < lease / 2
-                    and deadline and deadline > now then
-                return token, nil
-            end
+    local token, channel, at = string.match(told or '', '^(.-)%z(.*)%z(%d+)$')
+    if token and channel ~= skip and now - tonumber(at) < lease / 2 then
+        local deadline = tonumber(redis.call('ZSCORE', waiting, token))
+        if deadline and deadline > now then
+            return token, nil
         end
     end
-    local token, channel = first_waiter(queue, wake, skip, how == 'wake')
+    token, channel = first_waiter(queue, wake, skip, how == 'wake')
     if token and channel and how == 'wake' then
-        redis.call('HSET', wake, STANDBY, table.concat({token, channel, string.format('%d', now)}, SEP))
+        local entry = table.concat({token, channel, string.format('%d', now)}, SEP)
+        redis.call('HSET', wake, STANDBY, entry)
     elseif told then
         -- Nobody of another process waits: the field goes, and with the last waiter
         -- the record (one that leaves or lapses instead leaves it to the key's expiry).
