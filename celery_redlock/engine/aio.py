@@ -23,6 +23,10 @@ purpose:
 * **Release notifications** come from the process's listener thread (one pub/sub
   connection per node), which wakes the waiting task in its loop.
 
+The tasks of one loop that block on the same exclusive lock take turns
+(:mod:`.turns`): one at a time asks the nodes and holds it, the others wait in the
+loop without asking, where a thread would be handed the lock (:mod:`.handoff`).
+
 A loss is reported the same way: ``check()`` raises :class:`LockLost`, and
 ``on_lost`` (a function, or a coroutine function) is called in the holder's event
 loop. Plain masters only (``redis://``, ``rediss://``, ``unix://``): Sentinel and
@@ -50,6 +54,7 @@ from .lease import Lease, clock, renew_call
 from .lock import Redlock
 from .scripts import INSPECT
 from .timing import Timing
+from .turns import turns_of
 from .vote import Attempt
 from .waiting import LoopWakeup, Subscription, subscribed
 
@@ -140,6 +145,7 @@ class AsyncRedlock:
         self.names, self.name, self.quorum = sync.names, sync.name, sync.quorum
         self.mode, self.limit, self.fair = sync.mode, sync.limit, sync.fair
         self.task_name = task_name
+        self.local_key = sync.local_key  # its turns in the loop (:mod:`.turns`)
         self._core = Core(
             sync.kind,
             sync.timing,
@@ -168,6 +174,12 @@ class AsyncRedlock:
             return True
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
+        turns = turn = None
+        if blocking and self.kind.hands_over:
+            turns = turns_of(self.local_key)
+            turn = await turns.take(give_up)
+            if turn is None:
+                return False
         waiter = self.kind.new_waiter(blocking, len(self.nodeset))
         subscription: Subscription | None = None
         wakeup = LoopWakeup(asyncio.get_running_loop())
@@ -184,6 +196,8 @@ class AsyncRedlock:
                     attempt = await self._attempt(waiter)
                 if attempt is None:
                     acquired = settled = True
+                    if turn is not None:
+                        turn.lease = self._core.holds.lease()
                     if metrics.enabled:
                         metrics.acquired(self.task_name, clock() - started)
                     if subscription is not None and self.kind.admits_others:
@@ -208,14 +222,18 @@ class AsyncRedlock:
                     elif step is Step.SPLIT:
                         wakeup.clear()
         finally:
-            if not settled:
-                await _unless_cancelled(self._abandon(waiter))
-            if subscription is not None:
-                subscription.close()
-            if blocking and not acquired:
-                leave = self.kind.leave_call(waiter.token)
-                if leave is not None:
-                    await asyncio.shield(self.nodeset.call([leave]))
+            try:
+                if not settled:
+                    await _unless_cancelled(self._abandon(waiter))
+                if subscription is not None:
+                    subscription.close()
+                if blocking and not acquired:
+                    leave = self.kind.leave_call(waiter.token)
+                    if leave is not None:
+                        await asyncio.shield(self.nodeset.call([leave]))
+            finally:
+                if turns is not None and turn is not None and not acquired:
+                    turns.give_back(turn)  # after the leave: the next task's try follows it
 
     async def _subscribe(self, waiter: Waiter, wakeup: LoopWakeup) -> Subscription:
         """Listen for the lock's releases; wait (in the loop) until one node confirms."""
@@ -349,7 +367,11 @@ class AsyncRedlock:
             return
         lease = hold.lease
         lease.released = True
-        replies = await _unless_cancelled(self._unlock(lease.token))
+        try:
+            replies = await _unless_cancelled(self._unlock(lease.token))
+        finally:
+            if self.kind.hands_over:
+                turns_of(self.local_key).release(lease)
         report_release(self._core, lease, replies)
 
     async def extend(self) -> float:

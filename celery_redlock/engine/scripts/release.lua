@@ -26,8 +26,8 @@
 --                      deleted only if no later attempt of the token wrote or claimed
 --                      it (its field 'attempt' is at most this one), so an undo that
 --                      arrives late, behind the next attempt, cannot delete what that
---                      attempt counts; and the token keeps its place in the record (it
---                      tries again)
+--                      attempt counts; the token keeps its place in the record (it
+--                      tries again), and the next waiter is named, not granted the lock
 --
 -- With a record, the token also leaves it (unless an undo: a Redlock holder this node
 -- refused stays recorded here); a grant to it here (made by this node while it won on
@@ -92,7 +92,13 @@ for i = 1, n do
     elseif fields[1] == token then
         redis.call('DEL', lock)
         local skip = held.yield and channel ~= nil and channel ~= '' and channel
-        local named = name_after(lock, math.floor((tonumber(held.ttl) or 0) / 3), skip)
+        -- An undo names the next waiter but grants it nothing: the split vote's other
+        -- voters are the waiters it would name, and each undo would hand its node to the
+        -- other (two voters on two nodes swapped theirs at every retry, with the third
+        -- node slow: no acquisition for seconds). Free, the node goes to the first to
+        -- come back after its random pause.
+        local cap = undo and 0 or math.floor((tonumber(held.ttl) or 0) / 3)
+        local named = name_after(lock, cap, skip)
         if held.yield and held.host and held.pid and redis.call('EXISTS', lock) == 0 then
             redis.call('HSET', lock, 'token', YIELD_MARK, 'host', held.host, 'pid', held.pid,
                        'fence', held.fence or '0', 'ttl', held.yield)

@@ -450,8 +450,9 @@ def test_a_waiter_cancelled_while_subscribing_leaves_no_registration(redis_node,
     client = redis_node.client()
 
     async def scenario():
-        holder = AsyncRedlock("subscribing", nodes=[url], ttl=30)
-        await holder.acquire()
+        # Held outside the loop: a task of the loop would wait for its turn instead.
+        holder = Redlock("subscribing", nodes=[url], ttl=30)
+        assert holder.acquire()
         slow = AsyncRedlock("subscribing", nodes=[url], node_timeout=2.0)
         with monkeypatch.context() as patch:
             patch.setattr(waiting.Subscription, "confirmed", lambda self: False)
@@ -470,7 +471,7 @@ def test_a_waiter_cancelled_while_subscribing_leaves_no_registration(redis_node,
         waiting_task = asyncio.ensure_future(wait_then_release())
         await asyncio.sleep(0.2)  # the scenario: the second waiter is waiting
         started = time.monotonic()
-        await holder.release()
+        holder.release()
         assert await waiting_task
         assert time.monotonic() - started < 5.0, "woken by the release"
 
@@ -570,21 +571,25 @@ def test_a_waiter_whose_process_still_listens_asks_once_before_waiting(redis_nod
     by the wait, not by a second attempt after subscribing (as the threaded driver)."""
     url = redis_node.url
 
+    held, let_go = threading.Event(), threading.Event()
+
+    async def hold() -> None:  # a hold is its task's: the same task releases it
+        lock = AsyncRedlock("job", nodes=[url])
+        assert await lock.acquire(timeout=20)
+        held.set()
+        await asyncio.to_thread(let_go.wait, 20)
+        await lock.release()
+
     async def scenario():
         lock = AsyncRedlock("job", nodes=[url])
-        held, let_go = asyncio.Event(), asyncio.Event()
-
-        async def hold() -> None:  # a hold is its task's: the same task releases it
-            assert await lock.acquire(timeout=20)
-            held.set()
-            await let_go.wait()
-            await lock.release()
-
         assert await lock.acquire()
-        first = asyncio.ensure_future(hold())  # waits, and subscribes
+        # The first waiter runs in a loop of its own: the tasks of one loop take turns
+        # and the second would wait for its turn, asking nothing.
+        first = threading.Thread(target=run, args=(hold(),))
+        first.start()  # waits, and subscribes
         await asyncio.sleep(0.2)
         await lock.release()
-        await asyncio.wait_for(held.wait(), 10)
+        assert await asyncio.to_thread(held.wait, 10)
         # The first task holds a grant, whose short lease the renewer extends meanwhile:
         # its script loaded now, so that each renewal is one EVALSHA (not NOSCRIPT + one).
         redis_node.client().script_load(RENEW_MANY.source)
@@ -606,7 +611,7 @@ def test_a_waiter_whose_process_still_listens_asks_once_before_waiting(redis_nod
         assert attempts == 1, "asked again after subscribing"
         assert not second.done()
         let_go.set()
-        await asyncio.wait_for(first, 10)
+        await asyncio.to_thread(first.join, 10)
         assert await asyncio.wait_for(second, 10)
 
     run(scenario())

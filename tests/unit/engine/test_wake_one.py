@@ -214,6 +214,19 @@ def test_a_grant_is_counted_by_the_waiters_next_attempt_and_left_by_an_earlier_u
     assert not client.exists(KEYS.lock)
 
 
+def test_a_split_votes_undo_names_the_next_waiter_and_grants_it_nothing(listening):
+    """The waiter an undo would name is usually the split vote's other voter, undoing
+    its own node meanwhile: granted each other's node, two voters on two nodes swapped
+    them at every retry (one node of three slow, CI: no acquisition for seconds). The
+    lock is left free, for the first to come back."""
+    client, pubsub = listening
+    attempt(client, "w1", "proc:1")  # won here, lost elsewhere
+    attempt(client, "w2", "proc:2", pid=2)  # refused here: recorded
+    assert undo(client, "w1", 1) == 1
+    assert messages(pubsub) == [("proc:2", "w2")], "named: it tries"
+    assert not client.exists(KEYS.lock), "free, granted to nobody"
+
+
 def test_a_granted_waiter_that_leaves_passes_the_lock_on(listening):
     """A granted waiter giving up (timeout, exception) releases the grant and the next
     waiter is granted it, so the lock is not kept for nobody; so does a release by the
