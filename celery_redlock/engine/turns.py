@@ -17,7 +17,11 @@ with the lease: the next task then asks the nodes, as it would without turns. A 
 for the turn counts against the acquisition's own timeout.
 
 Tries (``blocking=False``, ``try_acquire``) take no turn: they ask the nodes at once,
-and are refused while a task of the loop holds the lock, as any other caller is.
+and are refused while a task of the loop holds the lock, as any other caller is. Nor do
+the locks that are not handed over between threads (:attr:`.kinds.Kind.hands_over`):
+a fair lock's order is its queue on the nodes, where each waiting task keeps a place of
+its own (a turn would queue the loop's next task there only when its turn came, behind
+later arrivals of other processes), and shared holders do not exclude each other.
 """
 
 from __future__ import annotations
