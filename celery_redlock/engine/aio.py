@@ -168,18 +168,31 @@ class AsyncRedlock:
         As :meth:`Redlock.acquire`: a blocking call waits for the holder's release
         notification (or the end of its lease), and :class:`NodeUnavailable` is
         raised when too many nodes fail for any quorum. Cancelling it undoes
-        whatever the nodes granted.
+        whatever the nodes granted. A blocking call on an exclusive lock first waits
+        for its turn among the loop's tasks (:mod:`.turns`), within ``timeout``.
         """
         if await self._reenter():
             return True
         started = clock()
         give_up = None if timeout is None or not blocking else started + timeout
-        turns = turn = None
-        if blocking and self.kind.hands_over:
-            turns = turns_of(self.local_key)
-            turn = await turns.take(give_up)
-            if turn is None:
-                return False
+        if not (blocking and self.kind.hands_over):
+            return await self._acquire(blocking, started, give_up)
+        turns = turns_of(self.local_key)
+        turn = await turns.take(give_up)
+        if turn is None:
+            return False
+        acquired = False
+        try:
+            acquired = await self._acquire(blocking, started, give_up)
+        finally:
+            if acquired:
+                turn.lease = self._core.holds.lease()
+            else:
+                turns.give_back(turn)  # after the leave: the next task's try follows it
+        return acquired
+
+    async def _acquire(self, blocking: bool, started: float, give_up: float | None) -> bool:
+        """:meth:`acquire`'s attempts and waits, once it is this task's turn."""
         waiter = self.kind.new_waiter(blocking, len(self.nodeset))
         subscription: Subscription | None = None
         wakeup = LoopWakeup(asyncio.get_running_loop())
@@ -196,8 +209,6 @@ class AsyncRedlock:
                     attempt = await self._attempt(waiter)
                 if attempt is None:
                     acquired = settled = True
-                    if turn is not None:
-                        turn.lease = self._core.holds.lease()
                     if metrics.enabled:
                         metrics.acquired(self.task_name, clock() - started)
                     if subscription is not None and self.kind.admits_others:
@@ -222,18 +233,14 @@ class AsyncRedlock:
                     elif step is Step.SPLIT:
                         wakeup.clear()
         finally:
-            try:
-                if not settled:
-                    await _unless_cancelled(self._abandon(waiter))
-                if subscription is not None:
-                    subscription.close()
-                if blocking and not acquired:
-                    leave = self.kind.leave_call(waiter.token)
-                    if leave is not None:
-                        await asyncio.shield(self.nodeset.call([leave]))
-            finally:
-                if turns is not None and turn is not None and not acquired:
-                    turns.give_back(turn)  # after the leave: the next task's try follows it
+            if not settled:
+                await _unless_cancelled(self._abandon(waiter))
+            if subscription is not None:
+                subscription.close()
+            if blocking and not acquired:
+                leave = self.kind.leave_call(waiter.token)
+                if leave is not None:
+                    await asyncio.shield(self.nodeset.call([leave]))
 
     async def _subscribe(self, waiter: Waiter, wakeup: LoopWakeup) -> Subscription:
         """Listen for the lock's releases; wait (in the loop) until one node confirms."""

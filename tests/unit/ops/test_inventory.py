@@ -9,6 +9,7 @@ from celery_redlock.engine import keys as redis_keys
 from celery_redlock.engine.keys import is_lock_key
 from celery_redlock.nodes import NodeSet
 from celery_redlock.ops.inventory import LockView, NodeView, read_locks, release_lock, resolve_key
+from tests.harness import wait_for
 
 
 def test_lock_view_picks_the_majority_token_and_its_quorum_ttl():
@@ -62,6 +63,8 @@ def test_release_lock_deletes_only_the_token_it_read(redis_factory):
     nodeset = NodeSet(urls, timeout=1.0)
     lock = Redlock("r", nodes=urls, ttl=30, auto_renew=False)
     assert lock.acquire(blocking=False)
+    # The vote returns once a quorum granted it: the third node's grant may be on its way.
+    wait_for(lambda: read_locks(nodeset, ["redlock:{r}"], "redlock:")[0].held_on == 3, timeout=5)
     (view,) = read_locks(nodeset, ["redlock:{r}"], "redlock:")
     assert view.token == lock.lease.token and view.held_on == 3
     with servers[1].client() as conn:  # node 1 now holds someone else's token
