@@ -27,6 +27,7 @@ later arrivals of other processes), and shared holders do not exclude each other
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING
@@ -66,34 +67,50 @@ class Turns:
         self.waiting: deque[asyncio.Future[Turn]] = deque()
 
     async def take(self, give_up: float | None) -> Turn | None:
-        """Wait for the turn, oldest waiter first; None once ``give_up`` (local clock) passed."""
-        while self.current is not None and (left := self.current.left()) != 0.0:
-            wait = None if give_up is None else give_up - clock()
-            if left is not None:
-                wait = left if wait is None else min(wait, left)  # then look again
-            if wait is not None and wait <= 0:
-                return None
-            handed: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
-            self.waiting.append(handed)
-            try:
+        """Wait for the turn, oldest waiter first; None once ``give_up`` (local clock) passed.
+
+        A waiter keeps its place until it is handed the turn, gives up, or finds the
+        current holder's lease over (then it takes the turn, and that holder's late
+        release finds it no longer its own).
+        """
+        if self._free():
+            self.current = Turn()
+            return self.current
+        handed: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
+        self.waiting.append(handed)
+        try:
+            while not handed.done() and not self._free():
+                wait = None if give_up is None else give_up - clock()
+                left = None if self.current is None else self.current.left()
+                if left is not None:
+                    wait = left if wait is None else min(wait, left)  # then look again
+                if wait is not None and wait <= 0:
+                    break
                 # Not wait_for: before Python 3.12 it could return a result that came
                 # with a cancellation and drop the cancellation.
                 await asyncio.wait((handed,), timeout=wait)
-            except BaseException:
-                if handed.done() and not handed.cancelled():
-                    self.give_back(handed.result())  # handed to us as we were cancelled
-                else:
-                    handed.cancel()
-                raise
+        except BaseException:
             if handed.done() and not handed.cancelled():
-                return handed.result()
-            handed.cancel()  # timed out: the holder may have handed it on meanwhile
-            if handed in self.waiting:
-                self.waiting.remove(handed)
-        # Free, or its holder's lease is over (never released): ours; the old holder's
-        # release will find the turn no longer its own.
+                self.give_back(handed.result())  # handed to us as we were cancelled
+            else:
+                self._leave(handed)
+            raise
+        if handed.done():
+            return handed.result()
+        self._leave(handed)
+        if not self._free():
+            return None  # gave up
         self.current = Turn()
         return self.current
+
+    def _free(self) -> bool:
+        """Nobody's turn, or its holder's lease is over (a hold never released)."""
+        return self.current is None or self.current.left() == 0.0
+
+    def _leave(self, handed: asyncio.Future[Turn]) -> None:
+        handed.cancel()
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(handed)
 
     def give_back(self, turn: Turn) -> None:
         """End ``turn`` (released, or its acquisition gave up): the oldest waiter's now."""

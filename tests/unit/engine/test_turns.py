@@ -69,6 +69,7 @@ def test_a_wait_for_the_turn_counts_against_the_timeout_and_asks_nothing(redis_n
         started = time.monotonic()
         assert await waiter.acquire(timeout=0.3) is False
         assert 0.25 < time.monotonic() - started < 5
+        assert not turns_of(holder.local_key).waiting, "the timed-out waiter left its place"
         assert await waiter.acquire(blocking=False) is False, "a try asks the nodes"
         await holder.release()
         assert await waiter.acquire(timeout=5)
@@ -135,15 +136,17 @@ class _Lease:
 
 
 def test_turns_serve_the_oldest_waiter_and_forget_an_idle_lock():
-    """Pure logic: FIFO handing, a stale holder's release changes nothing, and a lock
-    with no turn and no waiter leaves the loop's table."""
+    """Pure logic: FIFO handing (across the holder's renewals), a stale holder's release
+    changes nothing, and a lock with no turn and no waiter leaves the loop's table."""
 
     async def scenario() -> None:
         key = (("redis://x",), ("k",))
         turns = turns_of(key)
         first = await turns.take(None)
         assert first is not None
-        first.lease = _Lease(30.0)  # type: ignore[assignment]
+        # A lease the watchdog keeps renewing: the waiters look again every 5 ms and
+        # keep their places.
+        first.lease = _Lease(0.005)  # type: ignore[assignment]
         order: list[int] = []
 
         async def take(n: int) -> None:
@@ -156,8 +159,8 @@ def test_turns_serve_the_oldest_waiter_and_forget_an_idle_lock():
         while len(turns.waiting) < 3:
             await asyncio.sleep(0)
         turns.release(_Lease(1.0))  # type: ignore[arg-type]  # not the current hold's
-        await asyncio.sleep(0.01)
-        assert order == []
+        await asyncio.sleep(0.05)
+        assert order == [] and len(turns.waiting) == 3
         turns.release(first.lease)  # type: ignore[arg-type]
         await asyncio.gather(*tasks)
         assert order == [0, 1, 2]
