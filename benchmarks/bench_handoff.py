@@ -147,6 +147,31 @@ def measure_processes(
     return samples
 
 
+def round_trips(url: str, rng: random.Random, count: int = 40) -> dict[str, float]:
+    """PING round trips, p50 in µs: after an idle gap like the one before each release
+    (*cold*: the server and this thread wake from idle) and back to back (*warm*).
+
+    The floor under every lock's handoff here: a release is at least one cold round
+    trip.
+    """
+    client = redis.Redis.from_url(url)
+    client.ping()
+    cold, warm = [], []
+    for _ in range(count):
+        time.sleep(rng.uniform(0.02, 0.12))
+        started = time.perf_counter_ns()
+        client.ping()
+        cold.append((time.perf_counter_ns() - started) / 1000)
+        started = time.perf_counter_ns()
+        client.ping()
+        warm.append((time.perf_counter_ns() - started) / 1000)
+    client.close()
+    return {
+        "cold_p50": round(statistics.median(cold), 1),
+        "warm_p50": round(statistics.median(warm), 1),
+    }
+
+
 def p99(values: list[float]) -> float:
     values = sorted(values)
     return values[max(0, int(len(values) * 0.99) - 1)]
@@ -195,6 +220,7 @@ def main() -> None:
                 proc.join(5)
                 if proc.is_alive():
                     proc.kill()
+        ping_us = round_trips(server.url, rng)
         version = server.version
     rows = {
         label: {
@@ -216,6 +242,7 @@ def main() -> None:
         "handoffs_per_lock": per_run * args.runs,
         "runs": args.runs,
         "hold_before_release_s": [0.02, 0.12],
+        "ping_round_trip_us": ping_us,
         "results": rows,
         "targets": {
             "celery_redlock p50 ms (<= 2)": round(ours / 1000, 3),
