@@ -54,7 +54,7 @@ from .lease import Lease, clock, renew_call
 from .lock import Redlock
 from .scripts import INSPECT
 from .timing import Timing
-from .turns import turns_of
+from .turns import release_turn, turns_of
 from .vote import Attempt
 from .waiting import LoopWakeup, Subscription, subscribed
 
@@ -377,8 +377,7 @@ class AsyncRedlock:
         try:
             replies = await _unless_cancelled(self._unlock(lease.token))
         finally:
-            if self.kind.hands_over:
-                turns_of(self.local_key).release(lease)
+            release_turn(self.local_key, lease)
         report_release(self._core, lease, replies)
 
     async def extend(self) -> float:

@@ -37,7 +37,7 @@ from .lease import clock
 if TYPE_CHECKING:
     from .lease import Lease
 
-__all__ = ["Turn", "Turns", "turns_of"]
+__all__ = ["Turn", "Turns", "release_turn", "turns_of"]
 
 _Key = tuple[tuple[str, ...], tuple[str, ...]]
 
@@ -145,3 +145,15 @@ def turns_of(key: _Key) -> Turns:
     if turns is None:
         turns = loop_turns[key] = Turns(loop_turns, key)
     return turns
+
+
+def release_turn(key: _Key, lease: Lease) -> None:
+    """The hold of lock ``key`` under ``lease`` was released: its turn, if any, passes on.
+
+    Looked up, never made: a hold taken by a try has no turn, and a table entry made for
+    each such release would stay (one per key a loop ever tried).
+    """
+    loop_turns = _turns.get(asyncio.get_running_loop())
+    turns = None if loop_turns is None else loop_turns.get(key)
+    if turns is not None:
+        turns.release(lease)

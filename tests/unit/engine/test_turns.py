@@ -13,6 +13,7 @@ import asyncio
 import time
 
 from celery_redlock import AsyncRedlock
+from celery_redlock.engine import turns as turns_module
 from celery_redlock.engine.lease import clock
 from celery_redlock.engine.turns import Turns, turns_of
 
@@ -184,3 +185,17 @@ def test_a_turn_whose_lease_is_over_is_taken_at_once():
         assert turns.current is fresh
 
     run(scenario())
+
+
+def test_tries_leave_no_turns_behind(redis_node):
+    """A hold taken by a try has no turn; its release makes no entry in the loop's table
+    (one per key a loop ever tried would stay)."""
+
+    async def scenario() -> int:
+        for n in range(20):
+            lock = AsyncRedlock(f"tried:{n}", nodes=[redis_node.url])
+            assert await lock.acquire(blocking=False)
+            await lock.release()
+        return len(turns_module._turns.get(asyncio.get_running_loop(), {}))
+
+    assert run(scenario()) == 0
