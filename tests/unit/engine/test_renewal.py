@@ -103,6 +103,37 @@ def test_blackholed_node_is_a_loss_before_the_local_deadline(redis_node, fault_p
     assert lost_at[0] < lock.lease.deadline
 
 
+def test_no_renewal_call_runs_past_the_give_up_time(redis_node, fault_proxy):
+    """Retried renewals of a blackholed node are each given a budget that ends by the
+    lease's give-up time: the loss is then declared there, the whole margin before the
+    deadline. A budget that ran past it declared it up to a node timeout later, and a
+    stall of the loaded CI machine took the rest (reported 0.17 s after the deadline,
+    ``tests/reliability/test_partition.py``)."""
+    proxy = fault_proxy(redis_node)
+    lost_at = []
+    lock = Redlock("job", nodes=[proxy.url], ttl=1.5, on_lost=lambda exc: lost_at.append(clock()))
+    assert lock.acquire()
+    calls = []
+    real = lock.nodeset.call
+
+    def recorded(*args, **kwargs):
+        if threading.current_thread().name == "celery_redlock-renewer":
+            calls.append((clock(), kwargs.get("timeout")))
+        return real(*args, **kwargs)
+
+    lock.nodeset.call = recorded
+    try:
+        proxy.blackhole()
+        wait_for(lambda: lost_at, timeout=10)
+    finally:
+        del lock.nodeset.call
+    give_up_at = lock.lease.give_up_at
+    assert calls, "the renewer retried"
+    late = [(at, timeout) for at, timeout in calls if at + timeout > give_up_at + 0.01]
+    assert not late, f"renewal budgets past the give-up time {give_up_at:.3f}: {late}"
+    assert lost_at[0] < lock.lease.deadline
+
+
 def test_a_minority_failing_does_not_lose_the_lock(redis_factory):
     """Renewal needs a quorum, not every node."""
     servers = redis_factory(3)
