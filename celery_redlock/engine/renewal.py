@@ -62,6 +62,7 @@ logger = logging.getLogger("celery_redlock.renewal")
 LATE_HOOKS: list[Callable[[Sequence[Lease], float], None]] = []
 
 _nodeset = operator.attrgetter("nodeset")
+_give_up_at = operator.attrgetter("give_up_at")
 
 #: Extra time allowed per additional chunk in one tick: a chunk's renewals take ~3-6 ms
 #: of server time on a 2-core machine; 20 ms leaves room for a busy server.
@@ -334,7 +335,7 @@ class Renewer:
         # it declared the loss that much nearer the deadline than the margin means (a
         # stall of the loaded CI machine then ate the rest: reported after the deadline).
         budget = nodeset.timeout + CHUNK_BUDGET * (len(calls) - 1)
-        budget = min(budget, max(MIN_BUDGET, min(lease.give_up_at for lease in leases) - sent_at))
+        budget = min(budget, max(MIN_BUDGET, min(map(_give_up_at, leases)) - sent_at))
         replies = nodeset.call(calls, timeout=budget)
         self.calls += len(calls) * sum(1 for r in replies if r is not None)
         # Judged now, when the replies are read: a pause between sending and reading
